@@ -1,0 +1,41 @@
+# The two commands a new user needs: `make demo` (the main job) and `make test` (lint + suite).
+# Each creates .venv and installs pinned packages on first use; later runs reuse them.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint venv redis tools clean
+
+demo: $(STAMP)
+	$(BIN)/slotserve demo
+
+test: $(STAMP) redis tools lint
+	$(BIN)/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "slotserve needs Python 3.11 or newer (found $$($(PYTHON) --version))"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# compat mode: a .pth with the checkout root, so engine/, gateway/, operator/ import as
+	# slotserve.engine, ... without a setuptools import hook.
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[engine,gateway,operator,dev]' \
+		--config-settings editable_mode=compat
+	touch $(STAMP)
+
+redis:
+	@scripts/ensure-redis.sh
+
+tools: $(STAMP)
+	@scripts/ensure-tools.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

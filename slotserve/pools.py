@@ -1,0 +1,60 @@
+"""The batching and admission policy of one pool: shared by the CRD, the gateway and the engine.
+
+Field names are camelCase on the wire (CRD, YAML config) and snake_case in Python.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+BatchingPolicy = Literal["static", "dynamic", "continuous"]
+
+
+class WireModel(BaseModel):
+    """Base for boundary models: camelCase aliases, unknown fields rejected."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class BatchingSpec(WireModel):
+    """How an engine groups sequences into steps (Triton's names where they exist)."""
+
+    policy: BatchingPolicy = Field(
+        "continuous", description="static | dynamic | continuous (default)."
+    )
+    max_batch_size: int = Field(
+        32, ge=1, le=1024, description="Sequences per engine step: the slots of one replica."
+    )
+    max_queue_delay_microseconds: int = Field(
+        100,
+        ge=0,
+        le=60_000_000,
+        description="Longest a waiting request is held back to let a batch fill (dynamic policy).",
+    )
+    preferred_batch_sizes: list[int] = Field(
+        default_factory=list,
+        description="Batch sizes the dynamic policy prefers, each at most maxBatchSize.",
+    )
+    max_batched_tokens: int = Field(
+        2048, ge=16, le=1_048_576, description="Per-step token budget (chunked prefill)."
+    )
+
+    @model_validator(mode="after")
+    def _preferred_sizes_fit(self) -> BatchingSpec:
+        if any(size < 1 or size > self.max_batch_size for size in self.preferred_batch_sizes):
+            raise ValueError("every preferredBatchSizes entry must be between 1 and maxBatchSize")
+        return self
+
+
+class AdmissionSpec(WireModel):
+    """Limits the gateway holds across all of its replicas."""
+
+    max_queue_size: int = Field(
+        256, ge=0, le=1_000_000, description="Requests that may wait; beyond, 429 at once."
+    )
+    queue_timeout_seconds: float = Field(
+        30, gt=0, le=3600, description="Longest a request waits for a slot; beyond, 503."
+    )

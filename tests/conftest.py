@@ -1,0 +1,44 @@
+"""Fixtures shared by every suite. Part-specific fixtures live in tests/<part>/conftest.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support import RedisServer
+
+from slotserve.settings import CommonSettings
+
+
+@pytest.fixture(scope="session")
+def slotserve_home() -> Path:
+    """The real cache folder, so the demo model is pulled once per machine, not per run."""
+    return CommonSettings().home
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(slotserve_home: Path) -> Path:
+    """The real SmolLM2-135M-Instruct as a Hugging Face folder (pulled on first use)."""
+    from slotserve.models.pull import pull_model
+
+    return pull_model("smollm2", home=slotserve_home, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A randomly initialised 2-layer Llama (hidden 64) with SmolLM2's tokenizer and template."""
+    from slotserve.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir=smollm2_dir)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh redis-server on a free port, stopped after the test."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
