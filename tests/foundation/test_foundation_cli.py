@@ -1,0 +1,100 @@
+"""The command-line tool, settings precedence and the packaging layout."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from slotserve.cli import SUBCOMMANDS, main
+from slotserve.models.generate import GenerateSettings
+from slotserve.settings import settings_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        assert name in out
+
+
+def test_unknown_subcommand_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLOTSERVE_GENERATE_MAX_TOKENS", "7")
+    monkeypatch.setenv("SLOTSERVE_GENERATE_TEMPERATURE", "0.5")
+    args = argparse.Namespace(max_tokens=None, temperature=0.9, prompt="ignored")
+    settings = settings_from_args(GenerateSettings, args)
+    assert settings.max_tokens == 7  # from env: the flag was not given
+    assert settings.temperature == 0.9  # the flag wins over env
+
+
+def test_stdlib_operator_is_not_shadowed_from_the_checkout_root() -> None:
+    assert not (ROOT / "operator" / "__init__.py").exists()
+    proc = subprocess.run(
+        [sys.executable, "-c", "import operator, numpy; print(operator.__file__)"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "site-packages" not in proc.stdout
+    assert proc.stdout.strip().endswith("operator.py")
+    assert str(ROOT / "operator") not in proc.stdout
+
+
+def test_parts_import_under_the_slotserve_namespace() -> None:
+    import slotserve.engine
+    import slotserve.gateway
+
+    assert Path(slotserve.engine.__file__).parent == ROOT / "engine"
+    assert Path(slotserve.gateway.__file__).parent == ROOT / "gateway"
+
+
+def test_wheel_maps_folders_under_slotserve(tmp_path: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=240,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("slotserve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "slotserve/engine/__init__.py" in names
+    assert "slotserve/gateway/__init__.py" in names
+    assert not any(n.startswith(("operator/", "engine/", "gateway/")) for n in names)
+
+
+def test_console_script_runs() -> None:
+    proc = subprocess.run(
+        [str(BIN / "slotserve"), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+        check=True,
+    )
+    assert proc.stdout.strip() == "0.1.0"

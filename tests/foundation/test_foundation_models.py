@@ -1,0 +1,95 @@
+"""The demo model pull, model resolution, tiny models and `slotserve generate`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from slotserve.models.pull import COMPLETE_MARKER, ModelPullError, pull_model
+from slotserve.models.resolve import ModelNotFoundError, resolve_model
+from slotserve.models.tiny import build_tiny_model
+
+BIN = Path(sys.executable).parent
+
+
+def test_pulled_smollm2_is_a_plain_hugging_face_folder(smollm2_dir: Path) -> None:
+    for name in ("config.json", "model.safetensors", "tokenizer.json", COMPLETE_MARKER):
+        assert (smollm2_dir / name).is_file(), name
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    assert tokenizer.chat_template, "the chat template must survive the conversion"
+
+
+def test_second_pull_is_a_noop(smollm2_dir: Path, slotserve_home: Path) -> None:
+    before = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
+    started = time.monotonic()
+    proc = subprocess.run(
+        [str(BIN / "slotserve"), "model", "pull", "smollm2", "--home", str(slotserve_home)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert proc.stdout.strip() == str(smollm2_dir)
+    assert time.monotonic() - started < 30
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_unknown_model_name_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelPullError, match="unknown model 'gpt-5'"):
+        pull_model("gpt-5", home=tmp_path)
+
+
+def test_resolve_accepts_local_folders_and_rejects_bad_sources(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    assert resolve_model(str(tiny_model_dir)) == str(tiny_model_dir.resolve())
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    with pytest.raises(ModelNotFoundError, match=r"no config\.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="not a known name"):
+        resolve_model(str(tmp_path / "missing"))
+
+
+def test_tiny_model_is_deterministic_and_small(tmp_path: Path, smollm2_dir: Path) -> None:
+    first = build_tiny_model(tmp_path / "a", tokenizer_dir=smollm2_dir, seed=3)
+    second = build_tiny_model(tmp_path / "b", tokenizer_dir=smollm2_dir, seed=3)
+    outputs = []
+    for folder in (first, second):
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 64
+        ids = torch.tensor([[1, 2, 3, 4]])
+        outputs.append(model.generate(ids, max_new_tokens=8, do_sample=False)[0].tolist())
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.slow
+def test_generate_answers_with_the_real_model(smollm2_dir: Path, slotserve_home: Path) -> None:
+    proc = subprocess.run(
+        [str(BIN / "slotserve"), "generate", "What is the capital of France?"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={"SLOTSERVE_HOME": str(slotserve_home), "PATH": str(BIN)},
+        check=True,
+    )
+    assert "Paris" in proc.stdout
+
+
+def test_generate_rejects_bad_flags() -> None:
+    proc = subprocess.run(
+        [str(BIN / "slotserve"), "generate", "hi", "--temperature", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "temperature" in proc.stderr
