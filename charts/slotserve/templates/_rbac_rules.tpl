@@ -1,0 +1,67 @@
+{{/*
+The operator's permissions: exactly slotserve.operator.rbac.REQUIRED_RULES (a chart test
+compares them and fails on any difference; update both together).
+*/}}
+{{- define "slotserve.operator.rules" -}}
+- apiGroups: ["slotserve.dev"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["slotserve.dev"]
+  resources: ["inferencepools/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings", "clusterkopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
+
+{{/* Resources that are cluster-scoped: a namespaced Role cannot grant them. */}}
+{{- define "slotserve.clusterScopedResources" -}}
+["customresourcedefinitions", "namespaces", "clusterkopfpeerings", "nodes", "clusterroles", "clusterrolebindings", "persistentvolumes", "storageclasses"]
+{{- end }}
+
+{{/*
+The operator's rules split by scope: (dict "root" . "scope" "cluster"|"namespaced") renders the
+rules (as a YAML list) whose resources have that scope; a rule mixing both is split in two.
+*/}}
+{{- define "slotserve.operator.scopedRules" -}}
+{{- $clusterScoped := include "slotserve.clusterScopedResources" .root | fromJsonArray }}
+{{- $rules := list }}
+{{- range $rule := include "slotserve.operator.rules" .root | fromYamlArray }}
+{{- $picked := list }}
+{{- range $resource := $rule.resources }}
+{{- $isCluster := has $resource $clusterScoped }}
+{{- if or (and $isCluster (eq $.scope "cluster")) (and (not $isCluster) (eq $.scope "namespaced")) }}
+{{- $picked = append $picked $resource }}
+{{- end }}
+{{- end }}
+{{- if $picked }}
+{{- $rules = append $rules (dict "apiGroups" $rule.apiGroups "resources" $picked "verbs" $rule.verbs) }}
+{{- end }}
+{{- end }}
+{{- toYaml $rules }}
+{{- end }}
+
+{{/* The gateway only reads InferencePools (model name, batching, admission, status.endpoints). */}}
+{{- define "slotserve.gateway.rules" -}}
+- apiGroups: ["slotserve.dev"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch"]
+{{- end }}
