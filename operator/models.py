@@ -1,0 +1,293 @@
+"""The InferencePool custom resource as pydantic models: spec, status, and the parsed object.
+
+These models are the single source of truth: ``slotserve.operator.crd`` generates the CRD's
+openAPIV3Schema from them, the operator validates every object it reconciles with them, and the
+gateway reads ``spec.model.name``, ``spec.batching``, ``spec.admission`` and ``status.endpoints``.
+
+Rules that the API server checks with CEL (``x-kubernetes-validations``) are mirrored here as
+pydantic validators, so the operator rejects the same objects on clusters (or emulators) that do
+not evaluate CEL.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field, StringConstraints, WithJsonSchema, model_validator
+
+from slotserve.pools import AdmissionSpec, BatchingSpec, WireModel
+
+GROUP = "slotserve.dev"
+VERSION = "v1alpha1"
+KIND = "InferencePool"
+PLURAL = "inferencepools"
+SINGULAR = "inferencepool"
+SHORT_NAMES = ["ipool"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Models baked into the engine image (``slotserve model pull`` at image build time).
+BuiltinModel = Literal["smollm2"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+# Kubernetes' own Quantity pattern (what controller-gen emits for resource.Quantity).
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+_QUANTITY_RE = re.compile(QUANTITY_PATTERN)
+Quantity = Annotated[
+    int | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)],
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def _cel(rule: str, message: str) -> dict[str, Any]:
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+
+
+class SecretKeyRef(WireModel):
+    """A key of a Secret in the pool's namespace."""
+
+    name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="The Secret's name.")
+    key: str = Field("token", min_length=1, max_length=253, description="The key in the Secret.")
+
+
+class HubSource(WireModel):
+    """Weights downloaded from the Hugging Face Hub at start-up (needs egress)."""
+
+    id: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$",
+        max_length=200,
+        description="Repository id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct.",
+    )
+    token_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret holding a Hub token (for gated models), exposed as HF_TOKEN."
+    )
+
+
+class PvcSource(WireModel):
+    """Weights on a PersistentVolumeClaim, mounted read-only."""
+
+    model_config: ClassVar = WireModel.model_config | {
+        "json_schema_extra": _cel(
+            "!self.path.startsWith('/') && !self.path.contains('..')",
+            "path must be relative to the volume and must not contain '..'",
+        )
+    }
+
+    claim_name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253, description="The PVC's name.")
+    path: str = Field(
+        "", max_length=1024, description="Folder inside the volume holding the model files."
+    )
+
+    @model_validator(mode="after")
+    def _relative_path(self) -> PvcSource:
+        if self.path.startswith("/") or ".." in self.path:
+            raise ValueError("path must be relative to the volume and must not contain '..'")
+        return self
+
+
+class HostPathSource(WireModel):
+    """Weights in a folder on the node (single-node clusters such as kind)."""
+
+    path: str = Field(pattern=r"^/", max_length=1024, description="Absolute folder on the node.")
+
+
+_ONE_SOURCE_RULE = (
+    "[has(self.builtin), has(self.hub), has(self.pvc), has(self.hostPath)].filter(x, x).size() == 1"
+)
+
+
+class ModelSource(WireModel):
+    """Where the weights come from: exactly one of builtin, hub, pvc, hostPath."""
+
+    model_config: ClassVar = WireModel.model_config | {
+        "json_schema_extra": _cel(
+            _ONE_SOURCE_RULE, "exactly one of builtin, hub, pvc, hostPath must be set"
+        )
+    }
+
+    builtin: BuiltinModel | None = Field(None, description="A model baked into the engine image.")
+    hub: HubSource | None = None
+    pvc: PvcSource | None = None
+    host_path: HostPathSource | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelSource:
+        chosen = [self.builtin, self.hub, self.pvc, self.host_path]
+        if sum(member is not None for member in chosen) != 1:
+            raise ValueError("exactly one of builtin, hub, pvc, hostPath must be set")
+        return self
+
+
+class ModelSpec(WireModel):
+    """What to serve, and under which name."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+        max_length=200,
+        description='The name clients send in the OpenAI "model" field.',
+    )
+    source: ModelSource
+    dtype: Dtype = Field(
+        "auto", description="Weight dtype; auto = float32 on CPU, bfloat16 on GPU."
+    )
+    max_model_len: int = Field(
+        2048, ge=16, le=1_048_576, description="Longest prompt + completion, in tokens."
+    )
+
+
+class ResourceRequirements(WireModel):
+    """Compute resources of the engine container, e.g. limits {nvidia.com/gpu: 1}."""
+
+    model_config: ClassVar = WireModel.model_config | {
+        "json_schema_extra": _cel(
+            f"!has(self.requests) || !('{GPU_RESOURCE}' in self.requests) || "
+            f"(has(self.limits) && '{GPU_RESOURCE}' in self.limits && "
+            f"self.limits['{GPU_RESOURCE}'] == self.requests['{GPU_RESOURCE}'])",
+            f"{GPU_RESOURCE} requests must equal its limits (set limits only)",
+        )
+    }
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _gpu_requests_match_limits(self) -> ResourceRequirements:
+        if GPU_RESOURCE in self.requests and (
+            self.limits.get(GPU_RESOURCE) != self.requests[GPU_RESOURCE]
+        ):
+            raise ValueError(f"{GPU_RESOURCE} requests must equal its limits (set limits only)")
+        return self
+
+
+class Toleration(WireModel):
+    """A pod toleration (same fields as Kubernetes' Toleration)."""
+
+    key: str | None = Field(None, max_length=316)
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = Field(None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, ge=0)
+
+
+class EnvVar(WireModel):
+    """An extra environment variable of the engine container."""
+
+    name: str = Field(pattern=ENV_NAME, max_length=253)
+    value: str = ""
+
+
+class EngineSpec(WireModel):
+    """Knobs of the engine pods."""
+
+    image: str | None = Field(
+        None, min_length=1, description="Engine image; default: the operator's engineImage."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    image_pull_secrets: list[Annotated[str, StringConstraints(pattern=DNS_SUBDOMAIN)]] = Field(
+        default_factory=list, max_length=16, description="Names of image pull Secrets."
+    )
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    env: list[EnvVar] = Field(default_factory=list, max_length=64)
+    service_account_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
+    priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_seconds: int = Field(
+        900, ge=10, le=86_400, description="How long loading the model may take before restart."
+    )
+    drain_timeout_seconds: int = Field(
+        30, ge=0, le=3600, description="How long a stopping engine may finish its requests."
+    )
+
+
+class InferencePoolSpec(WireModel):
+    """The desired state: a model served by a number of engine pods with one batching policy."""
+
+    model: ModelSpec
+    replicas: int = Field(1, ge=0, le=1000, description="Engine pods (also set by kubectl scale).")
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    # The shared model checks this rule in a validator; the API server needs it as CEL.
+    batching: BatchingSpec = Field(
+        default_factory=BatchingSpec,
+        json_schema_extra=_cel(
+            "!has(self.preferredBatchSizes) || "
+            "self.preferredBatchSizes.all(s, s >= 1 && s <= self.maxBatchSize)",
+            "every preferredBatchSizes entry must be between 1 and maxBatchSize",
+        ),
+    )
+    admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
+
+
+ConditionType = Literal["Ready", "Progressing", "Degraded"]
+
+
+class Condition(WireModel):
+    """One observation about the pool, Kubernetes-style (metav1.Condition's fields)."""
+
+    type: ConditionType
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
+    message: str = Field("", max_length=32_768)
+    last_transition_time: str = Field(
+        description="RFC 3339 time of the last status change.",
+        json_schema_extra={"format": "date-time"},
+    )
+    observed_generation: int | None = Field(None, ge=0)
+
+
+class InferencePoolStatus(WireModel):
+    """What the operator observed; the gateway routes requests to the endpoints."""
+
+    observed_generation: int | None = Field(None, ge=0)
+    replicas: int = Field(0, ge=0, description="Engine pods that exist (for the scale API).")
+    ready_replicas: int = Field(0, ge=0)
+    selector: str = Field("", description="Label selector of the engine pods (for the scale API).")
+    endpoints: list[str] = Field(
+        default_factory=list, description='"IP:PORT" of every ready engine pod.'
+    )
+    conditions: list[Condition] = Field(default_factory=list)
+
+
+class ObjectMeta(WireModel):
+    """The few metadata fields the operator uses."""
+
+    model_config: ClassVar = WireModel.model_config | {"extra": "ignore"}
+
+    name: str
+    namespace: str = "default"
+    uid: str = ""
+    generation: int = 1
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class InferencePool(WireModel):
+    """A parsed InferencePool object: metadata plus validated spec."""
+
+    model_config: ClassVar = WireModel.model_config | {"extra": "ignore"}
+
+    metadata: ObjectMeta
+    spec: InferencePoolSpec
+
+    @classmethod
+    def from_body(cls, body: Any) -> InferencePool:
+        """Parse an API object (a dict or kopf's Body); raises pydantic.ValidationError."""
+        return cls.model_validate({"metadata": dict(body["metadata"]), "spec": dict(body["spec"])})
+
+
+def is_quantity(value: object) -> bool:
+    """Whether ``value`` is a valid Kubernetes resource quantity."""
+    return isinstance(value, int) or (isinstance(value, str) and bool(_QUANTITY_RE.match(value)))

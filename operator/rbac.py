@@ -1,0 +1,52 @@
+"""The Kubernetes API permissions the operator needs: the chart's ClusterRole must match these.
+
+Every rule names exactly what the code calls: the operator's own objects, the children it
+creates, the pods it watches for status, and what kopf itself needs (CRD discovery, namespace
+watching, peering between replicas, events).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REQUIRED_RULES: list[dict[str, Any]] = [
+    # The custom resource: watched, annotated with kopf's progress, finalizer-free, status written.
+    {
+        "apiGroups": ["slotserve.dev"],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "list", "watch", "patch", "update"],
+    },
+    {
+        "apiGroups": ["slotserve.dev"],
+        "resources": ["inferencepools/status"],
+        "verbs": ["get", "patch", "update"],
+    },
+    # Children: created, patched, watched for status. Deletion is the garbage collector's job.
+    {
+        "apiGroups": ["apps"],
+        "resources": ["deployments"],
+        "verbs": ["get", "list", "watch", "create", "patch"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["services"],
+        "verbs": ["get", "list", "watch", "create", "patch"],
+    },
+    # Engine pods: read-only, for readiness and endpoints.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    # Events about pools (invalid specs, conflicts), posted by the operator and by kopf.
+    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+    # kopf: discovers the CRDs it serves and watches namespaces when given patterns.
+    {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "verbs": ["list", "watch"],
+    },
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+    # kopf peering: replicas see each other so that only the highest-priority one is active.
+    {
+        "apiGroups": ["kopf.dev"],
+        "resources": ["clusterkopfpeerings", "kopfpeerings"],
+        "verbs": ["get", "list", "watch", "patch"],
+    },
+]

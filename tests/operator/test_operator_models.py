@@ -1,0 +1,87 @@
+"""The pydantic models mirror the CRD's CEL rules, so the operator rejects what CEL would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from slotserve.operator.models import InferencePool, InferencePoolSpec, is_quantity
+from slotserve.operator.settings import OperatorSettings
+
+
+def spec(**fields: Any) -> dict[str, Any]:
+    return {"model": {"name": "smollm2", "source": {"builtin": "smollm2"}}, **fields}
+
+
+def test_defaults_fill_a_minimal_spec():
+    parsed = InferencePoolSpec.model_validate(spec())
+    assert parsed.replicas == 1
+    assert parsed.batching.policy == "continuous"
+    assert parsed.batching.max_batch_size == 32
+    assert parsed.admission.max_queue_size == 256
+    assert parsed.model.dtype == "auto"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        {},
+        {"builtin": "smollm2", "hostPath": {"path": "/m"}},
+        {"pvc": {"claimName": "m", "path": "../x"}},
+    ],
+)
+def test_model_source_must_be_exactly_one_valid_member(source: dict[str, Any]):
+    with pytest.raises(ValidationError):
+        InferencePoolSpec.model_validate({"model": {"name": "m", "source": source}})
+
+
+def test_preferred_batch_sizes_must_fit_max_batch_size():
+    with pytest.raises(ValidationError, match="preferredBatchSizes"):
+        InferencePoolSpec.model_validate(
+            spec(batching={"maxBatchSize": 8, "preferredBatchSizes": [4, 16]})
+        )
+
+
+def test_gpu_requests_must_equal_limits():
+    with pytest.raises(ValidationError, match=r"nvidia\.com/gpu"):
+        InferencePoolSpec.model_validate(
+            spec(engine={"resources": {"requests": {"nvidia.com/gpu": 1}}})
+        )
+    ok = spec(engine={"resources": {"limits": {"nvidia.com/gpu": 1}}})
+    assert InferencePoolSpec.model_validate(ok).engine.resources.limits == {"nvidia.com/gpu": 1}
+
+
+def test_unknown_fields_are_rejected():
+    with pytest.raises(ValidationError, match="gpus"):
+        InferencePoolSpec.model_validate(spec(engine={"gpus": 1}))
+
+
+def test_quantities():
+    assert is_quantity("500m") and is_quantity("2Gi") and is_quantity(3) and is_quantity("1e3")
+    assert not is_quantity("two") and not is_quantity("1 Gi")
+
+
+def test_pool_from_api_body_ignores_server_metadata():
+    body = {
+        "metadata": {
+            "name": "p",
+            "namespace": "ns",
+            "uid": "u",
+            "generation": 3,
+            "managedFields": [],
+        },
+        "spec": spec(),
+        "status": {"anything": True},
+    }
+    pool = InferencePool.from_body(body)
+    assert (pool.metadata.name, pool.metadata.namespace, pool.metadata.generation) == ("p", "ns", 3)
+
+
+def test_operator_settings_from_env(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("SLOTSERVE_OPERATOR_NAMESPACES", "a, b,")
+    monkeypatch.setenv("SLOTSERVE_OPERATOR_HEALTH_PORT", "9090")
+    settings = OperatorSettings()
+    assert settings.namespaces == ["a", "b"]
+    assert settings.health_port == 9090
+    assert settings.engine_image == "ghcr.io/slotserve/engine:0.1.0"
