@@ -1,0 +1,369 @@
+"""OpenAI-compatible request and response bodies for the engine's HTTP API.
+
+Requests are validated strictly from JSON: wrong types, out-of-range values, unknown fields and
+OpenAI features the engine does not implement (``n > 1``, logprobs, tools, ...) are rejected with a
+message that names the field, never silently ignored. Fields that cannot change the answer (such
+as ``user``) are accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+FinishReason = Literal["stop", "length", "abort"]
+
+# Limits from the engine core's SamplingParams; repeated here so the 400 names the OpenAI field.
+MAX_STOP_STRINGS = 16
+
+
+class RequestModel(BaseModel):
+    """Base for request bodies: strict JSON types, unknown fields rejected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+def _reject_unless(allowed: Callable[[Any], bool], why: str) -> Callable[[Any, Any], Any]:
+    """A field validator that refuses any value for which ``allowed`` is false, naming the field."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if not allowed(value):
+            raise ValueError(f"'{info.field_name}' {why}")
+        return value
+
+    return check
+
+
+class SamplingRequest(RequestModel):
+    """Fields shared by completions and chat completions (OpenAI + vLLM extensions)."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # vLLM's extension; -1 and 0 mean "disabled" there, so both are accepted as "no top-k".
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored: it cannot change the answer
+
+    # OpenAI features the engine does not implement: any non-default value is a 400.
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    _check_n = field_validator("n")(
+        _reject_unless(
+            lambda v: v == 1,
+            "must be 1: several choices per request (n > 1) "
+            "are not supported; send several requests",
+        )
+    )
+    _check_presence = field_validator("presence_penalty")(
+        _reject_unless(lambda v: v == 0, "is not supported (must be 0)")
+    )
+    _check_frequency = field_validator("frequency_penalty")(
+        _reject_unless(lambda v: v == 0, "is not supported (must be 0)")
+    )
+    _check_logit_bias = field_validator("logit_bias")(
+        _reject_unless(lambda v: not v, "is not supported")
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"'stop' allows at most {MAX_STOP_STRINGS} strings")
+        if any(not s for s in stops):
+            raise ValueError("'stop' strings must not be empty")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+        return value
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def top_k_or_none(self) -> int | None:
+        return self.top_k if self.top_k is not None and self.top_k >= 1 else None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        """The number of tokens asked for, or None for 'as many as fit'."""
+        raise NotImplementedError
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: one prompt (text or token ids) per request."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    _check_echo = field_validator("echo")(_reject_unless(lambda v: not v, "is not supported"))
+    _check_logprobs = field_validator("logprobs")(
+        _reject_unless(lambda v: v is None, "is not supported")
+    )
+    _check_best_of = field_validator("best_of")(
+        _reject_unless(lambda v: v in (None, 1), "must be 1 (best_of is not supported)")
+    )
+    _check_suffix = field_validator("suffix")(
+        _reject_unless(lambda v: v is None, "is not supported")
+    )
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(
+        cls, value: str | list[int] | list[str] | list[list[int]]
+    ) -> str | list[int]:
+        if isinstance(value, str):
+            return value
+        if value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise ValueError(
+                    "'prompt' must be one prompt: batches of prompts are not supported; "
+                    "send one request per prompt"
+                )
+            return value[0]  # type: ignore[return-value]
+        return value  # type: ignore[return-value]
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        return self.prompt  # type: ignore[return-value]  # normalised by _single_prompt
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``: the chat template of the model's tokenizer is applied."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    _check_logprobs = field_validator("logprobs")(
+        _reject_unless(lambda v: not v, "is not supported")
+    )
+    _check_top_logprobs = field_validator("top_logprobs")(
+        _reject_unless(lambda v: v is None, "is not supported")
+    )
+    _check_tools = field_validator("tools", "functions")(
+        _reject_unless(lambda v: not v, "(tool and function calling) is not supported")
+    )
+    _check_tool_choice = field_validator("tool_choice", "function_call")(
+        _reject_unless(lambda v: v in (None, "none"), "(tool calling) is not supported")
+    )
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them (OpenAI's 'developer' is a system turn)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+            for m in self.messages
+        ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, num_generated_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_generated_tokens,
+            total_tokens=num_prompt_tokens + num_generated_tokens,
+        )
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, and (with ``finish_reason`` None until the end) a stream chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, exclude_if=_is_none)
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, exclude_if=_is_none)
+    content: str | None = Field(None, exclude_if=_is_none)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, exclude_if=_is_none)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "slotserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation errors -> one readable message
+
+
+def describe_validation_error(error: ValidationError) -> tuple[str, str | None, str]:
+    """Turn pydantic's first error into (message, param, code) for an OpenAI error body."""
+    # The most specific error: for a union, the branch that got furthest into the value.
+    first = max(error.errors(include_url=False), key=lambda e: len(e["loc"]))
+    loc = [str(part) for part in first["loc"]]
+    # Drop union-branch names such as "str" or "list[int]" that pydantic adds to the location.
+    param = ".".join(p for p in loc if not _looks_like_type(p)) or None
+    kind = first["type"]
+    if kind == "json_invalid":
+        return f"Request body is not valid JSON: {first['msg']}", None, "invalid_json"
+    if kind in {"model_type", "model_attributes_type"} and not loc:
+        return "Request body must be a JSON object", None, "invalid_json"
+    if kind == "extra_forbidden":
+        return f"Unknown field '{param}' is not supported", param, "unsupported_parameter"
+    if kind == "missing":
+        return f"Missing required field '{param}'", param, "missing_parameter"
+    message = str(first["msg"]).removeprefix("Value error, ")
+    if kind == "value_error" and message.startswith("'"):
+        return message, param, "unsupported_parameter"
+    return f"Invalid value for '{param}': {message}", param, "invalid_value"
+
+
+def _looks_like_type(part: str) -> bool:
+    return (
+        part in {"str", "int", "float", "bool", "list", "dict", "none"}
+        or "[" in part
+        or (part[:1].isupper() and part.isidentifier())
+    )

@@ -1,0 +1,281 @@
+"""The OpenAI endpoints: completions and chat completions (plain and SSE) and the model list.
+
+A request is parsed strictly, checked against the served model, turned into token ids (chat
+through the tokenizer's template) and handed to the engine; its outputs are written as one JSON
+body or as server-sent events. Whatever ends the handler early (client gone, error) aborts the
+sequence, so its slot is free at the next engine step.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+from slotserve.engine.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
+from slotserve.engine.http_state import (
+    STATE,
+    ApiError,
+    ServerState,
+    accepting_engine,
+    loaded_engine,
+    slot_headers,
+)
+from slotserve.engine.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    describe_validation_error,
+)
+from slotserve.engine.openai_format import (
+    DONE_EVENT,
+    ChatFormat,
+    CompletionFormat,
+    OutputFormat,
+    sse_event,
+)
+from slotserve.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from slotserve.engine.async_engine import (
+        AsyncEngine,
+        RequestOutput,
+        RequestStream,
+    )
+
+log = logging.getLogger(__name__)
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Completions
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine = accepting_engine(state)
+    body = await _parse_body(request, CompletionRequest, state)
+    _check_model(engine, body.model, state)
+    prompt = body.single_prompt
+    max_tokens = body.max_tokens
+    if max_tokens is None:  # explicit null: as many tokens as fit
+        num_prompt_tokens = (
+            len(prompt) if isinstance(prompt, list) else len(_encode(engine, prompt))
+        )
+        max_tokens = max(1, engine.max_model_len - num_prompt_tokens)
+    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", engine.model_name)
+    return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine = accepting_engine(state)
+    body = await _parse_body(request, ChatCompletionRequest, state)
+    _check_model(engine, body.model, state)
+    try:
+        text = engine.tokenizer.apply_chat_template(
+            body.template_messages(), tokenize=False, add_generation_prompt=True
+        )
+    except Exception as error:  # jinja raises for conversations the template refuses
+        raise ApiError(400, f"chat template error: {error}", param="messages") from error
+    prompt = _encode(engine, text)
+    max_tokens = body.requested_max_tokens() or max(1, engine.max_model_len - len(prompt))
+    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name)
+    return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
+
+
+def _encode(engine: AsyncEngine, text: str) -> list[int]:
+    # The chat template already holds the special tokens; never add a second BOS.
+    return list(engine.tokenizer.encode(text, add_special_tokens=False))
+
+
+async def _parse_body(request: web.Request, model: type[RequestT], state: ServerState) -> RequestT:
+    limit = state.settings.max_request_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(limit, state)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as error:
+        raise _too_large(limit, state) from error
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        state.metrics.reject("invalid")
+        message, param, code = describe_validation_error(error)
+        raise ApiError(400, message, param=param, code=code) from error
+
+
+def _too_large(limit: int, state: ServerState) -> ApiError:
+    state.metrics.reject("too_large")
+    return ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
+
+
+def _check_model(engine: AsyncEngine, name: str, state: ServerState) -> None:
+    if name != engine.model_name:
+        state.metrics.reject("unknown_model")
+        raise ApiError(
+            404,
+            f"The model '{name}' does not exist; this engine serves '{engine.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _sampling_params(body: SamplingRequest, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k_or_none,
+            seed=body.seed,
+            stop=body.stop_list,
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+        )
+    except ValidationError as error:
+        message, param, code = describe_validation_error(error)
+        raise ApiError(400, message, param=param, code=code) from error
+
+
+async def _generate(
+    request: web.Request,
+    state: ServerState,
+    engine: AsyncEngine,
+    body: SamplingRequest,
+    prompt: str | list[int],
+    max_tokens: int,
+    fmt: OutputFormat,
+) -> web.StreamResponse:
+    params = _sampling_params(body, max_tokens)
+    try:
+        stream = engine.add_request(fmt.request_id, prompt, params)
+    except InvalidRequestError as error:
+        state.metrics.reject("invalid")
+        raise ApiError(400, error.message, param=error.param, code="invalid_value") from error
+    except QueueFullError as error:
+        state.metrics.reject("queue_full")
+        raise ApiError(
+            429,
+            f"the engine's waiting queue is full ({state.settings.max_waiting}); retry later",
+            type_="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1", **slot_headers(engine.stats())},
+        ) from error
+    except EngineNotRunningError as error:
+        raise ApiError(
+            503, "the engine is not running", type_="service_unavailable_error", code="draining"
+        ) from error
+    state.begin(fmt.request_id)
+    outcome = _Outcome()
+    try:
+        if body.stream:
+            return await _stream_sse(
+                request, state, engine, stream, fmt, body.include_usage, outcome
+            )
+        return await _collect(state, engine, stream, fmt, outcome)
+    finally:
+        if not outcome.finished:
+            engine.abort(fmt.request_id)  # client gone (or an error): free the slot now
+            state.metrics.observe_finished("abort", None)
+        state.end(fmt.request_id)
+
+
+@dataclass
+class _Outcome:
+    finished: bool = False
+
+    def record(self, state: ServerState, output: RequestOutput) -> None:
+        self.finished = True
+        state.metrics.observe_finished(output.finish_reason or "abort", output.metrics)
+
+
+def _aborted() -> ApiError:
+    return ApiError(
+        503,
+        "the request was aborted: the engine is shutting down",
+        type_="server_error",
+        code="aborted",
+    )
+
+
+async def _collect(
+    state: ServerState,
+    engine: AsyncEngine,
+    stream: RequestStream,
+    fmt: OutputFormat,
+    outcome: _Outcome,
+) -> web.Response:
+    text: list[str] = []
+    async for output in stream:
+        text.append(output.text)
+        if output.finished:
+            outcome.record(state, output)
+            if output.finish_reason == "abort":
+                raise _aborted()
+            body = fmt.response(
+                "".join(text),
+                output.finish_reason,
+                output.num_prompt_tokens,
+                output.num_generated_tokens,
+            )
+            return web.json_response(text=body, headers=slot_headers(engine.stats()))
+    raise _aborted()  # a stream always ends with a finished output; never hang the client
+
+
+async def _stream_sse(
+    request: web.Request,
+    state: ServerState,
+    engine: AsyncEngine,
+    stream: RequestStream,
+    fmt: OutputFormat,
+    include_usage: bool,
+    outcome: _Outcome,
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            **slot_headers(engine.stats()),
+        }
+    )
+    await response.prepare(request)
+    try:
+        if first := fmt.first_chunk():
+            await response.write(first)
+        async for output in stream:
+            if not output.finished:
+                if output.text:
+                    await response.write(fmt.chunk(output.text, None))
+                continue
+            outcome.record(state, output)
+            if output.finish_reason == "abort":
+                # OpenAI clients raise on an "error" event instead of taking a cut answer.
+                await response.write(sse_event(_aborted().body))
+                break
+            await response.write(fmt.chunk(output.text, output.finish_reason))
+            if include_usage:
+                await response.write(
+                    fmt.usage_chunk(output.num_prompt_tokens, output.num_generated_tokens)
+                )
+        await response.write(DONE_EVENT)
+        await response.write_eof()
+    except ConnectionError:
+        log.debug("client of %s disconnected", fmt.request_id)
+    return response
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = loaded_engine(state)
+    card = ModelCard(
+        id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len
+    )
+    return web.json_response(text=ModelList(data=[card]).model_dump_json())
