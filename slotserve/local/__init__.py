@@ -1,0 +1,6 @@
+"""The whole stack on one machine: ``slotserve up`` (engines + gateway) and ``slotserve demo``.
+
+``processes`` starts and supervises child processes, ``stack`` decides what to start (ports,
+pool file, Redis), ``workload`` drives requests through the gateway, ``report`` turns the
+measurements into a table and plots.
+"""
