@@ -197,7 +197,7 @@ async def run_demo(
             f"{num_slots} slots and a gateway queue of {pool.admission.max_queue_size}"
         )
         burst = burst_workload(num_burst, args.max_tokens_scale)
-        phases.append(await run_phase(console, stack, pool, "burst", burst, stagger_seconds=0.005))
+        phases.append(await run_phase(console, stack, pool, "burst", burst, stagger_seconds=0.002))
     return phases
 
 

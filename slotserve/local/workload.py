@@ -19,6 +19,8 @@ SEED_MAX_TOKENS = (20, 50, 100, 500)
 # Late arrivals: (tokens the longest seed request has produced, max_tokens of the new request).
 SEED_LATE_ARRIVALS = tuple((10 + 50 * index, 100) for index in range(8))
 BURST_MAX_TOKENS = 32
+# A burst request must outlast the burst's own arrival, or the queue never fills (tiny models).
+MIN_BURST_MAX_TOKENS = 16
 TOPICS = (
     "a lighthouse keeper", "a lost robot", "the first city on Mars", "a tiny dragon",
     "an old map", "a talking cat", "a winter market", "the last train home",
@@ -122,9 +124,9 @@ def seed_workload(scale: float = 1.0) -> list[RequestSpec]:
 
 def burst_workload(num_requests: int, scale: float = 1.0) -> list[RequestSpec]:
     """``num_requests`` requests sent at once: more than slots plus queue can hold."""
+    max_tokens = max(MIN_BURST_MAX_TOKENS, _scaled(BURST_MAX_TOKENS, scale))
     return [
-        RequestSpec(f"burst-{i + 1}", _scaled(BURST_MAX_TOKENS, scale), _prompt(i), "burst")
-        for i in range(num_requests)
+        RequestSpec(f"burst-{i + 1}", max_tokens, _prompt(i), "burst") for i in range(num_requests)
     ]
 
 
