@@ -3,33 +3,39 @@ The operator's permissions: exactly slotserve.operator.rbac.REQUIRED_RULES (a ch
 compares them and fails on any difference; update both together).
 */}}
 {{- define "slotserve.operator.rules" -}}
+# The custom resource: watched, annotated with kopf's progress, status written.
 - apiGroups: ["slotserve.dev"]
   resources: ["inferencepools"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch", "patch", "update"]
 - apiGroups: ["slotserve.dev"]
   resources: ["inferencepools/status"]
-  verbs: ["get", "patch"]
+  verbs: ["get", "patch", "update"]
+# Children: created, patched, watched; deletion is the garbage collector's job.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# Engine pods: read-only, for readiness and endpoints.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
-- apiGroups: [""]
+# Events about pools, posted by the operator and by kopf.
+- apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
-- apiGroups: ["kopf.dev"]
-  resources: ["kopfpeerings", "clusterkopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
+# kopf: CRD discovery and namespace watching.
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
+# kopf peering between operator replicas.
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings", "kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
 {{- end }}
 
 {{/* Resources that are cluster-scoped: a namespaced Role cannot grant them. */}}
