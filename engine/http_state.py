@@ -17,10 +17,8 @@ from slotserve.engine.openai_api import (
 from slotserve.engine.settings import EngineSettings
 
 if TYPE_CHECKING:
-    from slotserve.engine.async_engine import (
-        AsyncEngine,
-        EngineStats,
-    )
+    from slotserve.engine.async_engine import AsyncEngine
+    from slotserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +89,12 @@ class ApiError(Exception):
 
 
 def loaded_engine(state: ServerState) -> AsyncEngine:
+    """The engine, or a 503 while it loads (or after its load failed)."""
     if state.engine is None:
-        state.metrics.reject("loading")
+        failed = state.load_error is not None
         raise ApiError(
             503,
-            "the model is still loading",
+            f"the model failed to load: {state.load_error}" if failed else "the model is loading",
             type_="service_unavailable_error",
             code="loading",
             headers={"Retry-After": "5"},
@@ -104,9 +103,9 @@ def loaded_engine(state: ServerState) -> AsyncEngine:
 
 
 def accepting_engine(state: ServerState) -> AsyncEngine:
+    """The engine if it takes new requests: loaded and not draining; else a 503."""
     engine = loaded_engine(state)
     if state.draining:
-        state.metrics.reject("draining")
         raise ApiError(
             503,
             "the engine is shutting down; send the request to another replica",

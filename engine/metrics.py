@@ -20,7 +20,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from slotserve.engine.async_engine import EngineStats, RequestMetrics
+    from slotserve.engine.stats import EngineStats, RequestMetrics
 
 # Buckets follow vLLM's so dashboards built for it read the same.
 TTFT_BUCKETS = (

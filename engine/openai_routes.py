@@ -8,6 +8,7 @@ sequence, so its slot is free at the next engine step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
@@ -42,11 +43,8 @@ from slotserve.engine.openai_format import (
 from slotserve.engine.params import SamplingParams
 
 if TYPE_CHECKING:
-    from slotserve.engine.async_engine import (
-        AsyncEngine,
-        RequestOutput,
-        RequestStream,
-    )
+    from slotserve.engine.async_engine import AsyncEngine, RequestStream
+    from slotserve.engine.stats import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +57,15 @@ RequestT = TypeVar("RequestT", bound=BaseModel)
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    engine = accepting_engine(state)
+    engine = _admit(state)
     body = await _parse_body(request, CompletionRequest, state)
     _check_model(engine, body.model, state)
     prompt = body.single_prompt
     max_tokens = body.max_tokens
     if max_tokens is None:  # explicit null: as many tokens as fit
+        # Counted the way the engine tokenizes a text prompt.
         num_prompt_tokens = (
-            len(prompt) if isinstance(prompt, list) else len(_encode(engine, prompt))
+            len(prompt) if isinstance(prompt, list) else len(engine.tokenizer.encode(prompt))
         )
         max_tokens = max(1, engine.max_model_len - num_prompt_tokens)
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", engine.model_name)
@@ -75,7 +74,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    engine = accepting_engine(state)
+    engine = _admit(state)
     body = await _parse_body(request, ChatCompletionRequest, state)
     _check_model(engine, body.model, state)
     try:
@@ -88,6 +87,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = body.requested_max_tokens() or max(1, engine.max_model_len - len(prompt))
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name)
     return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
+
+
+def _admit(state: ServerState) -> AsyncEngine:
+    try:
+        return accepting_engine(state)
+    except ApiError as error:
+        state.metrics.reject(error.body.error.code or "unavailable")
+        raise
 
 
 def _encode(engine: AsyncEngine, text: str) -> list[int]:
@@ -269,6 +276,12 @@ async def _stream_sse(
         await response.write_eof()
     except ConnectionError:
         log.debug("client of %s disconnected", fmt.request_id)
+    except Exception:
+        # The status line is sent: the error can only travel as an event.
+        log.exception("stream %s failed", fmt.request_id)
+        error = ApiError(500, "internal error while streaming", type_="server_error")
+        with contextlib.suppress(Exception):
+            await response.write(sse_event(error.body) + DONE_EVENT)
     return response
 
 

@@ -137,7 +137,7 @@ async def drain(state: ServerState, timeout: float, force: asyncio.Event) -> Non
         await _first_of(state.idle.wait(), timeout=ABORT_GRACE_SECONDS)
 
 
-async def _first_of(*waits: Awaitable[Any], timeout: float) -> None:
+async def _first_of(*waits: Awaitable[Any], timeout: float | None) -> None:
     tasks = [asyncio.ensure_future(w) for w in waits]
     try:
         await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -168,7 +168,7 @@ async def serve(settings: EngineSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await _first_of(stop.wait(), state.fatal.wait(), timeout=float("inf"))
+    await _first_of(stop.wait(), state.fatal.wait(), timeout=None)
     exit_code = 1 if state.fatal.is_set() else 0
     if exit_code == 0:
         stop.clear()  # a second signal skips the rest of the drain
@@ -233,7 +233,7 @@ async def _errors_as_openai(
     except web.HTTPException as error:
         if error.status < 400:
             raise
-        return ApiError(error.status, error.reason, code=None).response()
+        return ApiError(error.status, f"{error.reason}: {request.method} {request.path}").response()
     except Exception:
         log.exception("unexpected error serving %s %s", request.method, request.path)
         return ApiError(500, "internal server error", type_="server_error").response()

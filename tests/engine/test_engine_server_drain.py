@@ -1,0 +1,117 @@
+"""Start-up and shutdown of a real engine process: probes while loading, SIGTERM drain, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from engine_server_support import EngineProcess
+
+
+async def read_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
+    """Every SSE data payload of a stream: parsed JSON, or the string "[DONE]"."""
+    events: list[dict | str] = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            payload = line[len(b"data: ") :].strip()
+            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+def stream_body(max_tokens: int) -> dict:
+    return {
+        "model": "tiny",
+        "prompt": "a",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def status_of(session, method: str, url: str, **kwargs) -> tuple[int, dict]:
+    async with session.request(method, url, **kwargs) as resp:
+        return resp.status, dict(resp.headers)
+
+
+async def test_health_during_load_then_sigterm_drains_in_flight_stream(tiny_model_dir, tmp_path):
+    engine = EngineProcess(
+        tiny_model_dir, tmp_path / "engine.log", "--max-model-len", "4096",
+        "--drain-timeout-seconds", "60",
+    )  # fmt: skip
+    engine.start(wait_ready=False)
+    try:
+        # /health answers while the model is still loading; /ready does not.
+        seen_loading = False
+        for _ in range(1200):
+            health, ready = engine.status("/health"), engine.status("/ready")
+            if health == 200 and ready == 503:
+                seen_loading = True
+            if ready == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert seen_loading, engine.logs()
+        engine.wait_ready(timeout=60)
+
+        num_tokens = 400
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(engine.url + "/v1/completions", json=stream_body(num_tokens))
+            assert resp.status == 200
+            assert (await resp.content.readline()).startswith(b"data: ")
+            engine.terminate()  # SIGTERM while the stream runs
+            rest = asyncio.create_task(read_events(resp))
+
+            await asyncio.sleep(0.3)
+            status, _ = await status_of(session, "GET", engine.url + "/ready")
+            assert status == 503
+            status, headers = await status_of(
+                session, "POST", engine.url + "/v1/completions",
+                json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+            )  # fmt: skip
+            assert status == 503
+            assert "Retry-After" in headers
+            load = await (await session.get(engine.url + "/load")).json()
+            assert load["draining"] is True
+            assert not rest.done(), "the drain must not cut the running stream"
+
+            events = await asyncio.wait_for(rest, timeout=60)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["usage"]["completion_tokens"] == num_tokens
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+        assert engine.wait_exit(timeout=20) == 0
+    finally:
+        engine.stop()
+
+
+async def test_drain_timeout_aborts_what_is_still_running(tiny_model_dir, tmp_path):
+    engine = EngineProcess(
+        tiny_model_dir, tmp_path / "engine.log", "--max-model-len", "8192",
+        "--drain-timeout-seconds", "1",
+    )  # fmt: skip
+    engine.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(engine.url + "/v1/completions", json=stream_body(8000))
+            assert (await resp.content.readline()).startswith(b"data: ")
+            engine.terminate()
+            events = await asyncio.wait_for(read_events(resp), timeout=15)
+        # The client learns that its answer was cut, instead of a silently short text.
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "aborted"
+        assert engine.wait_exit(timeout=15) == 0
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("flag", [["--model", "/nonexistent/model"]])
+def test_a_model_that_fails_to_load_exits_1(tmp_path, flag):
+    engine = EngineProcess(tmp_path / "missing", tmp_path / "engine.log")
+    engine.argv[engine.argv.index("--model") + 1] = flag[1]
+    engine.start(wait_ready=False)
+    try:
+        assert engine.wait_exit(timeout=60) == 1
+    finally:
+        engine.stop()
