@@ -1,0 +1,149 @@
+"""Values and errors shared by the admission front (``admission.py``) and its two backends."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from slotserve.gateway.routing import EndpointOffer
+
+from slotserve.pools import AdmissionSpec, BatchingSpec
+
+# Internal priority for a request retried after its engine failed: ahead of every client level.
+RETRY_PRIORITY = 0
+MAX_PRIORITY_LEVEL = 9
+
+
+@dataclass(frozen=True)
+class PoolPolicy:
+    """What the backends need to know about a pool to admit its requests."""
+
+    name: str
+    policy: Literal["static", "dynamic", "continuous"] = "continuous"
+    max_queue_size: int = 256
+    queue_timeout_s: float = 30.0
+    max_queue_delay_us: int = 100
+    preferred_batch_sizes: tuple[int, ...] = ()
+
+    @classmethod
+    def from_specs(cls, name: str, batching: BatchingSpec, admission: AdmissionSpec) -> PoolPolicy:
+        return cls(
+            name=name,
+            policy=batching.policy,
+            max_queue_size=admission.max_queue_size,
+            queue_timeout_s=admission.queue_timeout_seconds,
+            max_queue_delay_us=batching.max_queue_delay_microseconds,
+            preferred_batch_sizes=tuple(batching.preferred_batch_sizes),
+        )
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A slot lease on ``endpoint`` given to request ``request_id`` of this replica."""
+
+    request_id: str
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    """What one atomic backend step did, as seen by the calling replica."""
+
+    grants: list[Grant] = field(default_factory=list)
+    queue_depth: int = 0
+    num_dispatched_total: int = 0
+    # > 0: a dynamic/static group is held back; dispatch again after this many microseconds.
+    hold_us: int = 0
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    """Result of taking a timed-out request out of the queue."""
+
+    state: Literal["cancelled", "granted", "gone"]
+    endpoint: str = ""
+
+
+class AdmissionError(Exception):
+    """A request was not admitted; carries what the HTTP layer needs to answer."""
+
+    status = 503
+    code = "admission_error"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class QueueFullError(AdmissionError):
+    status = 429
+    code = "queue_full"
+
+    def __init__(self, message: str, *, queue_depth: int, num_dispatched_total: int) -> None:
+        super().__init__(message)
+        self.queue_depth = queue_depth
+        self.num_dispatched_total = num_dispatched_total
+
+
+class QueueTimeoutError(AdmissionError):
+    status = 503
+    code = "queue_timeout"
+
+
+class BackendUnavailableError(AdmissionError):
+    status = 503
+    code = "admission_backend_unavailable"
+
+
+GrantCallback = Callable[[str, str, str], None]  # (pool, request_id, endpoint)
+
+
+class AdmissionBackend(Protocol):
+    """Shared queue and slot state. Every method is one atomic step across all replicas.
+
+    Grants for requests of the calling replica come back in the result; grants for requests
+    of other replicas reach them through their ``on_grant`` callback.
+    """
+
+    replica_id: str
+
+    async def start(self, on_grant: GrantCallback) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def enqueue(
+        self,
+        pool: PoolPolicy,
+        offers: Sequence[EndpointOffer],
+        request_id: str,
+        priority: int,
+        timeout_us: int,
+    ) -> DispatchResult:
+        """Queue a request (raising QueueFullError beyond maxQueueSize), then dispatch."""
+        ...
+
+    async def release(
+        self, pool: PoolPolicy, offers: Sequence[EndpointOffer], request_id: str
+    ) -> DispatchResult:
+        """Give a lease back (idempotent), then dispatch."""
+        ...
+
+    async def cancel(self, pool: PoolPolicy, request_id: str) -> CancelOutcome: ...
+
+    async def tick(self, pool: PoolPolicy, offers: Sequence[EndpointOffer]) -> DispatchResult:
+        """Sweep expired leases and dead replicas' queue entries, then dispatch."""
+        ...
+
+    async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> None:
+        """Mark this replica alive and extend its leases ({pool: [(request_id, endpoint)]}).
+
+        With ``restore``, leases missing from the backend (it restarted) are written back.
+        """
+        ...
+
+    async def inflight(self, pool: PoolPolicy) -> dict[str, int]: ...
+
+
+Sleep = Callable[[float], Awaitable[None]]

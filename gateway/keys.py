@@ -1,0 +1,48 @@
+"""Every Redis key the gateway uses, in one place.
+
+All keys start with the configured prefix (``SLOTSERVE_GATEWAY_REDIS_PREFIX``, default
+``slotserve``). Pool keys carry the pool name in a hash tag (``{model}``) so that one pool's keys
+share a cluster slot. Every key has a TTL that each write extends, so an abandoned pool or a dead
+replica leaves nothing behind for long:
+
+| key | type | contents | TTL |
+|---|---|---|---|
+| ``P:{pool}:queue`` | ZSET | waiting request ids; score = priority * 1e13 + arrival seq | STATE |
+| ``P:{pool}:entries`` | HASH | request id -> ``replica|deadline_us|enqueued_us`` | STATE |
+| ``P:{pool}:seq`` | STRING | arrival counter (global FIFO order within a priority) | STATE |
+| ``P:{pool}:leases`` | ZSET | request ids holding a slot; score = lease expiry (us) | STATE |
+| ``P:{pool}:lease_endpoint`` | HASH | request id -> endpoint URL of its slot | STATE |
+| ``P:{pool}:inflight`` | HASH | endpoint URL -> number of leases on it | STATE |
+| ``P:{pool}:stats`` | HASH | ``dispatched`` -> requests granted so far (drain rate) | STATE |
+| ``P:replica:{id}`` | STRING | present while replica ``id`` heartbeats | lease TTL |
+| ``P:grants:{id}`` | LIST | grants made for replica ``id`` by others (1) | lease TTL |
+
+(1) each item is ``pool``, request id and endpoint joined by ``\\x1f``.
+STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
+write. Times are Redis server time (``TIME``) in microseconds, so replica clocks never matter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STATE_TTL_S = 3600
+GRANT_SEPARATOR = "\x1f"
+POOL_KEY_NAMES = ("queue", "entries", "seq", "leases", "lease_endpoint", "inflight", "stats")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix."""
+
+    prefix: str = "slotserve"
+
+    def pool(self, pool_name: str) -> list[str]:
+        """The pool's keys in the order the Lua scripts expect them (KEYS[1..7])."""
+        return [f"{self.prefix}:{{{pool_name}}}:{name}" for name in POOL_KEY_NAMES]
+
+    def replica(self, replica_id: str) -> str:
+        return f"{self.prefix}:replica:{replica_id}"
+
+    def grants(self, replica_id: str) -> str:
+        return f"{self.prefix}:grants:{replica_id}"

@@ -1,0 +1,183 @@
+"""Redis admission backend: shared queues and slot leases for many gateway replicas.
+
+Every state change is one named Lua script (``gateway/lua.py``), loaded once per server with
+SCRIPT LOAD and then called by SHA (redis-py reloads them by itself after a Redis restart).
+Grants made by another replica arrive on this replica's grant list, read with BLPOP, so waiting
+requests never poll Redis. Connection failures become ``BackendUnavailableError`` at once (no
+client-side retry loop), which the HTTP layer answers with 503 + Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+from slotserve.gateway.admission_types import (
+    BackendUnavailableError,
+    CancelOutcome,
+    DispatchResult,
+    Grant,
+    GrantCallback,
+    PoolPolicy,
+    QueueFullError,
+)
+from slotserve.gateway.keys import GRANT_SEPARATOR, STATE_TTL_S, Keys
+from slotserve.gateway.lua import SCRIPTS
+from slotserve.gateway.routing import EndpointOffer
+
+log = logging.getLogger(__name__)
+_UNAVAILABLE = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
+
+
+def make_client(url: str, *, socket_timeout_s: float = 2.0) -> aioredis.Redis:
+    """A client that fails fast: one attempt, short timeouts."""
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=1.0,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=0,
+    )
+
+
+class RedisBackend:
+    """One replica's connection to the shared admission state in Redis."""
+
+    def __init__(
+        self, url: str, replica_id: str, *, prefix: str = "slotserve", lease_ttl_s: float = 10.0
+    ) -> None:
+        self.replica_id = replica_id
+        self.keys = Keys(prefix)
+        self.lease_ttl_us = int(lease_ttl_s * 1_000_000)
+        self.client = make_client(url)
+        # BLPOP holds its connection for up to a second: give it its own client.
+        self.blocking_client = make_client(url, socket_timeout_s=5.0)
+        self.scripts = {name: self.client.register_script(src) for name, src in SCRIPTS.items()}
+        self._listener: asyncio.Task[None] | None = None
+        self._on_grant: GrantCallback | None = None
+
+    async def start(self, on_grant: GrantCallback) -> None:
+        self._on_grant = on_grant
+        with contextlib.suppress(BackendUnavailableError):
+            await self.heartbeat({}, restore=False)
+        self._listener = asyncio.create_task(self._listen(), name="redis-grant-listener")
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+        with contextlib.suppress(*_UNAVAILABLE):
+            await self.client.delete(self.keys.replica(self.replica_id))
+        await self.client.aclose()
+        await self.blocking_client.aclose()
+
+    # -- script calls -------------------------------------------------------------------------
+
+    def _args(self, pool: PoolPolicy, offers: Sequence[EndpointOffer]) -> list[str | int]:
+        args: list[str | int] = [
+            self.keys.prefix,
+            pool.name,
+            self.replica_id,
+            self.lease_ttl_us,
+            STATE_TTL_S * 1000,
+            pool.policy,
+            pool.max_queue_delay_us,
+            ",".join(str(size) for size in pool.preferred_batch_sizes),
+            len(offers),
+        ]
+        for offer in offers:
+            args += [offer.url, offer.slots_total, repr(float(offer.load_score))]
+        return args
+
+    async def _run(self, name: str, pool: PoolPolicy, args: list[str | int]) -> list[object]:
+        try:
+            reply = await self.scripts[name](keys=self.keys.pool(pool.name), args=args)
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError(f"admission backend (Redis) unavailable: {exc}") from exc
+        return list(reply)
+
+    @staticmethod
+    def _result(reply: list[object]) -> DispatchResult:
+        grants = [Grant(str(reply[i]), str(reply[i + 1])) for i in range(4, len(reply) - 1, 2)]
+        return DispatchResult(grants, int(reply[1]), int(reply[2]), int(reply[3]))  # type: ignore[call-overload]
+
+    async def enqueue(
+        self,
+        pool: PoolPolicy,
+        offers: Sequence[EndpointOffer],
+        request_id: str,
+        priority: int,
+        timeout_us: int,
+    ) -> DispatchResult:
+        args = [*self._args(pool, offers), request_id, priority, timeout_us, pool.max_queue_size]
+        reply = await self._run("enqueue", pool, args)
+        result = self._result(reply)
+        if reply[0] == "full":
+            raise QueueFullError(
+                f"queue of pool {pool.name!r} is full ({pool.max_queue_size} waiting)",
+                queue_depth=result.queue_depth,
+                num_dispatched_total=result.num_dispatched_total,
+            )
+        return result
+
+    async def release(
+        self, pool: PoolPolicy, offers: Sequence[EndpointOffer], request_id: str
+    ) -> DispatchResult:
+        reply = await self._run("release", pool, [*self._args(pool, offers), request_id])
+        return self._result(reply)
+
+    async def cancel(self, pool: PoolPolicy, request_id: str) -> CancelOutcome:
+        reply = await self._run("cancel", pool, [*self._args(pool, []), request_id])
+        return CancelOutcome(str(reply[0]), str(reply[1]))  # type: ignore[arg-type]
+
+    async def tick(self, pool: PoolPolicy, offers: Sequence[EndpointOffer]) -> DispatchResult:
+        return self._result(await self._run("tick", pool, self._args(pool, offers)))
+
+    async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> None:
+        try:
+            await self.client.set(
+                self.keys.replica(self.replica_id), "1", px=self.lease_ttl_us // 1000
+            )
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError(f"admission backend (Redis) unavailable: {exc}") from exc
+        for pool_name, held in leases.items():
+            pool = PoolPolicy(name=pool_name)
+            args = [*self._args(pool, []), "1" if restore else "0"]
+            for request_id, endpoint in held:
+                args += [request_id, endpoint]
+            await self._run("heartbeat", pool, args)
+
+    async def inflight(self, pool: PoolPolicy) -> dict[str, int]:
+        try:
+            raw = await self.client.hgetall(self.keys.pool(pool.name)[5])
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError(f"admission backend (Redis) unavailable: {exc}") from exc
+        return {endpoint: int(count) for endpoint, count in raw.items()}
+
+    # -- wake-ups -----------------------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        key = self.keys.grants(self.replica_id)
+        while True:
+            try:
+                popped = await self.blocking_client.blpop([key], timeout=1)
+                if popped is None:
+                    continue
+                items = [popped[1]]
+                more = await self.blocking_client.lpop(key, 256)
+                items += more or []
+            except _UNAVAILABLE:
+                await asyncio.sleep(0.25)
+                continue
+            for item in items:
+                pool_name, request_id, endpoint = item.split(GRANT_SEPARATOR)
+                if self._on_grant is not None:
+                    self._on_grant(pool_name, request_id, endpoint)

@@ -1,0 +1,259 @@
+"""The admission invariants, run against both backends (in-process and a real redis-server).
+
+Several ``Admission`` objects over one shared backend stand for several gateway replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections import Counter
+
+import pytest
+from slotserve.gateway.admission import Admission
+from slotserve.gateway.admission_types import PoolPolicy, QueueFullError, QueueTimeoutError
+from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub
+from slotserve.gateway.redis_backend import RedisBackend
+from slotserve.gateway.routing import EndpointOffer
+
+LEASE_TTL_S = 1.0
+
+
+class Cluster:
+    """Replicas sharing one backend; offers and pools are plain dicts the test edits."""
+
+    def __init__(self, kind: str, redis_url: str | None) -> None:
+        self.kind = kind
+        self.redis_url = redis_url
+        self.hub = InProcessHub(lease_ttl_s=LEASE_TTL_S)
+        self.prefix = f"t{uuid.uuid4().hex[:6]}"
+        self.offers: dict[str, list[EndpointOffer]] = {}
+        self.pools: dict[str, PoolPolicy] = {}
+        self.replicas: list[Admission] = []
+
+    async def replica(self) -> Admission:
+        replica_id = f"r{len(self.replicas)}-{uuid.uuid4().hex[:4]}"
+        if self.kind == "memory":
+            backend = InProcessBackend(self.hub, replica_id)
+        else:
+            backend = RedisBackend(
+                self.redis_url, replica_id, prefix=self.prefix, lease_ttl_s=LEASE_TTL_S
+            )
+        admission = Admission(
+            backend,
+            offers=lambda name: self.offers.get(name, []),
+            pools=lambda: list(self.pools.values()),
+            lease_ttl_s=LEASE_TTL_S,
+            tick_interval_s=0.05,
+            idle_tick_interval_s=0.1,
+        )
+        await admission.start()
+        self.replicas.append(admission)
+        return admission
+
+    async def close(self) -> None:
+        for admission in self.replicas:
+            with contextlib.suppress(Exception):
+                await admission.close()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def cluster(request):
+    redis_url = request.getfixturevalue("redis_server").url if request.param == "redis" else None
+    cl = Cluster(request.param, redis_url)
+    try:
+        yield cl
+    finally:
+        await cl.close()
+
+
+def offers(*specs: tuple[str, int, float]) -> list[EndpointOffer]:
+    return [EndpointOffer(url, slots, load) for url, slots, load in specs]
+
+
+async def test_slots_never_exceeded_across_replicas(cluster):
+    pool = PoolPolicy("m", max_queue_size=500, queue_timeout_s=20)
+    cluster.pools["m"] = pool
+    cluster.offers["m"] = offers(("http://a", 2, 0.0), ("http://b", 2, 0.0))
+    replicas = [await cluster.replica() for _ in range(3)]
+    current: Counter[str] = Counter()
+    peak: Counter[str] = Counter()
+
+    async def one(i: int) -> str:
+        lease = await replicas[i % 3].acquire(pool, priority=5, timeout_s=20)
+        current[lease.endpoint] += 1
+        peak[lease.endpoint] = max(peak[lease.endpoint], current[lease.endpoint])
+        await asyncio.sleep(0.002 * (i % 5))
+        current[lease.endpoint] -= 1
+        await replicas[(i + 1) % 3].release(lease)  # released by another replica: still exact
+        return lease.endpoint
+
+    endpoints = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(150))), 30)
+    assert set(endpoints) == {"http://a", "http://b"}
+    assert max(peak.values()) == 2
+    assert await replicas[0].backend.inflight(pool) == {}
+
+
+async def test_fifo_within_priority_and_priorities_first_across_replicas(cluster):
+    pool = PoolPolicy("m", max_queue_size=100, queue_timeout_s=20)
+    cluster.pools["m"] = pool
+    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    replicas = [await cluster.replica() for _ in range(3)]
+    blocker = await replicas[0].acquire(pool, priority=5, timeout_s=5)
+    order: list[str] = []
+
+    async def waiter(name: str, replica: Admission, priority: int) -> None:
+        lease = await replica.acquire(pool, priority=priority, timeout_s=20)
+        order.append(name)
+        await asyncio.sleep(0.005)
+        await replica.release(lease)
+
+    tasks = []
+    plan = [(f"p{prio}-{i}", prio) for i, prio in enumerate([5, 3, 5, 3, 5, 1, 5, 3, 1, 5])]
+    for i, (name, prio) in enumerate(plan):
+        tasks.append(asyncio.create_task(waiter(name, replicas[i % 3], prio)))
+        await asyncio.sleep(0.02)  # arrival order is the order of this loop
+    assert replicas[0].queue_depth("m") >= 1
+    await replicas[2].release(blocker)
+    await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    expected = sorted(plan, key=lambda item: item[1])  # stable: FIFO within a priority
+    assert order == [name for name, _ in expected]
+
+
+async def test_queue_limit_is_global_and_429_carries_retry_after(cluster):
+    pool = PoolPolicy("m", max_queue_size=4, queue_timeout_s=10)
+    cluster.pools["m"] = pool
+    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    replicas = [await cluster.replica() for _ in range(2)]
+    holder = await replicas[0].acquire(pool, priority=5, timeout_s=5)
+    waiting = [
+        asyncio.create_task(replicas[i % 2].acquire(pool, priority=5, timeout_s=10))
+        for i in range(4)
+    ]
+    await asyncio.sleep(0.2)
+    for replica in replicas:
+        with pytest.raises(QueueFullError) as info:
+            await replica.acquire(pool, priority=5, timeout_s=10)
+        assert info.value.retry_after_s >= 1
+        assert info.value.status == 429
+    await replicas[1].release(holder)
+    for task in waiting:
+        lease = await asyncio.wait_for(task, 10)
+        await replicas[0].release(lease)
+
+
+async def test_queue_timeout_gives_503_and_frees_the_queue_place(cluster):
+    pool = PoolPolicy("m", max_queue_size=1, queue_timeout_s=0.3)
+    cluster.pools["m"] = pool
+    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    a, b = await cluster.replica(), await cluster.replica()
+    holder = await a.acquire(pool, priority=5, timeout_s=5)
+    started = time.monotonic()
+    with pytest.raises(QueueTimeoutError) as info:
+        await b.acquire(pool, priority=5, timeout_s=0.3)
+    assert 0.25 <= time.monotonic() - started < 2
+    assert info.value.status == 503 and info.value.retry_after_s >= 1
+    # The timed-out entry is gone: the single queue place is free again.
+    waiter = asyncio.create_task(b.acquire(pool, priority=5, timeout_s=5))
+    await asyncio.sleep(0.1)
+    await a.release(holder)
+    await b.release(await asyncio.wait_for(waiter, 5))
+
+
+async def test_dead_replica_leases_and_queue_entries_come_back_within_ttl(cluster):
+    pool = PoolPolicy("m", max_queue_size=3, queue_timeout_s=30)
+    cluster.pools["m"] = pool
+    cluster.offers["m"] = offers(("http://a", 2, 0.0))
+    dead, alive = await cluster.replica(), await cluster.replica()
+    await dead.acquire(pool, priority=5, timeout_s=5)
+    await dead.acquire(pool, priority=5, timeout_s=5)
+    queued = [asyncio.create_task(dead.acquire(pool, priority=5, timeout_s=30)) for _ in range(3)]
+    await asyncio.sleep(0.2)
+    # The dying replica stops everything at once: no release, no cancel, no heartbeat.
+    dead._spawn = lambda coro: coro.close()
+    for task in dead._tasks:
+        task.cancel()
+    if cluster.kind == "memory":
+        cluster.hub.listeners.pop(dead.backend.replica_id)
+    else:
+        dead.backend._listener.cancel()
+    for task in queued:
+        task.cancel()
+    started = time.monotonic()
+    while True:  # the queue is full of the dead replica's entries until they are swept
+        try:
+            lease = await alive.acquire(pool, priority=5, timeout_s=LEASE_TTL_S * 4)
+            break
+        except QueueFullError:
+            assert time.monotonic() - started < LEASE_TTL_S * 3
+            await asyncio.sleep(0.05)
+    assert time.monotonic() - started < LEASE_TTL_S * 3
+    await alive.release(lease)
+    # The dead replica's three queue entries were swept: three new requests can wait again.
+    second = await alive.acquire(pool, priority=5, timeout_s=5)
+    third = await alive.acquire(pool, priority=5, timeout_s=5)
+    waiters = [asyncio.create_task(alive.acquire(pool, priority=5, timeout_s=5)) for _ in range(3)]
+    await asyncio.sleep(0.2)
+    assert not any(t.done() for t in waiters)  # none rejected as full
+    await alive.release(second)
+    await alive.release(third)
+    for t in waiters:
+        await alive.release(await asyncio.wait_for(t, 5))
+
+
+async def test_cancelled_waiter_does_not_leak_a_slot(cluster):
+    pool = PoolPolicy("m", max_queue_size=10, queue_timeout_s=10)
+    cluster.pools["m"] = pool
+    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    a = await cluster.replica()
+    holder = await a.acquire(pool, priority=5, timeout_s=5)
+    gone = asyncio.create_task(a.acquire(pool, priority=5, timeout_s=10))
+    await asyncio.sleep(0.1)
+    gone.cancel()
+    await asyncio.sleep(0.1)
+    await a.release(holder)
+    lease = await a.acquire(pool, priority=5, timeout_s=2)
+    assert lease.endpoint == "http://a"
+    await a.release(lease)
+    await asyncio.sleep(0.1)
+    assert await a.backend.inflight(pool) == {}
+
+
+async def test_least_loaded_endpoint_first(cluster):
+    pool = PoolPolicy("m", max_queue_size=10, queue_timeout_s=5)
+    cluster.pools["m"] = pool
+    cluster.offers["m"] = offers(("http://busy", 4, 0.9), ("http://idle", 4, 0.1))
+    a = await cluster.replica()
+    first = await a.acquire(pool, priority=5, timeout_s=5)
+    second = await a.acquire(pool, priority=5, timeout_s=5)
+    # The engine report breaks the tie, then the held share of slots spreads the load.
+    assert (first.endpoint, second.endpoint) == ("http://idle", "http://busy")
+    await a.release(first)
+    await a.release(second)
+
+
+async def test_dynamic_pool_releases_groups_after_the_queue_delay(cluster):
+    pool = PoolPolicy(
+        "m", policy="dynamic", max_queue_size=20, queue_timeout_s=5, max_queue_delay_us=300_000
+    )
+    cluster.pools["m"] = pool
+    cluster.offers["m"] = offers(("http://a", 4, 0.0))
+    a = await cluster.replica()
+    started = time.monotonic()
+    pair = await asyncio.gather(*(a.acquire(pool, priority=5, timeout_s=5) for _ in range(2)))
+    waited = time.monotonic() - started
+    assert 0.25 <= waited < 1.5, waited  # held for the group to fill, at most ~the delay
+    assert {lease.endpoint for lease in pair} == {"http://a"}
+    # The endpoint is busy (a group runs): a full group waits for it to be idle, then goes at once.
+    full = [asyncio.create_task(a.acquire(pool, priority=5, timeout_s=5)) for _ in range(4)]
+    await asyncio.sleep(0.1)
+    assert not any(t.done() for t in full)
+    started = time.monotonic()
+    for lease in pair:
+        await a.release(lease)
+    leases = await asyncio.wait_for(asyncio.gather(*full), 5)
+    assert time.monotonic() - started < 0.2
+    for lease in leases:
+        await a.release(lease)
