@@ -1,0 +1,222 @@
+"""The engine for asyncio callers: the step loop runs in a thread, outputs come back as streams.
+
+Handoff: ``add_request``/``abort`` (event-loop thread) put commands into a thread-safe inbox and
+wake the loop thread; the loop thread applies them between steps, runs a step, and hands that
+step's outputs to the event loop with one ``loop.call_soon_threadsafe`` call, where they are
+pushed into each request's ``asyncio.Queue``. The event loop never waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from slotserve.engine.engine import LLMEngine
+from slotserve.engine.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
+from slotserve.engine.params import SamplingParams
+from slotserve.engine.sequence import Sequence
+from slotserve.engine.settings import EngineSettings
+from slotserve.engine.stats import EngineStats, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# Longest the loop thread sleeps while idle before re-checking its stop flag.
+IDLE_WAIT_SECONDS = 0.5
+
+
+class RequestStream:
+    """Async iterator of one request's :class:`RequestOutput` deltas; ends after the final one."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._done = False
+        self.finished = False  # the final output has been queued
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        if output.finished:
+            self._done = True
+        return output
+
+    def put(self, output: RequestOutput) -> None:
+        """Queue an output (event-loop thread only)."""
+        if self.finished:
+            return
+        self.finished = output.finished
+        self._queue.put_nowait(output)
+
+
+class AsyncEngine:
+    """Serves many concurrent requests from asyncio code; see the module docstring."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.settings: EngineSettings = engine.settings
+        self.tokenizer: Any = engine.tokenizer
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.max_model_len
+        self.num_slots: int = engine.settings.max_batch_size
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
+        self._num_pending_adds = 0
+        self._stats: EngineStats = engine.stats()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting = False
+
+    @classmethod
+    def load(cls, settings: EngineSettings) -> AsyncEngine:
+        """Load model and tokenizer (blocking: call it in a thread from async code)."""
+        return cls(LLMEngine.load(settings))
+
+    @property
+    def is_running(self) -> bool:
+        return self._accepting
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="slotserve-engine", daemon=True)
+        self._thread.start()
+        self._accepting = True
+
+    async def shutdown(self) -> None:
+        """Stop the loop; streams still open end with finish_reason "abort"."""
+        self._accepting = False
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop.set()
+            self._wake.set()
+            await asyncio.to_thread(thread.join)
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(_abort_output(stream.request_id))
+
+    # -- requests (event-loop thread) -------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> RequestStream:
+        """Validate and enqueue; raises at once instead of failing later in the loop."""
+        if not self._accepting:
+            raise EngineNotRunningError("the engine is not running")
+        seq: Sequence = self.engine.make_sequence(request_id, prompt, params)
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(
+                    f"request id {request_id!r} is in use", param="request_id"
+                )
+            if self._stats.num_waiting + self._num_pending_adds >= self.settings.max_waiting:
+                raise QueueFullError(f"{self.settings.max_waiting} requests are already waiting")
+            stream = RequestStream(request_id)
+            self._streams[request_id] = stream
+            self._num_pending_adds += 1
+            self._inbox.put(("add", seq))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent); its slot is free at the next step."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the loop's last iteration, plus requests not yet handed over."""
+        stats = self._stats
+        pending = self._num_pending_adds
+        if not pending:
+            return stats
+        return EngineStats(**{**stats.__dict__, "num_waiting": stats.num_waiting + pending})
+
+    # -- the loop (engine thread) -----------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._wake.clear()
+            self._drain_inbox()
+            delay = engine.next_step_delay()
+            if delay > 0:
+                self._stats = engine.stats()
+                self._wake.wait(min(delay, IDLE_WAIT_SECONDS))
+                continue
+            try:
+                outputs = engine.step()
+            except Exception:
+                logger.exception("engine step failed; aborting the requests in flight")
+                outputs = self._abort_all()
+            self._stats = engine.stats()
+            if outputs:
+                self._deliver(outputs)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                with self._lock:
+                    self._num_pending_adds -= 1
+                try:
+                    self.engine.enqueue(payload)
+                except InvalidRequestError:
+                    self._deliver([_abort_output(payload.request_id)])
+            else:
+                self.engine.abort(payload)
+
+    def _abort_all(self) -> list[RequestOutput]:
+        for seq in [*self.engine.scheduler.running, *self.engine.scheduler.waiting]:
+            self.engine.abort(seq.request_id)
+        try:
+            return self.engine.step()
+        except Exception:  # the abort step runs no model; if even that fails, end streams here
+            logger.exception("could not abort cleanly")
+            with self._lock:
+                return [_abort_output(request_id) for request_id in self._streams]
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        # RuntimeError: the event loop closed between the check and the call.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            with self._lock:
+                stream = self._streams.get(output.request_id)
+                if stream is not None and output.finished:
+                    del self._streams[output.request_id]
+            if stream is not None:
+                stream.put(output)
+
+
+def _abort_output(request_id: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        token_ids=[],
+        text="",
+        finished=True,
+        finish_reason="abort",
+        num_prompt_tokens=0,
+        num_generated_tokens=0,
+    )

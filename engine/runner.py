@@ -1,0 +1,274 @@
+"""The model runner: the only module that touches torch and transformers model classes.
+
+It loads an ``AutoModelForCausalLM`` and its tokenizer, owns the per-slot KV cache (allocated
+once, written in place), and runs one packed forward per step for any mix of prefill chunks and
+decodes. Logits are computed only at the last position of each sequence that samples this step:
+the output projection (49152 x 576 for SmolLM2) would otherwise dominate prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from slotserve.engine.attention import PrefillChunkInput, SlotStep, register_slot_attention
+from slotserve.engine.sampling import make_generator, sample_tokens
+from slotserve.engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 2048
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # CPUs without bf16 units run fp32 fastest; GPUs run bf16.
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
+            vocab_size=config.vocab_size,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def load_model(source: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Load model and tokenizer from a local folder or hub id (already resolved)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on the device (GPU) or available RAM (CPU) right now."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ModelRunner:
+    """Runs steps of packed chunks against a pre-allocated per-slot KV cache."""
+
+    def __init__(self, model: Any, *, num_slots: int, max_model_len: int) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.shape = ModelShape.from_config(model.config)
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        model.set_attn_implementation(register_slot_attention())
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        cache_shape = (num_slots, self.shape.num_kv_heads, max_model_len, self.shape.head_dim)
+        # torch.empty: on a CPU, pages are only committed as positions get written.
+        self.k_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
+        self.v_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
+        self._arange = torch.arange(max_model_len, device=self.device)
+        # Attention reads cache rows up to the longest decode of the step, past what each row
+        # holds; masked positions still enter ``0 * value``, so they must hold finite numbers.
+        # Rows are zeroed lazily in blocks, which also keeps untouched CPU pages uncommitted.
+        self._num_finite = [0] * num_slots
+
+    def _ensure_finite(self, num_rows: int, kv_len: int) -> None:
+        block = 256
+        target = min(self.max_model_len, -(-kv_len // block) * block)
+        for row in range(num_rows):
+            start = self._num_finite[row]
+            if start >= kv_len:
+                continue
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[row, :, start:target].zero_()
+            self._num_finite[row] = target
+
+    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def make_generator(self, params: Any) -> torch.Generator:
+        return make_generator(params, self.device)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Seq[ScheduledChunk]) -> list[int]:
+        """Run one step; returns one sampled token per chunk that samples, in chunk order."""
+        if not chunks:
+            return []
+        step, input_ids, positions, sample_index = self._prepare(chunks)
+        hidden = self.decoder(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            slot_step=step,
+        ).last_hidden_state[0]
+        if not sample_index:
+            return []
+        index = torch.tensor(sample_index, device=self.device)
+        logits = self.lm_head(hidden.index_select(0, index))
+        sampling = [chunk for chunk in chunks if chunk.samples]
+        params = [chunk.seq.params for chunk in sampling]
+        generators = []
+        for chunk in sampling:
+            seq = chunk.seq
+            if not seq.params.is_greedy and seq.generator is None:
+                seq.generator = self.make_generator(seq.params)
+            generators.append(seq.generator)
+        return sample_tokens(logits, params, generators)
+
+    def _prepare(
+        self, chunks: Seq[ScheduledChunk]
+    ) -> tuple[SlotStep, torch.Tensor, torch.Tensor, list[int]]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_index: list[int] = []
+        decode_token_index: list[int] = []
+        decode_slots: list[int] = []
+        decode_lens: list[int] = []
+        prefill_specs: list[tuple[int, int, int, int]] = []
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.slot is None:
+                raise RuntimeError(f"sequence {seq.request_id} is scheduled without a slot")
+            token_start = len(token_ids)
+            end = chunk.start + chunk.num_tokens
+            token_ids.extend(seq.token_ids[chunk.start : end])
+            positions.extend(range(chunk.start, end))
+            slots.extend([seq.slot] * chunk.num_tokens)
+            if chunk.num_tokens == 1:
+                decode_token_index.append(token_start)
+                decode_slots.append(seq.slot)
+                decode_lens.append(end)
+            else:
+                prefill_specs.append((token_start, chunk.num_tokens, seq.slot, chunk.start))
+            if chunk.samples:
+                sample_index.append(len(token_ids) - 1)
+
+        # Before this step writes anything: positions past a row's zeroed extent were never
+        # written, so zeroing them cannot destroy keys or values.
+        self._ensure_finite(max(slots) + 1, max(positions) + 1)
+        device = self.device
+        positions_t = torch.tensor(positions, device=device)
+        decode_mask = None
+        num_rows = kv_len = 0
+        if decode_slots:
+            num_rows = max(decode_slots) + 1
+            kv_len = max(decode_lens)
+            lens = torch.zeros(num_rows, dtype=torch.long, device=device)
+            # Rows of idle slots attend to position 0 only: finite garbage, never read back.
+            lens.fill_(1)
+            lens[torch.tensor(decode_slots, device=device)] = torch.tensor(
+                decode_lens, device=device
+            )
+            decode_mask = (self._arange[:kv_len].unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+
+        group = self.model.config.num_attention_heads // self.shape.num_kv_heads
+        prefills = []
+        for token_start, num_tokens, slot, start in prefill_specs:
+            mask = None
+            if start > 0:
+                query_pos = self._arange[start : start + num_tokens].unsqueeze(1)
+                causal = self._arange[: start + num_tokens].unsqueeze(0) <= query_pos
+                mask = causal.repeat(group, 1)  # rows follow the (head-in-group, token) fold
+            prefills.append(
+                PrefillChunkInput(token_start, num_tokens, slot, start + num_tokens, mask)
+            )
+
+        step = SlotStep(
+            k_cache=self.k_cache,
+            v_cache=self.v_cache,
+            write_slots=torch.tensor(slots, device=device),
+            write_positions=positions_t,
+            num_tokens=len(token_ids),
+            decode_token_index=(
+                torch.tensor(decode_token_index, device=device) if decode_slots else None
+            ),
+            decode_slots=torch.tensor(decode_slots, device=device) if decode_slots else None,
+            num_decode_rows=num_rows,
+            decode_kv_len=kv_len,
+            decode_mask=decode_mask,
+            prefills=tuple(prefills),
+        )
+        return step, torch.tensor(token_ids, device=device), positions_t, sample_index
+
+
+def build_runner(settings: Any, source: str) -> tuple[ModelRunner, Any, int]:
+    """Load the model for ``settings`` (an EngineSettings) and size the KV cache.
+
+    Returns the runner, the tokenizer and the KV capacity in tokens: ``kv_cache_tokens`` if
+    set, else ``kv_cache_memory_fraction`` of the memory available after loading, and never
+    more than the slot rows hold (``max_batch_size x max_model_len``).
+    """
+    if settings.num_threads is not None:
+        torch.set_num_threads(settings.num_threads)
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    model, tokenizer = load_model(source, device, dtype)
+    shape = ModelShape.from_config(model.config)
+    max_model_len = settings.max_model_len or min(
+        shape.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
+    )
+    if max_model_len > shape.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's "
+            f"{shape.max_position_embeddings} positions"
+        )
+    slot_capacity = settings.max_batch_size * max_model_len
+    if settings.kv_cache_tokens is not None:
+        kv_cache_tokens = min(settings.kv_cache_tokens, slot_capacity)
+    else:
+        budget = settings.kv_cache_memory_fraction * available_memory_bytes(device)
+        kv_cache_tokens = min(int(budget // shape.kv_bytes_per_token(dtype)), slot_capacity)
+    if kv_cache_tokens < 2:
+        raise ValueError("not enough memory for a KV cache; set kv_cache_tokens explicitly")
+    runner = ModelRunner(model, num_slots=settings.max_batch_size, max_model_len=max_model_len)
+    logger.info(
+        "loaded %s on %s/%s: %d slots x %d positions, KV budget %d tokens",
+        source,
+        device,
+        dtype,
+        settings.max_batch_size,
+        max_model_len,
+        kv_cache_tokens,
+    )
+    return runner, tokenizer, kv_cache_tokens

@@ -1,0 +1,62 @@
+"""What the engine reports: per-request outputs and metrics, and engine-wide statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slotserve.engine.sequence import FinishReason, Sequence
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Latencies of one finished request, in seconds."""
+
+    queue_time: float  # arrival -> first scheduled
+    time_to_first_token: float  # arrival -> first token
+    e2e_latency: float  # arrival -> finished
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence) -> RequestMetrics:
+        arrival = seq.arrival_time
+        finish = seq.finish_time if seq.finish_time is not None else arrival
+        scheduled = seq.first_scheduled_time if seq.first_scheduled_time is not None else finish
+        first_token = seq.first_token_time if seq.first_token_time is not None else finish
+        return cls(
+            queue_time=scheduled - arrival,
+            time_to_first_token=first_token - arrival,
+            e2e_latency=finish - arrival,
+            inter_token_latencies=list(seq.inter_token_latencies),
+        )
+
+
+@dataclass
+class RequestOutput:
+    """One delta of a request's output; the last one has ``finished`` and ``metrics`` set."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A cheap snapshot of the engine's state and counters since start."""
+
+    policy: str
+    num_running: int
+    num_waiting: int
+    num_slots_total: int
+    num_slots_free: int
+    kv_cache_usage: float
+    kv_cache_tokens_total: int
+    slot_utilisation: float
+    num_steps: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int

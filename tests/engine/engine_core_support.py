@@ -1,0 +1,61 @@
+"""Helpers for the engine-core tests: a tiny model whose greedy choices depend on context."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+from slotserve.engine.engine import LLMEngine
+from slotserve.engine.settings import EngineSettings
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def build_sharp_tiny_model(dest: Path, tokenizer_dir: Path, *, seed: int = 0) -> Path:
+    """A 2-layer Llama (hidden 64, 4 heads, 2 kv heads) with weights scaled for sharp choices.
+
+    With default init, attention is near-uniform and the output head echoes the input token, so
+    a test could not tell correct attention from broken attention. Here attention logits are
+    large, the output head is untied, and greedy outputs change from token to token.
+    """
+    if (dest / "config.json").is_file():
+        return dest
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                scale = 3.0 if name.endswith(("q_proj", "k_proj")) else 1.0
+                module.weight.normal_(0.0, scale / math.sqrt(module.in_features))
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+        model.lm_head.weight.mul_(4.0)
+    tmp = dest.with_name(dest.name + ".tmp")
+    model.save_pretrained(str(tmp))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, tmp / name)
+    tmp.rename(dest)
+    return dest
+
+
+def make_engine(model_dir: Path, **settings) -> LLMEngine:
+    settings.setdefault("max_model_len", 512)
+    return LLMEngine.load(EngineSettings(model=str(model_dir), **settings))

@@ -1,0 +1,116 @@
+"""AsyncEngine: concurrent streams, abort, shutdown, errors at once, a free event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from engine_core_support import build_sharp_tiny_model, make_engine
+from slotserve.engine.async_engine import AsyncEngine
+from slotserve.engine.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
+from slotserve.engine.params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm2_dir):
+    return build_sharp_tiny_model(tmp_path_factory.getbasetemp() / "sharp-tiny", smollm2_dir)
+
+
+@pytest.fixture
+async def engine(model_dir):
+    engine = AsyncEngine(make_engine(model_dir, max_batch_size=4, max_waiting=8))
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+def greedy(max_tokens=16, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+async def collect(stream):
+    outputs = [output async for output in stream]
+    return outputs
+
+
+async def test_concurrent_streams_match_the_sync_engine(engine, model_dir):
+    prompts = [f"request number {i} says hello" for i in range(6)]
+    streams = [engine.add_request(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts)]
+    results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+    expected = make_engine(model_dir, max_batch_size=1).generate(prompts, greedy(12))
+    for outputs, reference in zip(results, expected, strict=True):
+        assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+        assert all(not o.finished for o in outputs[:-1])
+        assert [t for o in outputs for t in o.token_ids] == reference.token_ids
+        assert "".join(o.text for o in outputs) == reference.text
+        assert outputs[-1].num_generated_tokens == 12 and outputs[-1].metrics is not None
+    stats = engine.stats()
+    assert stats.generation_tokens_total == 72 and stats.num_slots_total == 4
+
+
+async def test_abort_ends_the_stream_and_frees_the_slot(engine):
+    stream = engine.add_request("long", "tell me a long story", greedy(400))
+    first = await asyncio.wait_for(stream.__anext__(), 30)
+    assert not first.finished
+    engine.abort("long")
+    engine.abort("long")
+    rest = await asyncio.wait_for(collect(stream), 30)
+    assert rest[-1].finish_reason == "abort" and rest[-1].num_generated_tokens < 400
+    await asyncio.sleep(0.05)
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.num_slots_free == 4
+
+
+async def test_errors_are_raised_at_once(engine, model_dir):
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("bad", "x", greedy(10_000))
+    engine.add_request("dup", "x", greedy(50))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("dup", "x", greedy(5))
+    idle = AsyncEngine(make_engine(model_dir))
+    with pytest.raises(EngineNotRunningError):
+        idle.add_request("a", "x", greedy())
+
+
+async def test_queue_full_beyond_max_waiting(model_dir):
+    engine = AsyncEngine(make_engine(model_dir, max_batch_size=1, max_waiting=2))
+    await engine.start()
+    try:
+        streams = [engine.add_request(f"r{i}", "hi", greedy(30)) for i in range(3)]
+        for _ in range(200):  # until the loop thread has taken them over: 1 running, 2 waiting
+            if engine.stats().num_running == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().num_waiting == 2
+        with pytest.raises(QueueFullError):
+            engine.add_request("r3", "hi", greedy(30))
+        for stream in streams:
+            await asyncio.wait_for(collect(stream), 60)
+    finally:
+        await engine.shutdown()
+
+
+async def test_shutdown_ends_open_streams_with_abort(model_dir):
+    engine = AsyncEngine(make_engine(model_dir, max_batch_size=1))
+    await engine.start()
+    streams = [engine.add_request(f"r{i}", "hello there", greedy(500)) for i in range(3)]
+    await asyncio.wait_for(streams[0].__anext__(), 30)
+    await asyncio.wait_for(engine.shutdown(), 30)
+    for stream in streams:
+        outputs = await asyncio.wait_for(collect(stream), 5)
+        assert outputs[-1].finish_reason == "abort"
+    with pytest.raises(EngineNotRunningError):
+        engine.add_request("late", "x", greedy())
+
+
+async def test_event_loop_stays_responsive_while_generating(engine):
+    stream = engine.add_request("busy", "keep the engine busy", greedy(150))
+    lags = []
+    consumer = asyncio.create_task(collect(stream))
+    while not consumer.done():
+        start = time.perf_counter()
+        await asyncio.sleep(0.005)
+        lags.append(time.perf_counter() - start - 0.005)
+    assert len(lags) > 10
+    assert sorted(lags)[len(lags) // 2] < 0.05  # the loop thread never blocks the event loop
