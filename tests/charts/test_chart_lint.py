@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import pytest
-from chart_support import CHART, GOOD_VALUES, VALUES_DIR
+from chart_support import CHART, ENSURE_TOOLS, GOOD_VALUES, VALUES_DIR
 
 
 def test_helm_binary_is_real_helm(run_helm):
@@ -23,3 +26,14 @@ def test_lint_strict_passes(run_helm, values_file):
     # --strict turns warnings into failures; the only note left is the optional icon.
     notes = [line for line in result.stdout.splitlines() if line.startswith("[")]
     assert all("icon is recommended" in line for line in notes), notes
+
+
+def test_ensure_tools_is_quick_and_quiet_when_cached(helm_bin):
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["bash", str(ENSURE_TOOLS)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == proc.stderr == ""
+    assert time.monotonic() - started < 5
+    assert (helm_bin.parent / "kubectl").is_file()

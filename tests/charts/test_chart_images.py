@@ -1,0 +1,150 @@
+"""The Dockerfiles behind the chart's default images agree with the chart and the operator.
+
+No container engine runs here, so the images cannot be built; what can be checked is checked:
+the files each Dockerfile copies exist and survive its .dockerignore, the package builds from
+exactly those files, the right extra is installed, and users, ports and entrypoints match what
+the chart and the operator expect.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from chart_support import CHART, ROOT, load_yaml
+from slotserve.operator.builders import ENGINE_PORT, RUN_AS_USER
+
+DOCKER = ROOT / "docker"
+# image -> (extra installed, uid the pods run as, port the container serves)
+IMAGES = {
+    "engine": ("engine", RUN_AS_USER, ENGINE_PORT),
+    "gateway": ("gateway", None, None),
+    "operator": ("operator", None, None),
+}
+
+
+def dockerfile(image: str) -> str:
+    return (DOCKER / f"{image}.Dockerfile").read_text()
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    joined = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def copy_sources(image: str) -> list[str]:
+    sources = []
+    for word, args in instructions(dockerfile(image)):
+        if word == "COPY":
+            *srcs, _dest = args.split()
+            sources += [s.rstrip("/") for s in srcs if not s.startswith("--")]
+    return sources
+
+
+def test_chart_defaults_point_at_these_images():
+    values = load_yaml(CHART / "values.yaml")
+    repos = {
+        "engine": values["engine"]["image"]["repository"],
+        "gateway": values["gateway"]["image"]["repository"],
+        "operator": values["operator"]["image"]["repository"],
+    }
+    app_version = load_yaml(CHART / "Chart.yaml")["appVersion"]
+    for image, repo in repos.items():
+        assert repo == f"ghcr.io/slotserve/{image}"
+        # The build command in the Dockerfile's header produces exactly that tag.
+        assert f"-t {repo}:{app_version} ." in dockerfile(image)
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_image_runs_slotserve_as_a_numeric_non_root_user(image):
+    steps = instructions(dockerfile(image))
+    (user,) = [args for word, args in steps if word == "USER"]
+    uid = int(user.split(":")[0])
+    assert uid > 0
+    expected_uid = (
+        IMAGES[image][1] or load_yaml(CHART / "values.yaml")["podSecurityContext"]["runAsUser"]
+    )
+    assert uid == expected_uid
+    assert [args for word, args in steps if word == "ENTRYPOINT"] == ['["slotserve"]']
+    assert steps[-1][0] in {"CMD", "ENTRYPOINT"}
+    # The process must not be root after the last USER line.
+    last_user = max(i for i, (word, _) in enumerate(steps) if word == "USER")
+    assert not any(word == "RUN" for word, _ in steps[last_user:])
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_image_installs_only_its_own_extra(image):
+    extra = IMAGES[image][0]
+    runs = " ".join(args for word, args in instructions(dockerfile(image)) if word == "RUN")
+    installs = re.findall(r'pip install [^&]*?"\.\[([a-z,]+)\]"', runs)
+    assert installs == [extra]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert extra in extras
+    if image == "engine":
+        assert "torch==2.13.0" in extras["engine"]
+        assert re.search(r"ARG TORCH_VERSION=2\.13\.0\b", dockerfile(image))
+        port = IMAGES[image][2]
+        assert f"EXPOSE {port}" in dockerfile(image)
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_copied_files_exist_and_pass_the_dockerignore(image):
+    ignore = (DOCKER / f"{image}.Dockerfile.dockerignore").read_text().splitlines()
+    for source in copy_sources(image):
+        assert (ROOT / source).exists(), f"{image}.Dockerfile copies missing {source}"
+        allowed = {f"!{source}", f"!{source}/**"}
+        assert allowed & set(ignore), f"{source} is excluded from the {image} build context"
+
+
+@pytest.fixture(scope="module")
+def wheel_from_copied_files(tmp_path_factory) -> Path:
+    """Build the wheel the way `pip install ".[extra]"` does in the images: from the copies."""
+    context = tmp_path_factory.mktemp("image-context")
+    for source in copy_sources("gateway"):
+        src = ROOT / source
+        if src.is_dir():
+            shutil.copytree(src, context / source, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, context / source)
+    out = context / "dist"
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    proc = subprocess.run(
+        [*pip_wheel, "-q", "--no-index", "-w", str(out), str(context)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = out.glob("slotserve-*.whl")
+    return wheel
+
+
+def test_package_builds_from_exactly_the_copied_files(wheel_from_copied_files):
+    assert {tuple(copy_sources(image)) for image in IMAGES} == {tuple(copy_sources("gateway"))}
+    with zipfile.ZipFile(wheel_from_copied_files) as wheel:
+        names = set(wheel.namelist())
+        metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        text = wheel.read(metadata).decode()
+        entry_points = wheel.read(metadata.replace("METADATA", "entry_points.txt")).decode()
+    assert "slotserve/cli.py" in names
+    for part in ("engine", "gateway", "operator"):
+        assert any(n.startswith(f"slotserve/{part}/") for n in names), part
+        assert f"Provides-Extra: {part}" in text
+    assert not any(n.startswith("slotserve/operator/__init__") for n in names)
+    assert "slotserve = slotserve.cli:main" in entry_points
