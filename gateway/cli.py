@@ -1,0 +1,71 @@
+"""``slotserve gateway``: serve the OpenAI API in front of engine pools, with admission."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from aiohttp import web
+from pydantic import ValidationError
+from slotserve.gateway.config import PoolConfigError
+from slotserve.gateway.settings import GatewaySettings
+
+from slotserve.settings import settings_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slotserve gateway",
+        description="Admit and route OpenAI API requests to engine pools "
+        "(flags override SLOTSERVE_GATEWAY_* variables).",
+    )
+    p.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8080)")
+    p.add_argument("--config", default=None, help="pool file (YAML), reloaded when it changes")
+    p.add_argument("--redis-url", default=None, help="Redis URL; unset = in-process admission")
+    p.add_argument("--discovery", choices=["file", "kubernetes"], default=None)
+    p.add_argument("--namespaces", default=None, help="comma list (kubernetes discovery)")
+    p.add_argument("--api-keys-file", default=None, help="one API key per line")
+    p.add_argument("--redis-prefix", default=None, help="prefix of every Redis key")
+    p.add_argument("--lease-ttl-seconds", type=float, default=None)
+    p.add_argument("--default-priority", type=int, default=None, help="1 (highest) .. 9")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = settings_from_args(GatewaySettings, args)
+    except ValidationError as exc:
+        print(f"slotserve gateway: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    if settings.discovery == "file" and settings.config is None:
+        print("slotserve gateway: --config is required with file discovery", file=sys.stderr)
+        return 2
+    from slotserve.gateway.app import create_app
+
+    try:
+        app = create_app(settings)
+        web.run_app(
+            app,
+            host=settings.host,
+            port=settings.port,
+            handler_cancellation=True,
+            shutdown_timeout=10,
+            access_log=None,
+            print=lambda *_: logging.getLogger(__name__).info(
+                "gateway listening on %s:%d", settings.host, settings.port
+            ),
+        )
+    except PoolConfigError as exc:
+        print(f"slotserve gateway: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"slotserve gateway: {exc}", file=sys.stderr)
+        return 1
+    return 0

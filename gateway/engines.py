@@ -1,0 +1,129 @@
+"""Engine load reports: every endpoint's ``GET /load``, read continuously.
+
+The slot count the gateway enforces is the engine's own ``slots_total``; an endpoint that does
+not answer, reports ``draining`` or failed a proxied request is offered to nobody until its next
+good report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from slotserve.gateway.config import PoolRegistry
+from slotserve.gateway.routing import EndpointOffer, load_score
+
+log = logging.getLogger(__name__)
+FAILURES_BEFORE_DOWN = 2
+
+
+@dataclass
+class EngineLoad:
+    """The last report of one endpoint."""
+
+    url: str
+    slots_total: int = 0
+    slots_free: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    draining: bool = False
+    num_failures: int = FAILURES_BEFORE_DOWN  # unknown until the first good report
+    failed_by_proxy: bool = False
+    updated_at: float = 0.0
+
+    @property
+    def usable(self) -> bool:
+        return (
+            self.num_failures < FAILURES_BEFORE_DOWN
+            and not self.failed_by_proxy
+            and not self.draining
+            and self.slots_total > 0
+        )
+
+
+class EngineMonitor:
+    """Polls every endpoint of every pool and offers the usable ones to admission."""
+
+    def __init__(self, registry: PoolRegistry, interval_s: float = 0.25) -> None:
+        self.registry = registry
+        self.interval_s = interval_s
+        self.loads: dict[str, EngineLoad] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.first_round = asyncio.Event()
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s * 4))
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._task = asyncio.create_task(self._run(), name="engine-monitor")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._session is not None:
+            await self._session.close()
+
+    def offers(self, model: str) -> list[EndpointOffer]:
+        pool = self.registry.get(model)
+        if pool is None:
+            return []
+        offers = []
+        for url in pool.endpoints:
+            load = self.loads.get(url)
+            if load is not None and load.usable:
+                score = load_score(
+                    load.running, load.waiting, load.kv_cache_usage, load.slots_total
+                )
+                offers.append(EndpointOffer(url, load.slots_total, score))
+        return offers
+
+    def mark_failed(self, url: str) -> None:
+        """A proxied request could not reach ``url``: offer it to nobody until it reports again."""
+        load = self.loads.get(url)
+        if load is not None:
+            load.failed_by_proxy = True
+
+    async def poll_once(self) -> None:
+        urls = self.registry.endpoints()
+        for url in list(self.loads):
+            if url not in urls:
+                del self.loads[url]
+        await asyncio.gather(*(self._poll(url) for url in urls))
+        self.first_round.set()
+
+    async def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            await self.poll_once()
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    async def _poll(self, url: str) -> None:
+        assert self._session is not None
+        load = self.loads.setdefault(url, EngineLoad(url))
+        try:
+            async with self._session.get(f"{url}/load") as resp:
+                resp.raise_for_status()
+                body = await resp.json()
+            load.slots_total = int(body["slots_total"])
+            load.slots_free = int(body.get("slots_free", 0))
+            load.running = int(body.get("running", 0))
+            load.waiting = int(body.get("waiting", 0))
+            load.kv_cache_usage = float(body.get("kv_cache_usage", 0.0))
+            load.draining = bool(body.get("draining", False))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            load.num_failures += 1
+            if load.num_failures == FAILURES_BEFORE_DOWN:
+                log.warning("engine %s is down: %s", url, exc or type(exc).__name__)
+            return
+        if load.num_failures >= FAILURES_BEFORE_DOWN:
+            log.info("engine %s is up: %d slots", url, load.slots_total)
+        load.num_failures = 0
+        load.failed_by_proxy = False
+        load.updated_at = time.monotonic()

@@ -1,0 +1,56 @@
+"""Prometheus metrics of one gateway replica (own registry per app: no module globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+@dataclass
+class GatewayMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.queue_size = Gauge(
+            "slotserve_gateway_queue_size",
+            "Requests waiting for a slot in the pool (all replicas, as last seen).",
+            ["pool"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "slotserve_gateway_inflight_requests",
+            "Requests this replica has in flight on each endpoint.",
+            ["pool", "endpoint"],
+            registry=r,
+        )
+        self.admitted = Counter(
+            "slotserve_gateway_admitted", "Requests given a slot.", ["pool"], registry=r
+        )
+        self.rejected = Counter(
+            "slotserve_gateway_rejected",
+            "Requests refused, by reason (queue_full, queue_timeout, backend_unavailable, ...).",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "slotserve_gateway_queue_wait_seconds",
+            "Time from arrival to slot grant.",
+            ["pool"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "slotserve_gateway_upstream_errors",
+            "Failed engine calls, by kind (connect, status, stream).",
+            ["endpoint", "kind"],
+            registry=r,
+        )
+        self.backend_up = Gauge(
+            "slotserve_gateway_admission_backend_up",
+            "1 when the admission backend (Redis or in-process) answers.",
+            registry=r,
+        )

@@ -1,0 +1,179 @@
+"""A controllable engine double over real HTTP, for the gateway's admission tests and benchmark.
+
+It speaks the engine's HTTP surface the gateway relies on (``GET /load``, ``POST
+/v1/completions``, ``POST /v1/chat/completions`` with SSE streaming, the slot headers) and
+RECORDS what a real engine would feel: the peak number of requests in flight at once, the order
+in which prompts arrived, and how many requests were aborted by a closed connection. It never
+pretends to generate text: answers are fixed strings. Run it as a process:
+
+    python tests/gateway/gateway_engine_double.py --port 9001 --slots 2 --delay 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+STATE = web.AppKey("state", dict)
+
+
+def _prompt_of(payload: dict) -> str:
+    if "messages" in payload:
+        messages = payload.get("messages") or [{}]
+        return str(messages[-1].get("content", ""))
+    return str(payload.get("prompt", ""))
+
+
+async def load(request: web.Request) -> web.Response:
+    s = request.app[STATE]
+    if s["fail"] == "load":
+        return web.Response(status=500)
+    running = min(s["inflight"], s["slots"])
+    return web.json_response(
+        {
+            "model": s["model"],
+            "policy": "continuous",
+            "slots_total": s["slots"],
+            "slots_free": max(0, s["slots"] - s["inflight"]),
+            "running": running,
+            "waiting": max(0, s["inflight"] - s["slots"]),
+            "kv_cache_usage": running / s["slots"],
+            "draining": False,
+        }
+    )
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    s = request.app[STATE]
+    if s["fail"] == "503":
+        return web.json_response({"error": {"message": "draining"}}, status=503)
+    payload = await request.json()
+    s["inflight"] += 1
+    s["max_inflight"] = max(s["max_inflight"], s["inflight"])
+    s["num_requests"] += 1
+    s["arrivals"].append(_prompt_of(payload))
+    delay = float(payload.get("x_delay", s["delay"]))
+    num_chunks = int(payload.get("max_tokens", 4))
+    chat = request.path.endswith("chat/completions")
+    headers = {
+        "x-slotserve-slots-total": str(s["slots"]),
+        "x-slotserve-slots-free": str(max(0, s["slots"] - s["inflight"])),
+    }
+    try:
+        if not payload.get("stream"):
+            if delay:
+                await asyncio.sleep(delay)
+            text = "ok " * num_chunks
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}}
+                if chat
+                else {"index": 0, "text": text}
+            )
+            choice["finish_reason"] = "length"
+            body = {
+                "id": "cmpl-double",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": s["model"],
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": 1,
+                    "completion_tokens": num_chunks,
+                    "total_tokens": 1 + num_chunks,
+                },
+            }
+            return web.json_response(body, headers=headers)
+        resp = web.StreamResponse(
+            headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        for i in range(num_chunks):
+            await asyncio.sleep(delay / max(num_chunks, 1))
+            delta = {"content": f"t{i} "} if chat else None
+            choice = {"index": 0, "finish_reason": None}
+            if chat:
+                choice["delta"] = delta
+            else:
+                choice["text"] = f"t{i} "
+            chunk = {
+                "id": "cmpl-double",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": s["model"],
+                "choices": [choice],
+            }
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    except (asyncio.CancelledError, ConnectionResetError):
+        s["num_aborted"] += 1
+        raise
+    finally:
+        s["inflight"] -= 1
+
+
+async def stats(request: web.Request) -> web.Response:
+    s = request.app[STATE]
+    return web.json_response({k: v for k, v in s.items()})
+
+
+async def control(request: web.Request) -> web.Response:
+    s = request.app[STATE]
+    body = await request.json()
+    if body.get("reset"):
+        s.update(max_inflight=0, num_requests=0, num_aborted=0, arrivals=[])
+    for key in ("fail", "delay", "slots"):
+        if key in body:
+            s[key] = body[key]
+    return web.json_response({"ok": True})
+
+
+def create_double_app(
+    slots: int = 2, delay: float = 0.05, model: str = "double"
+) -> web.Application:
+    app = web.Application()
+    app[STATE] = {
+        "slots": slots,
+        "delay": delay,
+        "model": model,
+        "fail": None,
+        "inflight": 0,
+        "max_inflight": 0,
+        "num_requests": 0,
+        "num_aborted": 0,
+        "arrivals": [],
+    }
+    app.router.add_get("/load", load)
+    app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/control", control)
+    app.router.add_post("/v1/completions", completion)
+    app.router.add_post("/v1/chat/completions", completion)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--delay", type=float, default=0.05)
+    parser.add_argument("--model", default="double")
+    args = parser.parse_args()
+    app = create_double_app(args.slots, args.delay, args.model)
+    web.run_app(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
