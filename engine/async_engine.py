@@ -123,7 +123,7 @@ class AsyncEngine:
                 raise InvalidRequestError(
                     f"request id {request_id!r} is in use", param="request_id"
                 )
-            if self._stats.num_waiting + self._num_pending_adds >= self.settings.max_waiting:
+            if self._expected_waiting() >= self.settings.max_waiting:
                 raise QueueFullError(f"{self.settings.max_waiting} requests are already waiting")
             stream = RequestStream(request_id)
             self._streams[request_id] = stream
@@ -131,6 +131,15 @@ class AsyncEngine:
             self._inbox.put(("add", seq))
         self._wake.set()
         return stream
+
+    def _expected_waiting(self) -> int:
+        """Waiting requests once the inbox is applied: under continuous batching, requests not
+        yet handed over take the free slots first."""
+        stats = self._stats
+        pending = self._num_pending_adds
+        if self.settings.policy == "continuous":
+            pending = max(0, pending - stats.num_slots_free)
+        return stats.num_waiting + pending
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent); its slot is free at the next step."""
@@ -140,10 +149,9 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The snapshot taken after the loop's last iteration, plus requests not yet handed over."""
         stats = self._stats
-        pending = self._num_pending_adds
-        if not pending:
+        if not self._num_pending_adds:
             return stats
-        return EngineStats(**{**stats.__dict__, "num_waiting": stats.num_waiting + pending})
+        return EngineStats(**{**stats.__dict__, "num_waiting": self._expected_waiting()})
 
     # -- the loop (engine thread) -----------------------------------------------------------
 
