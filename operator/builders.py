@@ -141,11 +141,15 @@ def build_container(pool: InferencePool, *, engine_image: str) -> dict[str, Any]
     """The engine container: contract command and port, probes, hardened security context."""
     spec = pool.spec
     model_arg, _, model_mounts = _model_source(spec)
-    resources: dict[str, Any] = {}
-    if spec.engine.resources.requests:
-        resources["requests"] = dict(spec.engine.resources.requests)
-    if spec.engine.resources.limits:
-        resources["limits"] = dict(spec.engine.resources.limits)
+    # Quantities as strings: that is how the API server returns them, so re-reads compare equal.
+    resources = {
+        kind: {name: str(value) for name, value in amounts.items()}
+        for kind, amounts in (
+            ("requests", spec.engine.resources.requests),
+            ("limits", spec.engine.resources.limits),
+        )
+        if amounts
+    }
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": spec.engine.image or engine_image,

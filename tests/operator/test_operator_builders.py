@@ -157,7 +157,7 @@ def test_gpu_pool_passes_resources_node_selector_and_tolerations():
     deployment = builders.build_deployment(example_pool("llama-8b-gpu.yaml"), engine_image=IMAGE)
     pod = deployment["spec"]["template"]["spec"]
     engine = container(deployment)
-    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert engine["resources"]["requests"]["memory"] == "32Gi"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["tolerations"] == [

@@ -1,0 +1,114 @@
+"""``slotserve operator``: run the InferencePool operator (kopf) until SIGTERM.
+
+Cluster-wide by default, or only in ``--namespaces``. Several replicas are safe with kopf peering
+(``--peering-name`` and kopf's peering CRDs): each replica takes a random priority, the highest
+one works and the others stand by until its keep-alive expires.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import threading
+from typing import Any
+
+import kopf
+from slotserve.operator.handlers import PoolOperator
+from slotserve.operator.settings import OperatorSettings
+
+from slotserve.settings import settings_from_args
+
+
+def kopf_settings() -> kopf.OperatorSettings:
+    """kopf's knobs: progress in annotations (our status schema has no room for kopf's)."""
+    settings = kopf.OperatorSettings()
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="slotserve.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="slotserve.dev", key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = "slotserve.dev/operator"
+    # Events for warnings and errors only; a reconcile that worked is not news.
+    settings.posting.level = logging.WARNING
+    settings.watching.reconnect_backoff = 1.0
+    # A server-side watch timeout makes watches reconnect (resuming from a resourceVersion).
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    return settings
+
+
+def operator_kwargs(settings: OperatorSettings) -> dict[str, Any]:
+    """The arguments of ``kopf.operator`` for these settings (scope, peering, health)."""
+    kwargs: dict[str, Any] = {
+        "registry": PoolOperator(settings).build_registry(),
+        "settings": kopf_settings(),
+        "liveness_endpoint": f"http://0.0.0.0:{settings.health_port}/healthz",
+    }
+    if settings.namespaces:
+        kwargs["namespaces"] = list(settings.namespaces)
+    else:
+        kwargs["clusterwide"] = True
+    if settings.peering_name:
+        kwargs["peering_name"] = settings.peering_name
+        kwargs["priority"] = (
+            settings.priority if settings.priority is not None else random.randint(1, 2**30)
+        )
+    return kwargs
+
+
+async def run(
+    config: OperatorSettings,
+    *,
+    stop_flag: threading.Event | asyncio.Event | None = None,
+    ready_flag: threading.Event | asyncio.Event | None = None,
+    **overrides: Any,
+) -> None:
+    """Run the operator until ``stop_flag`` is set (or a signal arrives).
+
+    ``overrides`` replace ``kopf.operator`` arguments (e.g. ``settings``, ``standalone``).
+    """
+    kwargs = operator_kwargs(config) | overrides
+    await kopf.operator(stop_flag=stop_flag, ready_flag=ready_flag, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slotserve operator",
+        description="Reconcile InferencePool objects into engine Deployments and Services.",
+    )
+    parser.add_argument(
+        "--namespaces",
+        default=None,
+        help="comma list of namespaces to watch (env SLOTSERVE_OPERATOR_NAMESPACES; "
+        "default: the whole cluster)",
+    )
+    parser.add_argument(
+        "--health-port", type=int, default=None, help="port of GET /healthz (default 8080)"
+    )
+    parser.add_argument(
+        "--engine-image", default=None, help="engine image for pools that name none"
+    )
+    parser.add_argument(
+        "--peering-name", default=None, help="kopf peering object shared by the replicas"
+    )
+    parser.add_argument("--priority", type=int, default=None, help="peering priority")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Parse flags, then run the operator; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(OperatorSettings, args)
+    except ValueError as error:
+        print(f"slotserve operator: {error}")
+        return 2
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(run(settings))
+    return 0

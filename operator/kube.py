@@ -1,0 +1,194 @@
+"""The thin I/O layer: Kubernetes client configuration and create-or-patch of owned children.
+
+Objects travel as plain dicts (``_preload_content=False``), exactly as the builders make them
+and as the API returns them, so comparisons need no model round trips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import kopf
+import kubernetes.client
+import kubernetes.config
+from kubernetes.client.exceptions import ApiException
+from slotserve.operator.models import GROUP, PLURAL, VERSION
+
+MERGE_PATCH = "application/merge-patch+json"
+Outcome = Literal["created", "patched", "unchanged"]
+
+
+class ChildConflictError(Exception):
+    """A child's name is taken by an object that this pool does not own."""
+
+
+def load_configuration() -> kubernetes.client.Configuration:
+    """In-cluster service account if there is one, else the kubeconfig file.
+
+    ``$KUBECONFIG`` is read now, not when the kubernetes package was imported (it caches it).
+    """
+    configuration = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+    except kubernetes.config.ConfigException:
+        path = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or "~/.kube/config"
+        kubernetes.config.load_kube_config(
+            config_file=str(Path(path).expanduser()), client_configuration=configuration
+        )
+    return configuration
+
+
+def connection_info(configuration: kubernetes.client.Configuration) -> kopf.ConnectionInfo:
+    """The same credentials, in kopf's terms (what ``kopf.login_via_client`` does)."""
+    header = configuration.get_api_key_with_prefix(
+        "BearerToken"
+    ) or configuration.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else parts
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        username=configuration.username or None,
+        password=configuration.password or None,
+        scheme=scheme,
+        token=token,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+    )
+
+
+def is_subset(desired: Any, live: Any) -> bool:
+    """Whether every field of ``desired`` is present in ``live`` with the same value.
+
+    Extra fields in ``live`` (server defaults, status) do not count as differences.
+    """
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(
+            key in live and is_subset(value, live[key]) for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(desired) == len(live)
+            and all(is_subset(a, b) for a, b in zip(desired, live, strict=True))
+        )
+    return bool(desired == live)
+
+
+def replacing_patch(live: Any, desired: Any) -> Any:
+    """A JSON merge patch that turns ``live`` into exactly ``desired``.
+
+    Keys only ``live`` has are set to null (removed; the server re-applies its defaults), so a
+    field removed from the pool disappears from the child too. Lists are replaced whole.
+    """
+    if not (isinstance(live, dict) and isinstance(desired, dict)):
+        return desired
+    patch: dict[str, Any] = {key: None for key in live if key not in desired}
+    patch.update({key: replacing_patch(live.get(key), value) for key, value in desired.items()})
+    return patch
+
+
+@dataclass(frozen=True)
+class _Kind:
+    read: Callable[..., Any]
+    create: Callable[..., Any]
+    patch: Callable[..., Any]
+    # Parts of spec that we own whole (removals must propagate); the rest is merged.
+    replaced_spec_keys: tuple[str, ...]
+
+
+class Children:
+    """Create-or-patch of a pool's Deployment and Service, and status writes of pools."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+        apps = kubernetes.client.AppsV1Api(api_client)
+        core = kubernetes.client.CoreV1Api(api_client)
+        self._custom = kubernetes.client.CustomObjectsApi(api_client)
+        self._kinds = {
+            "Deployment": _Kind(
+                apps.read_namespaced_deployment,
+                apps.create_namespaced_deployment,
+                apps.patch_namespaced_deployment,
+                ("template",),
+            ),
+            "Service": _Kind(
+                core.read_namespaced_service,
+                core.create_namespaced_service,
+                core.patch_namespaced_service,
+                (),
+            ),
+        }
+
+    def apply(self, desired: dict[str, Any], *, owner_uid: str) -> Outcome:
+        """Create ``desired`` or patch the live object towards it; raises ChildConflictError."""
+        kind = self._kinds[desired["kind"]]
+        name, namespace = desired["metadata"]["name"], desired["metadata"]["namespace"]
+        try:
+            live = _json(kind.read(name, namespace, _preload_content=False))
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            kind.create(namespace, desired, _preload_content=False)
+            return "created"
+        owners = live["metadata"].get("ownerReferences") or []
+        if not any(owner.get("uid") == owner_uid for owner in owners):
+            raise ChildConflictError(
+                f"{desired['kind']} {namespace}/{name} exists and is not owned by this pool; "
+                "delete or rename it"
+            )
+        if is_subset(desired["metadata"], live["metadata"]) and is_subset(
+            desired["spec"], live["spec"]
+        ):
+            return "unchanged"
+        spec = {
+            key: replacing_patch(live["spec"].get(key), value)
+            if key in kind.replaced_spec_keys
+            else value
+            for key, value in desired["spec"].items()
+        }
+        patch = {
+            # resourceVersion makes this a compare-and-swap: a concurrent writer gives 409.
+            "metadata": {
+                **desired["metadata"],
+                "resourceVersion": live["metadata"]["resourceVersion"],
+            },
+            "spec": spec,
+        }
+        kind.patch(name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False)
+        return "patched"
+
+    def pool_exists(self, namespace: str, name: str, uid: str) -> bool:
+        """Whether the pool with this uid still exists (not deleted, not re-created)."""
+        try:
+            response = self._custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        metadata = _json(response)["metadata"]
+        return bool(metadata.get("uid") == uid and not metadata.get("deletionTimestamp"))
+
+    def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge ``status`` into the pool's status subresource."""
+        self._custom.patch_namespaced_custom_object_status(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            {"status": status},
+            _content_type=MERGE_PATCH,
+            _preload_content=False,
+        )
+
+
+def _json(response: Any) -> dict[str, Any]:
+    return dict(json.loads(response.data))

@@ -1,0 +1,204 @@
+"""Pure status computation: a pool's status from what the operator knows of its children.
+
+The handlers keep small views of pods and Deployments in kopf indexes (fed by watches) and call
+``compute_status``; nothing here talks to the API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from slotserve.operator.builders import ENGINE_PORT, selector_string
+
+# Container waiting reasons that will not fix themselves: the pool is degraded.
+STUCK_REASONS = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+    }
+)
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What status needs of one engine pod."""
+
+    name: str
+    ip: str
+    ready: bool
+    terminating: bool
+    finished: bool
+    stuck_reason: str = ""
+    stuck_message: str = ""
+    unschedulable_message: str = ""
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> PodView:
+        """Read a Pod object (dict or kopf body)."""
+        metadata, status = body.get("metadata", {}), body.get("status") or {}
+        conditions = {c.get("type"): c for c in status.get("conditions") or []}
+        ready = conditions.get("Ready", {}).get("status") == "True"
+        scheduled = conditions.get("PodScheduled", {})
+        unschedulable = scheduled.get("status") == "False" and (
+            scheduled.get("reason") == "Unschedulable"
+        )
+        stuck_reason, stuck_message = "", ""
+        for container in status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in STUCK_REASONS:
+                stuck_reason, stuck_message = waiting["reason"], waiting.get("message", "")
+                break
+        return cls(
+            name=metadata.get("name", ""),
+            ip=status.get("podIP") or "",
+            ready=ready,
+            terminating=bool(metadata.get("deletionTimestamp")),
+            finished=status.get("phase") in {"Succeeded", "Failed"},
+            stuck_reason=stuck_reason,
+            stuck_message=stuck_message,
+            unschedulable_message=scheduled.get("message", "") if unschedulable else "",
+        )
+
+    @property
+    def alive(self) -> bool:
+        return not (self.terminating or self.finished)
+
+    @property
+    def serving(self) -> bool:
+        return self.alive and self.ready and bool(self.ip)
+
+
+@dataclass(frozen=True)
+class DeploymentView:
+    """What status needs of the engine Deployment."""
+
+    generation: int
+    observed_generation: int
+    updated_replicas: int
+    deadline_exceeded: bool
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> DeploymentView:
+        """Read a Deployment object (dict or kopf body)."""
+        status = body.get("status") or {}
+        progressing = {c.get("type"): c for c in status.get("conditions") or []}.get(
+            "Progressing", {}
+        )
+        return cls(
+            generation=int(body.get("metadata", {}).get("generation", 0)),
+            observed_generation=int(status.get("observedGeneration", 0)),
+            updated_replicas=int(status.get("updatedReplicas", 0)),
+            deadline_exceeded=progressing.get("reason") == "ProgressDeadlineExceeded",
+        )
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the operator could not reconcile a pool (reason is CamelCase, for conditions)."""
+
+    reason: str
+    message: str
+
+
+def _condition(
+    previous: Mapping[str, Mapping[str, Any]],
+    kind: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: str,
+) -> dict[str, Any]:
+    value = "True" if status else "False"
+    before = previous.get(kind, {})
+    # lastTransitionTime moves only when the status flips, as Kubernetes conditions do.
+    changed_at = before.get("lastTransitionTime") if before.get("status") == value else None
+    return {
+        "type": kind,
+        "status": value,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": changed_at or now,
+    }
+
+
+def compute_status(
+    *,
+    pool_name: str,
+    desired_replicas: int,
+    deployment: DeploymentView | None,
+    pods: Iterable[PodView],
+    problem: Problem | None,
+    previous_conditions: Iterable[Mapping[str, Any]],
+    now: str,
+) -> dict[str, Any]:
+    """The pool's status (camelCase, without observedGeneration) from its children's state."""
+    alive = sorted((pod for pod in pods if pod.alive), key=lambda pod: pod.name)
+    serving = [pod for pod in alive if pod.serving]
+    num_ready = len(serving)
+    counts = f"{num_ready}/{desired_replicas} engine pods ready"
+    previous = {c.get("type", ""): c for c in previous_conditions}
+
+    stuck = next((pod for pod in alive if pod.stuck_reason), None)
+    unschedulable = next((pod for pod in alive if pod.unschedulable_message), None)
+    if problem is not None:
+        degraded = (True, problem.reason, problem.message)
+    elif stuck is not None:
+        degraded = (True, stuck.stuck_reason, f"pod {stuck.name}: {stuck.stuck_message}".strip())
+    elif unschedulable is not None:
+        degraded = (
+            True,
+            "Unschedulable",
+            f"pod {unschedulable.name}: {unschedulable.unschedulable_message}",
+        )
+    elif deployment is not None and deployment.deadline_exceeded:
+        degraded = (True, "ProgressDeadlineExceeded", "the engine rollout is not progressing")
+    else:
+        degraded = (False, "AsExpected", "")
+
+    if problem is not None:
+        ready = (False, problem.reason, problem.message)
+    elif desired_replicas == 0:
+        ready = (False, "ScaledToZero", "replicas is 0")
+    elif num_ready == 0:
+        ready = (False, "NoReplicasReady", counts)
+    elif num_ready < desired_replicas:
+        ready = (True, "SomeReplicasReady", counts)
+    else:
+        ready = (True, "AllReplicasReady", counts)
+
+    if problem is not None:
+        progressing = (False, problem.reason, problem.message)
+    elif deployment is None:
+        progressing = (True, "Creating", "creating the engine Deployment")
+    elif (
+        deployment.observed_generation < deployment.generation
+        or deployment.updated_replicas < desired_replicas
+    ):
+        progressing = (
+            True,
+            "RollingOut",
+            f"{deployment.updated_replicas}/{desired_replicas} engine pods updated",
+        )
+    elif num_ready != desired_replicas or len(alive) != desired_replicas:
+        progressing = (True, "Scaling", f"{counts}, {len(alive)} exist")
+    else:
+        progressing = (False, "RolloutComplete", counts)
+
+    return {
+        "replicas": len(alive),
+        "readyReplicas": num_ready,
+        "selector": selector_string(pool_name),
+        "endpoints": sorted(f"{pod.ip}:{ENGINE_PORT}" for pod in serving),
+        "conditions": [
+            _condition(previous, "Ready", *ready, now),
+            _condition(previous, "Progressing", *progressing, now),
+            _condition(previous, "Degraded", *degraded, now),
+        ],
+    }

@@ -1,0 +1,252 @@
+"""Test harness: the real operator (kopf) on its own thread and loop, and a small API client.
+
+kopf.operator() must not run inside pytest's event loop: on exit it cancels every task of its
+loop, pytest's included. Each OperatorThread gets its own thread and loop and stops through
+kopf's stop_flag, with bounded joins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+import kubernetes.client
+from kubernetes.client.exceptions import ApiException
+from slotserve.operator import cli, kube
+from slotserve.operator.models import GROUP, PLURAL, VERSION
+from slotserve.operator.settings import OperatorSettings
+
+WATCH_TIMEOUT_SECONDS = 1
+
+
+class OperatorThread:
+    """``slotserve operator`` in-process: cluster-wide, standalone (kmock serves no peering)."""
+
+    def __init__(self, settings: OperatorSettings) -> None:
+        self.settings = settings
+        self.stop_flag = threading.Event()
+        self.ready_flag = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="operator", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(
+                cli.run(
+                    self.settings,
+                    stop_flag=self.stop_flag,
+                    ready_flag=self.ready_flag,
+                    standalone=True,
+                    settings=self.kopf_settings(),
+                )
+            )
+        except BaseException as error:
+            self.error = error
+            self.ready_flag.set()
+
+    @staticmethod
+    def kopf_settings() -> Any:
+        settings = cli.kopf_settings()
+        # Short server-side watch timeouts: every watch reconnects and resumes from its
+        # resourceVersion during a test, which a real operator does every few minutes.
+        settings.watching.server_timeout = WATCH_TIMEOUT_SECONDS
+        settings.watching.client_timeout = WATCH_TIMEOUT_SECONDS + 5
+        settings.watching.reconnect_backoff = 0.1
+        return settings
+
+    def start(self, timeout: float = 30) -> OperatorThread:
+        self._thread.start()
+        if not self.ready_flag.wait(timeout) or self.error is not None:
+            self.stop()
+            raise RuntimeError(f"the operator did not start: {self.error!r}")
+        return self
+
+    def stop(self, timeout: float = 20) -> None:
+        self.stop_flag.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise RuntimeError("the operator thread did not stop in time")
+
+
+class Kube:
+    """The real kubernetes client, returning plain dicts (as kubectl -o json would)."""
+
+    def __init__(self) -> None:
+        self.api_client = kubernetes.client.ApiClient(kube.load_configuration())
+        self.custom = kubernetes.client.CustomObjectsApi(self.api_client)
+        self.apps = kubernetes.client.AppsV1Api(self.api_client)
+        self.core = kubernetes.client.CoreV1Api(self.api_client)
+
+    @staticmethod
+    def _json(response: Any) -> Any:
+        return json.loads(response.data)
+
+    # pools
+    def create_pool(self, body: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
+        return self._json(
+            self.custom.create_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, body, _preload_content=False
+            )
+        )
+
+    def get_pool(self, name: str, namespace: str = "default") -> dict[str, Any]:
+        return self._json(
+            self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+            )
+        )
+
+    def patch_pool(self, name: str, patch: dict[str, Any], namespace: str = "default") -> Any:
+        return self._json(
+            self.custom.patch_namespaced_custom_object(
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                name,
+                patch,
+                _content_type=kube.MERGE_PATCH,
+                _preload_content=False,
+            )
+        )
+
+    def scale_pool(self, name: str, replicas: int, namespace: str = "default") -> Any:
+        """What `kubectl scale ipool NAME --replicas N` (or an HPA) does: the scale subresource."""
+        return self._json(
+            self.custom.patch_namespaced_custom_object_scale(
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                name,
+                {"spec": {"replicas": replicas}},
+                _content_type=kube.MERGE_PATCH,
+                _preload_content=False,
+            )
+        )
+
+    def delete_pool(self, name: str, namespace: str = "default") -> None:
+        self.custom.delete_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+        )
+
+    # children
+    def deployments(self, namespace: str = "default") -> list[dict[str, Any]]:
+        return self._json(self.apps.list_namespaced_deployment(namespace, _preload_content=False))[
+            "items"
+        ]
+
+    def deployment(self, name: str, namespace: str = "default") -> dict[str, Any]:
+        return self._json(
+            self.apps.read_namespaced_deployment(name, namespace, _preload_content=False)
+        )
+
+    def services(self, namespace: str = "default") -> list[dict[str, Any]]:
+        return self._json(self.core.list_namespaced_service(namespace, _preload_content=False))[
+            "items"
+        ]
+
+    def pods(self, namespace: str = "default") -> list[dict[str, Any]]:
+        return self._json(self.core.list_namespaced_pod(namespace, _preload_content=False))["items"]
+
+    def events(self, namespace: str = "default") -> list[dict[str, Any]]:
+        return self._json(self.core.list_namespaced_event(namespace, _preload_content=False))[
+            "items"
+        ]
+
+    def exists(self, read: Any, *args: Any) -> bool:
+        try:
+            read(*args, _preload_content=False)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
+    # --- what the kubelet and the ReplicaSet controller would do (kmock has neither) ---------
+
+    def start_pod(self, deployment: dict[str, Any], index: int, ip: str) -> str:
+        """Create a pod of ``deployment`` (owned by it, its template's labels); not ready yet."""
+        name = f"{deployment['metadata']['name']}-{index}"
+        namespace = deployment["metadata"]["namespace"]
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "labels": deployment["spec"]["template"]["metadata"]["labels"],
+                "ownerReferences": [
+                    {
+                        "apiVersion": "apps/v1",
+                        "kind": "Deployment",
+                        "name": deployment["metadata"]["name"],
+                        "uid": deployment["metadata"]["uid"],
+                        "controller": True,
+                    }
+                ],
+            },
+            "spec": deployment["spec"]["template"]["spec"],
+        }
+        self.core.create_namespaced_pod(namespace, pod, _preload_content=False)
+        self.set_pod_ready(name, namespace, ip=ip, ready=False)
+        return name
+
+    def set_pod_ready(self, name: str, namespace: str, *, ip: str, ready: bool) -> None:
+        status = {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Ready", "status": "True" if ready else "False"},
+            ],
+        }
+        self.core.patch_namespaced_pod_status(
+            name,
+            namespace,
+            {"status": status},
+            _content_type=kube.MERGE_PATCH,
+            _preload_content=False,
+        )
+
+    def set_pod_waiting(self, name: str, namespace: str, reason: str, message: str) -> None:
+        status = {
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "ready": False,
+                    "restartCount": 3,
+                    "image": "x",
+                    "imageID": "",
+                    "state": {"waiting": {"reason": reason, "message": message}},
+                }
+            ]
+        }
+        self.core.patch_namespaced_pod_status(
+            name,
+            namespace,
+            {"status": status},
+            _content_type=kube.MERGE_PATCH,
+            _preload_content=False,
+        )
+
+    def finish_rollout(self, name: str, namespace: str = "default") -> None:
+        """Deployment status as the controller reports it once every pod is updated."""
+        deployment = self.deployment(name, namespace)
+        replicas = deployment["spec"]["replicas"]
+        status = {
+            "observedGeneration": deployment["metadata"]["generation"],
+            "replicas": replicas,
+            "updatedReplicas": replicas,
+            "readyReplicas": replicas,
+            "availableReplicas": replicas,
+        }
+        self.apps.patch_namespaced_deployment_status(
+            name,
+            namespace,
+            {"status": status},
+            _content_type=kube.MERGE_PATCH,
+            _preload_content=False,
+        )

@@ -1,0 +1,298 @@
+"""The real operator (kopf runtime + kubernetes client) against a Kubernetes API emulator.
+
+kmock (plus the commented shim in operator_apiserver.py) plays the API server; the tests play
+the controllers kmock lacks (ReplicaSets, kubelet) by creating pods and writing their status.
+Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+from operator_harness import Kube, OperatorThread
+from slotserve.operator.models import API_VERSION, KIND
+from slotserve.operator.settings import OperatorSettings
+from support import http_ok, wait_until
+
+WAIT = 15
+
+
+def pool_body(name: str = "chat", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": name},
+        "spec": {"model": {"name": "smollm2", "source": {"builtin": "smollm2"}}, **spec},
+    }
+
+
+def condition(pool: dict[str, Any], kind: str) -> dict[str, Any]:
+    conditions = (pool.get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == kind), {})
+
+
+def wait_status(kube: Kube, name: str, predicate: Any, what: str) -> dict[str, Any]:
+    wait_until(lambda: predicate(kube.get_pool(name)), WAIT, interval=0.1, what=what)
+    return kube.get_pool(name)
+
+
+def args_of(deployment: dict[str, Any]) -> list[str]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.usefixtures("operator")
+def test_create_builds_owned_children_and_status_follows_the_pods(kube: Kube):
+    pool = kube.create_pool(pool_body(replicas=2, batching={"maxBatchSize": 8}))
+    uid = pool["metadata"]["uid"]
+    wait_until(lambda: kube.deployments() and kube.services(), WAIT, what="children")
+    (deployment,) = kube.deployments()
+    (service,) = kube.services()
+    for child in (deployment, service):
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert owner["uid"] == uid and owner["kind"] == KIND and owner["controller"] is True
+    assert deployment["spec"]["replicas"] == 2
+    assert "--max-batch-size" in args_of(deployment)
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":test")
+
+    status = wait_status(
+        kube, "chat", lambda p: p.get("status", {}).get("observedGeneration") == 1, "status"
+    )["status"]
+    assert status["selector"] == "app.kubernetes.io/component=engine,slotserve.dev/pool=chat"
+    assert status["endpoints"] == [] and status["readyReplicas"] == 0
+    assert condition(kube.get_pool("chat"), "Ready")["reason"] == "NoReplicasReady"
+
+    # The "kubelet": two pods start, then become ready; the gateway's endpoints follow.
+    first = kube.start_pod(deployment, 0, "10.1.0.1")
+    second = kube.start_pod(deployment, 1, "10.1.0.2")
+    kube.set_pod_ready(first, "default", ip="10.1.0.1", ready=True)
+    pool = wait_status(
+        kube, "chat", lambda p: p["status"]["endpoints"] == ["10.1.0.1:8000"], "1 endpoint"
+    )
+    assert condition(pool, "Ready")["reason"] == "SomeReplicasReady"
+    kube.set_pod_ready(second, "default", ip="10.1.0.2", ready=True)
+    kube.finish_rollout("chat")
+    pool = wait_status(
+        kube,
+        "chat",
+        lambda p: condition(p, "Progressing").get("reason") == "RolloutComplete",
+        "rollout complete",
+    )
+    assert pool["status"]["endpoints"] == ["10.1.0.1:8000", "10.1.0.2:8000"]
+    assert pool["status"]["readyReplicas"] == pool["status"]["replicas"] == 2
+    assert condition(pool, "Ready")["status"] == "True"
+    assert condition(pool, "Degraded")["status"] == "False"
+
+    # A pod stops being ready: it leaves the endpoints at once.
+    kube.set_pod_ready(first, "default", ip="10.1.0.1", ready=False)
+    wait_status(
+        kube, "chat", lambda p: p["status"]["endpoints"] == ["10.1.0.2:8000"], "endpoint removed"
+    )
+    # A crash-looping engine degrades the pool, with the reason.
+    kube.set_pod_waiting(first, "default", "CrashLoopBackOff", "back-off restarting engine")
+    pool = wait_status(
+        kube, "chat", lambda p: condition(p, "Degraded").get("status") == "True", "degraded"
+    )
+    assert condition(pool, "Degraded")["reason"] == "CrashLoopBackOff"
+
+
+@pytest.mark.usefixtures("operator")
+def test_spec_change_patches_the_deployment_in_place(kube: Kube):
+    kube.create_pool(pool_body(engine={"nodeSelector": {"pool": "a", "zone": "z1"}}))
+    wait_until(lambda: kube.deployments(), WAIT, what="deployment")
+    before = kube.deployment("chat")
+    kube.patch_pool(
+        "chat",
+        {"spec": {"batching": {"maxBatchSize": 4}, "engine": {"nodeSelector": {"zone": None}}}},
+    )
+
+    def updated() -> bool:
+        args = args_of(kube.deployment("chat"))
+        return args[args.index("--max-batch-size") + 1] == "4"
+
+    wait_until(updated, WAIT, what="patched deployment")
+    after = kube.deployment("chat")
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]  # patched, not re-created
+    assert len(kube.deployments()) == 1
+    # A key removed from the pool is removed from the Deployment too.
+    assert after["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "a"}
+    wait_status(
+        kube, "chat", lambda p: p["status"].get("observedGeneration") == 2, "observed gen 2"
+    )
+
+    # `kubectl scale ipool chat --replicas 3` goes through the scale subresource.
+    kube.scale_pool("chat", 3)
+    wait_until(lambda: kube.deployment("chat")["spec"]["replicas"] == 3, WAIT, what="scaled")
+    assert kube.deployment("chat")["metadata"]["uid"] == before["metadata"]["uid"]
+
+
+def test_schema_violations_are_rejected_with_422(kube: Kube):
+    for spec in ({"replicas": -1}, {"batching": {"policy": "greedy"}}, {"model": {"name": "x"}}):
+        with pytest.raises(ApiException) as raised:
+            kube.create_pool(pool_body("bad", **spec))
+        assert raised.value.status == 422, spec
+    kube.create_pool(pool_body("good"))
+    with pytest.raises(ApiException) as raised:
+        kube.patch_pool("good", {"spec": {"admission": {"maxQueueSize": -5}}})
+    assert raised.value.status == 422
+    assert kube.get_pool("good")["spec"]["replicas"] == 1  # defaulted, and unchanged
+
+
+@pytest.mark.usefixtures("operator")
+@pytest.mark.parametrize(
+    ("name", "spec", "reason"),
+    [
+        # A valid object name that cannot name a Service.
+        ("8b-model", {}, "InvalidName"),
+        # A CEL rule; the emulator does not evaluate CEL, the operator's models do.
+        ("chat", {"batching": {"maxBatchSize": 4, "preferredBatchSizes": [8]}}, "InvalidSpec"),
+    ],
+)
+def test_specs_the_schema_cannot_catch_degrade_with_an_event(
+    kube: Kube, name: str, spec: dict[str, Any], reason: str
+):
+    kube.create_pool(pool_body(name, **spec))
+    pool = wait_status(
+        kube, name, lambda p: condition(p, "Degraded").get("reason") == reason, reason
+    )
+    assert condition(pool, "Ready")["status"] == "False"
+    assert pool["status"]["observedGeneration"] == 1
+    wait_until(
+        lambda: any(
+            e["reason"] == reason and e["type"] == "Warning" and e["involvedObject"]["name"] == name
+            for e in kube.events()
+        ),
+        WAIT,
+        what="warning event",
+    )
+    assert kube.deployments() == []
+    if reason == "InvalidSpec":  # fixing the spec recovers
+        kube.patch_pool(name, {"spec": {"batching": {"preferredBatchSizes": [2, 4]}}})
+        wait_until(lambda: kube.deployments(), WAIT, what="deployment after fix")
+        wait_status(
+            kube, name, lambda p: condition(p, "Degraded").get("status") == "False", "healed"
+        )
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_taken_child_name_is_a_conflict_not_a_takeover(kube: Kube):
+    foreign = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "chat", "namespace": "default", "labels": {"team": "other"}},
+        "spec": {
+            "selector": {"matchLabels": {"team": "other"}},
+            "template": {
+                "metadata": {"labels": {"team": "other"}},
+                "spec": {"containers": [{"name": "web", "image": "nginx"}]},
+            },
+        },
+    }
+    kube.apps.create_namespaced_deployment("default", foreign, _preload_content=False)
+    kube.create_pool(pool_body())
+    pool = wait_status(
+        kube,
+        "chat",
+        lambda p: condition(p, "Degraded").get("reason") == "ChildConflict",
+        "conflict",
+    )
+    assert "not owned by this pool" in condition(pool, "Degraded")["message"]
+    untouched = kube.deployment("chat")
+    assert untouched["metadata"].get("ownerReferences") is None
+    assert untouched["spec"]["template"]["spec"]["containers"][0]["image"] == "nginx"
+
+
+def test_restarted_operator_converges_without_duplicates(
+    kube: Kube, operator_settings: OperatorSettings
+):
+    first = OperatorThread(operator_settings).start()
+    try:
+        kube.create_pool(pool_body("alpha"))
+        wait_until(lambda: len(kube.deployments()) == 1, WAIT, what="alpha deployment")
+    finally:
+        first.stop()
+    alpha_uid = kube.deployment("alpha")["metadata"]["uid"]
+    # While no operator runs: a new pool, a changed pool, a child deleted by hand.
+    kube.create_pool(pool_body("beta"))
+    kube.patch_pool("alpha", {"spec": {"replicas": 3}})
+    kube.core.delete_namespaced_service("alpha", "default", _preload_content=False)
+
+    second = OperatorThread(operator_settings).start()
+    try:
+        wait_until(
+            lambda: (
+                sorted(d["metadata"]["name"] for d in kube.deployments()) == ["alpha", "beta"]
+                and kube.deployment("alpha")["spec"]["replicas"] == 3
+                and sorted(s["metadata"]["name"] for s in kube.services()) == ["alpha", "beta"]
+            ),
+            WAIT,
+            what="convergence after restart",
+        )
+        assert kube.deployment("alpha")["metadata"]["uid"] == alpha_uid
+        for name, generation in (("alpha", 2), ("beta", 1)):
+            wait_status(
+                kube,
+                name,
+                lambda p, g=generation: p.get("status", {}).get("observedGeneration") == g,
+                f"{name} observed",
+            )
+    finally:
+        second.stop()
+    assert len(kube.deployments()) == 2 and len(kube.services()) == 2
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_child_deleted_by_hand_comes_back(kube: Kube):
+    kube.create_pool(pool_body())
+    wait_until(lambda: kube.deployments(), WAIT, what="deployment")
+    old_uid = kube.deployment("chat")["metadata"]["uid"]
+    kube.apps.delete_namespaced_deployment("chat", "default", _preload_content=False)
+    wait_until(
+        lambda: [d["metadata"]["uid"] for d in kube.deployments()] not in ([], [old_uid]),
+        WAIT,
+        what="re-created deployment",
+    )
+
+
+@pytest.mark.usefixtures("operator")
+def test_deleting_the_pool_removes_its_children(kube: Kube):
+    kube.create_pool(pool_body())
+    wait_until(lambda: kube.deployments() and kube.services(), WAIT, what="children")
+    kube.start_pod(kube.deployment("chat"), 0, "10.1.0.9")
+    assert kube.pods()
+    kube.delete_pool("chat")
+    # The garbage collector follows the owner references: pool -> Deployment, Service -> pods.
+    wait_until(
+        lambda: not kube.deployments() and not kube.services() and not kube.pods(),
+        WAIT,
+        what="cleanup",
+    )
+    # ... and the operator does not bring them back for a pool that is gone.
+    with pytest.raises(TimeoutError):
+        wait_until(lambda: kube.deployments(), 1.5, what="nothing re-created")
+
+
+def test_health_endpoint(operator: OperatorThread):
+    url = f"http://127.0.0.1:{operator.settings.health_port}/healthz"
+    wait_until(lambda: http_ok(url), WAIT, what="healthz")
+
+
+@pytest.mark.usefixtures("operator")
+def test_watch_reconnects_resume_without_replaying_creation(kube: Kube, apiserver: Any):
+    kube.create_pool(pool_body())
+    wait_until(lambda: kube.deployments() and kube.services(), WAIT, what="children")
+    wait_status(kube, "chat", lambda p: p.get("status", {}).get("observedGeneration") == 1, "s")
+    before = list(apiserver.server.writes)
+    # Several server-side watch timeouts pass: kopf reconnects with ?resourceVersion=...
+    watches_before = num_watches(apiserver)
+    wait_until(lambda: num_watches(apiserver) >= watches_before + 8, WAIT, what="reconnects")
+    time.sleep(1)
+    assert apiserver.server.writes == before, "a resumed watch re-ran the reconcile"
+    creates = [w for w in apiserver.server.writes if w[0] == "CREATE" and w[1] != "events"]
+    assert sorted(w[1] for w in creates) == ["deployments", "inferencepools", "services"]
+
+
+def num_watches(apiserver: Any) -> int:
+    return apiserver.server.num_resumed_watches
