@@ -52,7 +52,7 @@ def test_defaults_install_two_gateways_a_pdb_and_bundled_redis(render):
 def test_gateway_serves_on_the_contract_port_with_probes(render):
     rendered = render()
     container = gateway_container(rendered)
-    assert container["args"] == ["gateway"]
+    assert container["args"] == ["gateway", "--log-level", "INFO"]
     assert container["image"] == "ghcr.io/slotserve/gateway:0.1.0"
     (port,) = container["ports"]
     assert (port["name"], port["containerPort"]) == ("http", 8080)
@@ -70,7 +70,7 @@ def test_operator_gets_engine_image_and_health_probe(render):
     spec = rendered.get("Deployment", OPERATOR)["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     assert container["image"] == "ghcr.io/slotserve/operator:0.1.0"
-    assert container["args"] == ["operator"]
+    assert container["args"] == ["operator", "--log-level", "INFO"]
     env = env_of(container)
     assert env["SLOTSERVE_OPERATOR_ENGINE_IMAGE"]["value"] == "ghcr.io/slotserve/engine:0.1.0"
     assert env["SLOTSERVE_OPERATOR_HEALTH_PORT"]["value"] == "8080"
