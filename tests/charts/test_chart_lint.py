@@ -37,3 +37,11 @@ def test_ensure_tools_is_quick_and_quiet_when_cached(helm_bin):
     assert proc.stdout == proc.stderr == ""
     assert time.monotonic() - started < 5
     assert (helm_bin.parent / "kubectl").is_file()
+
+
+def test_chart_refuses_kubernetes_older_than_it_supports(run_helm):
+    base = ["template", "demo", str(CHART)]
+    assert run_helm([*base, "--kube-version", "1.29.0"]).returncode == 0
+    old = run_helm([*base, "--kube-version", "1.28.9"])
+    assert old.returncode != 0
+    assert "kubeVersion" in old.stderr or "incompatible" in old.stderr, old.stderr
