@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -109,9 +108,3 @@ class EngineProcess:
 
 def sample(metrics: dict, name: str, **labels: str) -> float:
     return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    start = time.monotonic()
-    wait_until(predicate, timeout=timeout, interval=0.02, what=what)
-    assert time.monotonic() - start <= timeout

@@ -10,7 +10,7 @@ from engine_server_support import EngineProcess
 @pytest.mark.slow
 def test_smollm2_knows_the_capital_of_france(smollm2_dir, tmp_path):
     engine = EngineProcess(
-        smollm2_dir, tmp_path / "engine.log", "--max-model-len", "512", "--num-threads", "2",
+        smollm2_dir, tmp_path / "engine.log", "--max-model-len", "512", "--max-batch-size", "2",
         name="smollm2",
     )  # fmt: skip
     engine.start(timeout=180)
