@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from chart_support import CHART, NAMESPACE, RELEASE, ROOT, env_of, load_yaml
+from chart_support import RELEASE, ROOT, env_of, load_yaml
 
 GATEWAY = f"{RELEASE}-slotserve-gateway"
 OPERATOR = f"{RELEASE}-slotserve-operator"
@@ -214,21 +214,6 @@ def test_names_follow_fullname_override(render):
         "llm-engines",
         "llm-test",
     }
-
-
-def test_notes_tell_the_user_how_to_apply_a_pool_and_call_the_gateway(run_helm):
-    # `helm template` skips NOTES.txt; a client-side dry-run install renders it, offline.
-    result = run_helm(
-        ["install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
-    )
-    assert result.returncode == 0, result.stderr
-    notes = result.stdout.split("NOTES:", 1)[1]
-    assert "kubectl apply -f examples/smollm2-cpu.yaml" in notes
-    assert "kubectl apply -f examples/llama-8b-gpu.yaml" in notes
-    assert f"port-forward svc/{GATEWAY} 8080:80" in notes
-    assert "/v1/chat/completions" in notes
-    assert "kubectl apply --server-side -f crds/" in notes
-    assert f"helm test {RELEASE}" in notes
 
 
 def test_notes_examples_exist():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import tarfile
 import time
 
 import pytest
@@ -45,3 +46,23 @@ def test_chart_refuses_kubernetes_older_than_it_supports(run_helm):
     old = run_helm([*base, "--kube-version", "1.28.9"])
     assert old.returncode != 0
     assert "kubeVersion" in old.stderr or "incompatible" in old.stderr, old.stderr
+
+
+def test_packaged_chart_renders_like_the_folder(run_helm, render, tmp_path):
+    """`helm package` keeps every file the chart needs (.helmignore drops nothing vital)."""
+    result = run_helm(["package", str(CHART), "--destination", str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    (archive,) = tmp_path.glob("slotserve-0.1.0.tgz")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    for needed in (
+        "slotserve/values.schema.json",
+        "slotserve/crds/inferencepools.slotserve.dev.yaml",
+        "slotserve/templates/NOTES.txt",
+        "slotserve/templates/tests/test-gateway.yaml",
+    ):
+        assert needed in names
+    packaged = run_helm(["template", "demo", str(archive), "--namespace", "serving"])
+    assert packaged.returncode == 0, packaged.stderr
+    folder = run_helm(["template", "demo", str(CHART), "--namespace", "serving"])
+    assert packaged.stdout == folder.stdout
