@@ -48,7 +48,7 @@ def test_chart_refuses_kubernetes_older_than_it_supports(run_helm):
     assert "kubeVersion" in old.stderr or "incompatible" in old.stderr, old.stderr
 
 
-def test_packaged_chart_renders_like_the_folder(run_helm, render, tmp_path):
+def test_packaged_chart_renders_like_the_folder(run_helm, tmp_path):
     """`helm package` keeps every file the chart needs (.helmignore drops nothing vital)."""
     result = run_helm(["package", str(CHART), "--destination", str(tmp_path)])
     assert result.returncode == 0, result.stderr

@@ -113,3 +113,26 @@ def test_extra_engine_ingress_lets_monitoring_scrape(render):
 def test_network_policies_can_be_turned_off(render):
     rendered = render(extra=["--set", "networkPolicy.enabled=false"])
     assert not rendered.of_kind("NetworkPolicy")
+
+
+@pytest.mark.parametrize(
+    ("values_files", "namespace_selector"),
+    [
+        (("servicemonitor.yaml",), {"any": True}),
+        (("servicemonitor.yaml", "namespaced-rbac.yaml"), {"matchNames": ["team-a", "team-b"]}),
+    ],
+)
+def test_pod_monitor_scrapes_operator_built_engines(render, values_files, namespace_selector):
+    monitor = render(*values_files).get("PodMonitor", ENGINES)
+    labels, container = engine_pod("llama-8b-gpu.yaml", "team-a")
+    assert matches(monitor["spec"]["selector"], labels)
+    assert monitor["spec"]["namespaceSelector"] == namespace_selector
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] in {p["name"] for p in container["ports"]}
+    assert endpoint["path"] == "/metrics"
+
+
+def test_pod_monitor_is_optional(render):
+    rendered = render("servicemonitor.yaml", extra=["--set", "serviceMonitor.engines=false"])
+    assert rendered.of_kind("ServiceMonitor")
+    assert not rendered.of_kind("PodMonitor")

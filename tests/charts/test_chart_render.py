@@ -53,6 +53,33 @@ CUSTOM_KIND_SHAPES = {
     },
 }
 
+CUSTOM_KIND_SHAPES[("monitoring.coreos.com/v1", "PodMonitor")] = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "metadata": {"type": "object", "required": ["name", "namespace"]},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": {"type": "object", "properties": {"matchLabels": {"type": "object"}}},
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "podMetricsEndpoints": CUSTOM_KIND_SHAPES[
+                    ("monitoring.coreos.com/v1", "ServiceMonitor")
+                ]["properties"]["spec"]["properties"]["endpoints"],
+            },
+        },
+    },
+}
+
 ALL_RENDERS = [(), *((name,) for name in GOOD_VALUES)]
 
 
