@@ -77,16 +77,17 @@ async def test_queue_full_beyond_max_waiting(model_dir):
     engine = AsyncEngine(make_engine(model_dir, max_batch_size=1, max_waiting=2))
     await engine.start()
     try:
-        streams = [engine.add_request(f"r{i}", "hi", greedy(30)) for i in range(3)]
-        for _ in range(200):  # until the loop thread has taken them over: 1 running, 2 waiting
-            if engine.stats().num_running == 1:
+        streams = [engine.add_request(f"r{i}", "hi", greedy(400)) for i in range(3)]
+        for _ in range(500):  # until the loop thread has taken them over: 1 running, 2 waiting
+            stats = engine.stats()
+            if stats.num_running == 1 and stats.num_waiting == 2:
                 break
             await asyncio.sleep(0.01)
-        assert engine.stats().num_waiting == 2
         with pytest.raises(QueueFullError):
             engine.add_request("r3", "hi", greedy(30))
-        for stream in streams:
-            await asyncio.wait_for(collect(stream), 60)
+        for i, stream in enumerate(streams):
+            engine.abort(f"r{i}")
+            assert (await asyncio.wait_for(collect(stream), 30))[-1].finish_reason == "abort"
     finally:
         await engine.shutdown()
 
