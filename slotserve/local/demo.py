@@ -130,7 +130,7 @@ async def run_phase(
     """Run one workload against one pool while sampling its engines; return its table row."""
     engine_urls = pool.endpoints(stack_host(stack))
     before = await enginestats.scrape_all(engine_urls)
-    sampler = enginestats.OccupancySampler(engine_urls)
+    sampler = enginestats.OccupancySampler(engine_urls, interval_seconds=0.05)
     total_tokens = sum(spec.max_tokens for spec in specs)
     columns = (
         TextColumn(f"{name:<10} [dim]{pool.model:<22}"),
@@ -154,7 +154,8 @@ async def run_phase(
             )
         finally:
             samples = await sampler.stop()
-        progress.update(task, completed=sum(r.num_tokens for r in results if r.ok))
+        done = sum(r.num_tokens for r in results if r.ok)
+        progress.update(task, total=done, completed=done)
     after = await enginestats.scrape_all(engine_urls)
     return summarise(
         name,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -147,7 +148,8 @@ class Supervisor:
     def start(self, spec: ChildSpec) -> Child:
         """Start one child in its own process group, logging to ``<log_dir>/<name>.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{spec.name}.log"
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", spec.name).strip("-")
+        log_path = self.log_dir / f"{slug}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(spec.env or {})}
         with log_path.open("wb") as log:
             proc = subprocess.Popen(

@@ -7,6 +7,7 @@ Every PNG carries the run id and the numbers it plots in its text chunks (``slot
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -27,15 +28,15 @@ from slotserve.local.workload import RequestResult
 COLUMNS = (
     "phase",
     "policy",
-    "requests ok/sent",
-    "wall (s)",
+    "ok/sent",
+    "wall s",
     "useful tok/s",
     "slot util",
-    "TTFT p50 (s)",
-    "TTFT p99 (s)",
-    "TPOT p50 (ms)",
-    "TPOT p99 (ms)",
-    "rejected (429)",
+    "TTFT p50 s",
+    "TTFT p99 s",
+    "TPOT p50 ms",
+    "TPOT p99 ms",
+    "429s",
 )
 
 
@@ -206,40 +207,77 @@ def _save(figure: Figure, path: Path, run_id: str, data: object) -> None:
 
 
 def plot_occupancy(phases: list[PhaseResult], path: Path, run_id: str) -> None:
-    """Requests holding a slot at each engine step, one panel per policy, side by side."""
-    shown = [phase for phase in phases if phase.occupancy and phase.name != "burst"]
+    """Requests holding a slot at each engine step, one panel per policy, side by side.
+
+    The line is rebuilt from each request's first-token time (placed on the engine's step
+    counter) and token count: a request holds its slot for exactly as many steps as it has
+    tokens. The dots are the engine's own ``num_requests_running`` samples.
+    """
+    shown = [phase for phase in phases if phase.name != "burst"]
+    num_panels = max(1, len(shown))
     figure, axes = plt.subplots(
-        1, max(1, len(shown)), figsize=(5 * max(1, len(shown)), 3.6), sharey=True, squeeze=False
+        1, num_panels, figsize=(5 * num_panels, 3.6), sharey=True, squeeze=False
     )
     data = {}
     for axis, phase in zip(axes[0], shown, strict=False):
-        points = occupancy_by_step(phase.occupancy)
-        steps = [step for step, _ in points]
-        running = [value for _, value in points]
-        axis.fill_between(steps, running, step="post", alpha=0.35)
-        axis.step(steps, running, where="post", linewidth=1.2)
-        axis.axhline(phase.num_slots, color="grey", linestyle=":", linewidth=1, label="slots")
+        counts = occupancy_from_requests(phase.requests, phase.occupancy)
+        steps = list(range(1, len(counts) + 1))
+        axis.fill_between(steps, counts, step="post", alpha=0.35)
+        axis.step(steps, counts, where="post", linewidth=1.2, label="requests in a slot")
+        sampled = [(s.step, s.running) for s in phase.occupancy if s.running or s.step]
+        if sampled:
+            axis.plot(*zip(*sampled, strict=True), ".", markersize=3, alpha=0.6,
+                      label="engine samples")  # fmt: skip
+        axis.axhline(phase.num_slots, color="grey", linestyle=":", linewidth=1)
         util = _percent(phase.slot_utilisation)
         axis.set_title(f"{phase.policy}: {phase.num_steps} steps, utilisation {util}")
         axis.set_xlabel("engine step")
+        axis.set_ylim(0, phase.num_slots + 0.5)
         axis.grid(alpha=0.3)
-        data[phase.name] = {"steps": steps, "running": running, "row": phase.row()}
+        data[phase.name] = {"occupancy_per_step": counts, "row": phase.row()}
     axes[0][0].set_ylabel("requests holding a slot")
-    figure.suptitle("Slot occupancy over engine steps (same workload)")
+    axes[0][0].legend(loc="lower left", fontsize=8)
+    figure.suptitle("Slot occupancy over engine steps (same workload, same slots)")
     figure.tight_layout()
     _save(figure, path, run_id, data)
 
 
-def occupancy_by_step(samples: list[OccupancySample]) -> list[tuple[float, float]]:
-    """Sum the pool's engines per sample round; keep the step axis of the busiest engine."""
-    rounds: dict[int, tuple[float, float]] = {}
-    engines = sorted({sample.engine for sample in samples})
-    num_engines = max(1, len(engines))
-    for index, sample in enumerate(samples):
-        key = index // num_engines
-        step, running = rounds.get(key, (0.0, 0.0))
-        rounds[key] = (max(step, sample.step), running + sample.running)
-    return [rounds[key] for key in sorted(rounds)]
+def step_at(samples: list[OccupancySample], t: float) -> float:
+    """The pool's step counter at time ``t``, interpolated between samples (busiest engine)."""
+    points = sorted((sample.t, sample.step) for sample in samples)
+    if not points:
+        return 0.0
+    if t <= points[0][0]:
+        return points[0][1]
+    for (t0, s0), (t1, s1) in itertools.pairwise(points):
+        if t0 <= t <= t1:
+            return s0 if t1 == t0 else s0 + (s1 - s0) * (t - t0) / (t1 - t0)
+    return points[-1][1]
+
+
+def occupancy_from_requests(
+    requests: list[RequestResult], samples: list[OccupancySample]
+) -> list[int]:
+    """Requests holding a slot at steps 1..N: each from the step of its first token, one step
+    per token (a decode step gives every running sequence exactly one token)."""
+    busiest = max((s.engine for s in samples), key=lambda e: _last_step(samples, e), default="")
+    clock = [s for s in samples if s.engine == busiest]
+    intervals = []
+    for request in requests:
+        if not request.ok or request.first_token_at is None or request.num_tokens < 1:
+            continue
+        start = max(1, round(step_at(clock, request.first_token_at)))
+        intervals.append((start, start + request.num_tokens - 1))
+    num_steps = max((end for _, end in intervals), default=0)
+    counts = [0] * num_steps
+    for start, end in intervals:
+        for step in range(start, end + 1):
+            counts[step - 1] += 1
+    return counts
+
+
+def _last_step(samples: list[OccupancySample], engine: str) -> float:
+    return max((s.step for s in samples if s.engine == engine), default=0.0)
 
 
 def plot_latency_throughput(phases: list[PhaseResult], path: Path, run_id: str) -> None:

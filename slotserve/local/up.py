@@ -154,7 +154,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.engines < 1:
         raise SystemExit("slotserve up: --engines must be at least 1")
-    console = Console(highlight=False)
+    # soft_wrap: the examples must stay copy-pasteable even when stdout is not a terminal.
+    console = Console(highlight=False, soft_wrap=True)
     port = args.port
     if port is None:
         default_free = port_is_free(DEFAULT_GATEWAY_PORT, args.host)

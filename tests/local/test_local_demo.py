@@ -61,7 +61,11 @@ def test_reduced_demo_prints_the_table_and_writes_matching_results(
         assert row[3] == f"{phase['wall_seconds']:.1f}"
         assert row[4] == f"{phase['tokens_per_second']:.1f}"
         assert row[-1] == str(phase["num_rejected"])
-        printed = [line for line in table_lines if line.strip("│┃ ").startswith(row[0] + " ")]
+        printed = [
+            line
+            for line in table_lines
+            if line.startswith("│") and line.strip("│ ").startswith(row[0] + " ")
+        ]
         assert printed, f"no table line for {row[0]}"
         assert all(cell in printed[0] for cell in row), (row, printed[0])
         assert all(cell in table_txt for cell in row)
