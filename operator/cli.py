@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import random
+import sys
 import threading
 from typing import Any
 
@@ -105,7 +106,7 @@ def main(argv: list[str]) -> int:
     try:
         settings = settings_from_args(OperatorSettings, args)
     except ValueError as error:
-        print(f"slotserve operator: {error}")
+        print(f"slotserve operator: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

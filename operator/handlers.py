@@ -210,6 +210,7 @@ class PoolOperator:
 
     def startup(self, **_: Any) -> None:
         api_client = kubernetes.client.ApiClient(kube.load_configuration())
+        api_client.user_agent = kube.USER_AGENT
         self._writer = StatusWriter(kube.Children(api_client))
 
     # --- indexes: in-memory views fed by the watches ---------------------------------------

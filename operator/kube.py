@@ -20,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from slotserve.operator.models import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
+USER_AGENT = "slotserve-operator"
 Outcome = Literal["created", "patched", "unchanged"]
 
 

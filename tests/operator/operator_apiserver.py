@@ -40,6 +40,14 @@ import kmock
 from kmock._internal import dicts, rendering
 
 MUTATIONS = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
+VERBS = {
+    kmock.action.FETCH: "get",
+    kmock.action.LIST: "list",
+    kmock.action.WATCH: "watch",
+    kmock.action.CREATE: "create",
+    kmock.action.UPDATE: "patch",
+    kmock.action.DELETE: "delete",
+}
 
 
 def _now() -> str:
@@ -102,6 +110,8 @@ class ApiServer(kmock.KubernetesEmulator):
     _log: list[tuple[int, kmock.resource, dict[str, Any]]] = attrs.field(factory=list, init=False)
     # (action, plural, namespace, name) of every accepted write, for assertions in tests.
     writes: list[tuple[str, str, str | None, str]] = attrs.field(factory=list, init=False)
+    # (user agent, verb, group, resource[/subresource]) of every API request, for RBAC checks.
+    calls: list[tuple[str, str, str, str]] = attrs.field(factory=list, init=False)
     # How many watches resumed from a resourceVersion (reconnects), for assertions in tests.
     num_resumed_watches: int = attrs.field(default=0, init=False)
     # The object each mutating request produced, handed to the response renderers.
@@ -131,6 +141,11 @@ class ApiServer(kmock.KubernetesEmulator):
     # --- 1, 3, 5, 6: writes -----------------------------------------------------------------
 
     async def _handle(self, request: rendering.Request) -> Any:
+        # Discovery (/apis/GROUP/VERSION) has no plural and needs no RBAC rule.
+        if request.resource is not None and request.action and request.resource.plural:
+            verb = VERBS[request.action]
+            agent = request.headers.get("User-Agent", "")
+            self.calls.append((agent, verb, str(request.resource.group), resource_plural(request)))
         if request.resource is None or request.action not in MUTATIONS:
             return await super()._handle(request)
         if request.action != kmock.action.CREATE and request.name is None:

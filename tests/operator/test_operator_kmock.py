@@ -7,6 +7,10 @@ Every wait is bounded.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -15,7 +19,7 @@ from kubernetes.client.exceptions import ApiException
 from operator_harness import Kube, OperatorThread
 from slotserve.operator.models import API_VERSION, KIND
 from slotserve.operator.settings import OperatorSettings
-from support import http_ok, wait_until
+from support import free_port, http_ok, wait_until
 
 WAIT = 15
 
@@ -296,3 +300,30 @@ def test_watch_reconnects_resume_without_replaying_creation(kube: Kube, apiserve
 
 def num_watches(apiserver: Any) -> int:
     return apiserver.server.num_resumed_watches
+
+
+def test_the_cli_process_reconciles_and_stops_on_sigterm(kube: Kube, apiserver: Any):
+    # Cluster-wide: kmock answers GET /api/v1/namespaces (which kopf needs for --namespaces)
+    # with a 500, so the namespaced mode is covered by the cluster end-to-end test only.
+    port = free_port()
+    env = {**os.environ, "SLOTSERVE_OPERATOR_ENGINE_IMAGE": "registry.test/engine:cli"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "slotserve.cli", "operator", "--health-port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), 30, what="healthz")
+        kube.create_pool(pool_body())
+        wait_until(lambda: kube.deployments(), WAIT, what="deployment from the CLI operator")
+        image = kube.deployment("chat")["spec"]["template"]["spec"]["containers"][0]["image"]
+        assert image == "registry.test/engine:cli"
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+        assert process.returncode == 0, output[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=10)
