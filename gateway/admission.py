@@ -242,15 +242,15 @@ class Admission:
     async def _call(self, awaitable: Awaitable[T]) -> T:
         try:
             result = await awaitable
-        except BackendUnavailableError:
-            self._mark_down()
+        except BackendUnavailableError as exc:
+            self._mark_down(exc)
             raise
         self.backend_ok = True
         return result
 
-    def _mark_down(self) -> None:
+    def _mark_down(self, exc: BackendUnavailableError) -> None:
         if self.backend_ok:
-            log.warning("admission backend unavailable; answering 503 until it returns")
+            log.warning("%s; answering 503 until it returns", exc.message)
         self.backend_ok = False
         self._needs_restore = True
 
@@ -265,7 +265,10 @@ class Admission:
         while True:
             waiting_pools = {name for name, _ in self._waiters.values()}
             for pool in self.pools():
-                await self._tick_pool(pool)
+                try:
+                    await self._tick_pool(pool)
+                except Exception:  # a bug must not stop the sweeper of every other pool
+                    log.exception("admission tick failed for pool %s", pool.name)
             interval = self.tick_interval_s if waiting_pools else self.idle_tick_interval_s
             await asyncio.sleep(interval)
 
@@ -284,5 +287,8 @@ class Admission:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await self._heartbeat_once()
+            try:
+                await self._heartbeat_once()
+            except Exception:  # keep heartbeating: a stopped heartbeat loses every lease
+                log.exception("admission heartbeat failed")
             await asyncio.sleep(self.lease_ttl_s / 4 if not self._needs_restore else 0.2)

@@ -233,7 +233,7 @@ for i = REST + 1, #ARGV, 2 do
   end
 end
 touch()
-return 1
+return {'ok'}
 """
 )
 

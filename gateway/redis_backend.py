@@ -35,16 +35,26 @@ log = logging.getLogger(__name__)
 _UNAVAILABLE = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
 
 
-def make_client(url: str, *, socket_timeout_s: float = 2.0) -> aioredis.Redis:
-    """A client that fails fast: one attempt, short timeouts."""
-    return aioredis.Redis.from_url(
+def make_client(
+    url: str, *, socket_timeout_s: float = 3.0, max_connections: int = 32
+) -> aioredis.Redis:
+    """A client that fails fast and shares a bounded set of connections.
+
+    A burst of requests waits for one of ``max_connections`` connections rather than opening
+    hundreds at once (which, on a busy host, time out while connecting).
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=socket_timeout_s,
         decode_responses=True,
         socket_timeout=socket_timeout_s,
-        socket_connect_timeout=1.0,
-        retry=Retry(NoBackoff(), 0),
-        health_check_interval=0,
+        socket_connect_timeout=2.0,
+        # One immediate retry on a broken connection (stale after a Redis restart); none on
+        # timeouts, so a hung Redis costs one timeout, not several.
+        retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
     )
+    return aioredis.Redis(connection_pool=pool)
 
 
 class RedisBackend:
@@ -58,7 +68,7 @@ class RedisBackend:
         self.lease_ttl_us = int(lease_ttl_s * 1_000_000)
         self.client = make_client(url)
         # BLPOP holds its connection for up to a second: give it its own client.
-        self.blocking_client = make_client(url, socket_timeout_s=5.0)
+        self.blocking_client = make_client(url, socket_timeout_s=5.0, max_connections=2)
         self.scripts = {name: self.client.register_script(src) for name, src in SCRIPTS.items()}
         self._listener: asyncio.Task[None] | None = None
         self._on_grant: GrantCallback | None = None

@@ -257,3 +257,17 @@ async def test_dynamic_pool_releases_groups_after_the_queue_delay(cluster):
     assert time.monotonic() - started < 0.2
     for lease in leases:
         await a.release(lease)
+
+
+async def test_live_replica_keeps_its_lease_beyond_the_ttl(cluster):
+    pool = PoolPolicy("m", max_queue_size=10, queue_timeout_s=10)
+    cluster.pools["m"] = pool
+    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    a, b = await cluster.replica(), await cluster.replica()
+    holder = await a.acquire(pool, priority=5, timeout_s=5)
+    # Held for 2.5 lease TTLs: the heartbeat renews it, so nobody else gets the only slot.
+    with pytest.raises(QueueTimeoutError):
+        await b.acquire(pool, priority=5, timeout_s=LEASE_TTL_S * 2.5)
+    assert await a.backend.inflight(pool) == {"http://a": 1}
+    await a.release(holder)
+    await b.release(await b.acquire(pool, priority=5, timeout_s=2))

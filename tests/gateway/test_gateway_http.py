@@ -10,11 +10,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import pool, write_pools
-from support import free_port
-
+from gateway_support import pool, write_pools
 from slotserve.gateway.app import create_app
 from slotserve.gateway.settings import GatewaySettings
+from support import free_port
 
 
 async def start_gateway(settings: GatewaySettings):
