@@ -67,7 +67,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         num_prompt_tokens = (
             len(prompt) if isinstance(prompt, list) else len(engine.tokenizer.encode(prompt))
         )
-        max_tokens = max(1, engine.max_model_len - num_prompt_tokens)
+        max_tokens = _room_after(engine, num_prompt_tokens)
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", engine.model_name)
     return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
 
@@ -84,9 +84,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except Exception as error:  # jinja raises for conversations the template refuses
         raise ApiError(400, f"chat template error: {error}", param="messages") from error
     prompt = _encode(engine, text)
-    max_tokens = body.requested_max_tokens() or max(1, engine.max_model_len - len(prompt))
+    max_tokens = body.requested_max_tokens() or _room_after(engine, len(prompt))
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name)
     return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
+
+
+def _room_after(engine: AsyncEngine, num_prompt_tokens: int) -> int:
+    """Default max_tokens: whatever fits after the prompt (in the model and in the KV cache)."""
+    capacity = min(engine.max_model_len, engine.stats().kv_cache_tokens_total)
+    return max(1, capacity - num_prompt_tokens)
 
 
 def _admit(state: ServerState) -> AsyncEngine:

@@ -1,6 +1,8 @@
-"""The app without a loaded model: probes, 503s and error shapes (aiohttp test server, no torch)."""
+"""`create_app` in process a failed load on every probe; a loaded engine."""
 
 from __future__ import annotations
+
+import asyncio
 
 from aiohttp.test_utils import TestClient, TestServer
 from slotserve.engine.server import STATE, create_app
@@ -48,3 +50,36 @@ async def test_unknown_paths_answer_openai_errors(tmp_path):
         assert resp.status == 405
     finally:
         await client.close()
+
+
+async def test_app_serves_a_preloaded_engine_and_shuts_it_down(tiny_model_dir):
+    from slotserve.engine.async_engine import AsyncEngine
+
+    settings = EngineSettings(model=str(tiny_model_dir), served_model_name="tiny", num_threads=1)
+    engine = await asyncio.to_thread(AsyncEngine.load, settings)
+    app = create_app(engine)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        await asyncio.wait_for(wait_ready(client), timeout=30)
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+            },
+        )
+        body = await resp.json()
+        assert resp.status == 200, body
+        assert body["usage"]["completion_tokens"] <= 3
+        assert body["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        await client.close()
+    # Closing the app shut the engine down: it takes no more requests.
+    assert not engine.is_running
+
+
+async def wait_ready(client: TestClient) -> None:
+    while (await client.get("/ready")).status != 200:
+        await asyncio.sleep(0.05)
