@@ -1,4 +1,4 @@
-"""`create_app` in process a failed load on every probe; a loaded engine."""
+"""`create_app` in process: a failed load seen on every probe, and a preloaded engine."""
 
 from __future__ import annotations
 
