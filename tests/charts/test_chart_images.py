@@ -8,12 +8,14 @@ the chart and the operator expect.
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
 import sys
 import tomllib
 import zipfile
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
@@ -148,3 +150,79 @@ def test_package_builds_from_exactly_the_copied_files(wheel_from_copied_files):
         assert f"Provides-Extra: {part}" in text
     assert not any(n.startswith("slotserve/operator/__init__") for n in names)
     assert "slotserve = slotserve.cli:main" in entry_points
+
+
+# What each image runs: the `slotserve` dispatcher and its part's CLI (plus, in the engine image,
+# `slotserve model pull`, which bakes the demo model in at build time).
+IMAGE_ENTRY_MODULES = {
+    "engine": ["slotserve.cli", "slotserve.engine.cli", "slotserve.models.cli"],
+    "gateway": ["slotserve.cli", "slotserve.gateway.cli"],
+    "operator": ["slotserve.cli", "slotserve.operator.cli"],
+}
+PART_DIRS = {
+    "slotserve": ROOT / "slotserve",
+    "slotserve.engine": ROOT / "engine",
+    "slotserve.gateway": ROOT / "gateway",
+    "slotserve.operator": ROOT / "operator",
+}
+
+
+def module_file(name: str) -> Path | None:
+    for prefix in sorted(PART_DIRS, key=len, reverse=True):
+        if name == prefix or name.startswith(prefix + "."):
+            rest = name[len(prefix) :].lstrip(".").split(".") if name != prefix else []
+            base = PART_DIRS[prefix].joinpath(*rest)
+            for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+                if candidate.is_file():
+                    return candidate
+    return None
+
+
+def third_party_imports(entry_modules: list[str]) -> set[str]:
+    """Top-level third-party modules imported anywhere (lazy imports too) from the entries."""
+    seen: set[str] = set()
+    found: set[str] = set()
+    todo = list(entry_modules)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = module_file(name)
+        if path is None:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            for imported in names:
+                top = imported.split(".")[0]
+                if top == "slotserve":
+                    todo.append(imported)
+                elif top not in sys.stdlib_module_names:
+                    found.add(top)
+    return found
+
+
+def requirement_name(requirement: str) -> str:
+    return re.split(r"[=<>!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_image_extra_provides_every_package_its_code_imports(image):
+    """`pip install ".[extra]"` must bring everything the image's commands import."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extra = IMAGES[image][0]
+    installed = {
+        requirement_name(r)
+        for r in project["dependencies"] + project["optional-dependencies"][extra]
+    }
+    distributions = packages_distributions()
+    missing = {}
+    for module in third_party_imports(IMAGE_ENTRY_MODULES[image]):
+        names = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
+        if not names & installed:
+            missing[module] = sorted(names)
+    assert not missing, f'the {image} image lacks these imports in ".[{extra}]": {missing}'
