@@ -12,9 +12,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
+import yaml
 from kubernetes.client.exceptions import ApiException
 from operator_harness import Kube, OperatorThread
 from slotserve.operator.models import API_VERSION, KIND
@@ -22,6 +25,7 @@ from slotserve.operator.settings import OperatorSettings
 from support import free_port, http_ok, wait_until
 
 WAIT = 15
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def pool_body(name: str = "chat", **spec: Any) -> dict[str, Any]:
@@ -287,7 +291,16 @@ def test_health_endpoint(operator: OperatorThread):
 def test_watch_reconnects_resume_without_replaying_creation(kube: Kube, apiserver: Any):
     kube.create_pool(pool_body())
     wait_until(lambda: kube.deployments() and kube.services(), WAIT, what="children")
-    wait_status(kube, "chat", lambda p: p.get("status", {}).get("observedGeneration") == 1, "s")
+    wait_status(
+        kube,
+        "chat",
+        lambda p: (
+            p.get("status", {}).get("observedGeneration") == 1
+            # kopf records the handled spec after the handler: the last write of a reconcile.
+            and "slotserve.dev/last-handled-configuration" in p["metadata"].get("annotations", {})
+        ),
+        "reconciled",
+    )
     before = list(apiserver.server.writes)
     # Several server-side watch timeouts pass: kopf reconnects with ?resourceVersion=...
     watches_before = num_watches(apiserver)
@@ -327,3 +340,18 @@ def test_the_cli_process_reconciles_and_stops_on_sigterm(kube: Kube, apiserver: 
         if process.poll() is None:
             process.kill()
             process.communicate(timeout=10)
+
+
+@pytest.mark.usefixtures("operator")
+@pytest.mark.parametrize("example", ["smollm2-cpu.yaml", "llama-8b-gpu.yaml"])
+def test_examples_apply_and_their_children_are_valid_kubernetes(kube: Kube, example: str):
+    body = yaml.safe_load((EXAMPLES / example).read_text())
+    name = body["metadata"]["name"]
+    kube.create_pool(body)
+    wait_until(lambda: kube.deployments() and kube.services(), WAIT, what="children")
+    # What the operator created, as stored (owner references and server metadata included).
+    for child in (kube.deployment(name), kube.services()[0]):
+        child.pop("status", None)
+        kubernetes_validate.validate(child, "1.37.0", strict=True)
+    pool = kube.get_pool(name)
+    assert pool["spec"]["admission"] == body["spec"]["admission"]
