@@ -33,8 +33,11 @@ def notes(run_helm):
 @pytest.mark.parametrize("values_file", [None, *GOOD_VALUES])
 def test_notes_tell_how_to_apply_a_pool_and_call_the_gateway(notes, values_file):
     text = notes(values_file)
-    assert "kubectl apply -f examples/smollm2-cpu.yaml" in text
-    assert "kubectl apply -f examples/llama-8b-gpu.yaml" in text
+    # Pools go where the operator watches and the engine NetworkPolicy protects.
+    pool_namespace = "team-a" if values_file == "namespaced-rbac.yaml" else NAMESPACE
+    assert f"kubectl -n {pool_namespace} apply -f examples/smollm2-cpu.yaml" in text
+    assert f"kubectl -n {pool_namespace} apply -f examples/llama-8b-gpu.yaml" in text
+    assert "networkPolicy.engineNamespaces" not in text
     assert f"port-forward svc/{GATEWAY} 8080:80" in text
     assert "/v1/chat/completions" in text
     assert "kubectl apply --server-side -f crds/" in text
@@ -86,3 +89,10 @@ def test_notes_key_command_extracts_the_first_key(
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == KEYS[0]
+
+
+def test_notes_warn_when_pools_would_land_outside_the_network_policy(run_helm):
+    args = ["install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
+    result = run_helm([*args, "--set", "networkPolicy.engineNamespaces={models}"])
+    assert result.returncode == 0, result.stderr
+    assert "covers namespaces models" in result.stdout
