@@ -220,3 +220,29 @@ def test_notes_examples_exist():
     for name in ("smollm2-cpu.yaml", "llama-8b-gpu.yaml"):
         pool = load_yaml(ROOT / "examples" / name)
         assert pool["kind"] == "InferencePool"
+
+
+def test_operator_can_run_elsewhere(render):
+    rendered = render(extra=["--set", "operator.enabled=false"])
+    components = {
+        obj["metadata"]["labels"].get("app.kubernetes.io/component")
+        for obj in rendered.objects
+        if obj["kind"] != "CustomResourceDefinition"
+    }
+    assert "operator" not in components
+    assert rendered.has("Deployment", GATEWAY)
+    assert rendered.has("ClusterRole", GATEWAY)
+
+
+def test_extra_env_reaches_the_containers(render):
+    rendered = render(
+        extra=[
+            "--set-json",
+            'gateway.extraEnv=[{"name":"SLOTSERVE_GATEWAY_DEFAULT_PRIORITY","value":"3"}]',
+            "--set-json",
+            'operator.extraEnv=[{"name":"SLOTSERVE_OPERATOR_PRIORITY","value":"100"}]',
+        ]
+    )
+    assert env_of(gateway_container(rendered))["SLOTSERVE_GATEWAY_DEFAULT_PRIORITY"]["value"] == "3"
+    (operator,) = rendered.get("Deployment", OPERATOR)["spec"]["template"]["spec"]["containers"]
+    assert env_of(operator)["SLOTSERVE_OPERATOR_PRIORITY"]["value"] == "100"
