@@ -1,0 +1,183 @@
+"""Pure parts of the gateway: routing rules, pool parsing, Kubernetes discovery mapping, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from gateway_support import SLOTSERVE
+from slotserve.gateway.admission import DrainRate
+from slotserve.gateway.config import PoolConfigError, PoolRegistry, parse_pools
+from slotserve.gateway.discovery import (
+    InvalidPoolObjectError,
+    apply_event,
+    pool_from_inference_pool,
+)
+from slotserve.gateway.routing import (
+    EndpointOffer,
+    group_size,
+    load_score,
+    rank_endpoints,
+    retry_after_seconds,
+)
+from slotserve.gateway.settings import GatewaySettings
+
+
+def test_rank_prefers_free_share_then_engine_load_then_url():
+    offers = [
+        EndpointOffer("http://c", 4, 0.5),
+        EndpointOffer("http://b", 4, 0.1),
+        EndpointOffer("http://a", 2, 0.9),
+        EndpointOffer("http://full", 1, 0.0),
+    ]
+    inflight = {"http://c": 1, "http://b": 1, "http://full": 1}
+    assert [o.url for o in rank_endpoints(offers, inflight)] == ["http://a", "http://b", "http://c"]
+    assert [o.url for o in rank_endpoints(offers, inflight, idle_only=True)] == ["http://a"]
+    assert (
+        rank_endpoints(offers, {"http://c": 4, "http://b": 4, "http://a": 2, "http://full": 1})
+        == []
+    )
+
+
+def test_load_score_counts_waiting_double():
+    assert load_score(running=2, waiting=0, kv_cache_usage=0.0, slots_total=4) < load_score(
+        running=1, waiting=1, kv_cache_usage=0.0, slots_total=4
+    )
+
+
+@pytest.mark.parametrize(
+    ("waiting", "preferred", "waited", "expected"),
+    [
+        (8, [], 0, 4),  # a full batch goes at once
+        (3, [2], 0, 2),  # the largest preferred size that is there
+        (3, [], 50, 0),  # hold: the delay has not passed
+        (3, [], 100, 3),  # delay passed: send what there is
+        (0, [], 500, 0),
+    ],
+)
+def test_group_size(waiting, preferred, waited, expected):
+    assert (
+        group_size(
+            num_waiting=waiting,
+            slots_total=4,
+            preferred_batch_sizes=preferred,
+            waited_us=waited,
+            max_queue_delay_us=100,
+        )
+        == expected
+    )
+
+
+def test_retry_after_follows_depth_and_drain_rate():
+    assert retry_after_seconds(0, 10.0) == 1
+    assert retry_after_seconds(99, 10.0) == 10
+    assert retry_after_seconds(10_000, 1.0) == 60
+    assert retry_after_seconds(5, 0.0) == 5
+
+
+def test_drain_rate_estimates_dispatches_per_second():
+    rate = DrainRate(half_life_s=0.5)
+    for second in range(20):
+        rate.observe(float(second), second * 40)
+    assert 35 < rate.rate_per_s <= 40
+
+
+def test_pool_file_parsing_and_errors():
+    pools = parse_pools(
+        """
+pools:
+  - model: smollm2
+    endpoints: ["http://127.0.0.1:8001/", "http://127.0.0.1:8002"]
+    batching:
+      {policy: dynamic, maxBatchSize: 8, maxQueueDelayMicroseconds: 500, preferredBatchSizes: [4]}
+    admission: {maxQueueSize: 16, queueTimeoutSeconds: 5}
+"""
+    )
+    policy = pools[0].policy
+    assert pools[0].endpoints == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert (policy.policy, policy.max_queue_size, policy.queue_timeout_s) == ("dynamic", 16, 5)
+    assert (policy.max_queue_delay_us, policy.preferred_batch_sizes) == (500, (4,))
+    bad = {
+        "pools: [": "not valid YAML",
+        "pools: [{model: m, admission: {maxQueSize: 3}}]": "maxQueSize",
+        "pools: [{model: m, endpoints: ['ftp://x']}]": "http(s)://",
+        "pools: [{model: m}, {model: m}]": "same model",
+        "pools: [{model: m, admission: {maxQueueSize: -1}}]": "maxQueueSize",
+    }
+    for text, needle in bad.items():
+        with pytest.raises(PoolConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            parse_pools(text)
+
+
+def inference_pool(name="p", model="smollm2", endpoints=("10.0.0.2:8000", "10.0.0.1:8000")):
+    return {
+        "apiVersion": "slotserve.dev/v1alpha1",
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": "ml"},
+        "spec": {
+            "model": {"name": model, "source": {"hub": {"id": "x"}}},
+            "replicas": 2,
+            "batching": {"policy": "continuous", "maxBatchSize": 16},
+            "admission": {"maxQueueSize": 64, "queueTimeoutSeconds": 10},
+        },
+        "status": {"endpoints": list(endpoints), "readyReplicas": 2},
+    }
+
+
+def test_inference_pool_becomes_a_pool():
+    pool = pool_from_inference_pool(inference_pool())
+    assert pool.model == "smollm2"
+    assert pool.endpoints == ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
+    assert pool.batching.max_batch_size == 16
+    assert pool.admission.max_queue_size == 64
+    no_status = inference_pool()
+    del no_status["status"]
+    assert pool_from_inference_pool(no_status).endpoints == ()
+    with pytest.raises(InvalidPoolObjectError, match=r"spec\.model\.name"):
+        pool_from_inference_pool({"spec": {}})
+    broken = inference_pool()
+    broken["spec"]["admission"]["maxQueueSize"] = "lots"
+    with pytest.raises(InvalidPoolObjectError, match="admission"):
+        pool_from_inference_pool(broken)
+
+
+def test_watch_events_update_the_registry():
+    registry, owners = PoolRegistry(), {}
+    apply_event(registry, owners, "ADDED", inference_pool(endpoints=["10.0.0.1:8000"]))
+    assert registry.get("smollm2").endpoints == ("http://10.0.0.1:8000",)
+    apply_event(registry, owners, "MODIFIED", inference_pool(endpoints=["10.0.0.3:8000"]))
+    assert registry.get("smollm2").endpoints == ("http://10.0.0.3:8000",)
+    # Another object claiming the same model name does not hijack it.
+    apply_event(registry, owners, "ADDED", inference_pool(name="other", endpoints=["6.6.6.6:1"]))
+    assert registry.get("smollm2").endpoints == ("http://10.0.0.3:8000",)
+    apply_event(registry, owners, "DELETED", inference_pool())
+    assert registry.get("smollm2") is None
+
+
+def test_settings_namespaces_comma_list(monkeypatch):
+    monkeypatch.setenv("SLOTSERVE_GATEWAY_NAMESPACES", "ml, prod ,")
+    monkeypatch.setenv("SLOTSERVE_GATEWAY_LEASE_TTL_SECONDS", "3")
+    settings = GatewaySettings()
+    assert settings.namespaces == ["ml", "prod"]
+    assert settings.lease_ttl_seconds == 3
+
+
+def test_cli_reports_bad_configuration(tmp_path):
+    run = subprocess.run([str(SLOTSERVE), "gateway"], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2 and "--config is required" in run.stderr
+    bad = tmp_path / "pools.yaml"
+    bad.write_text("pools: [{model: m, endpoints: [nope]}]")
+    run = subprocess.run(
+        [str(SLOTSERVE), "gateway", "--config", str(bad), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 2 and "http(s)://" in run.stderr
+    run = subprocess.run(
+        [str(SLOTSERVE), "gateway", "--config", str(bad), "--lease-ttl-seconds", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 2 and "lease_ttl_seconds" in run.stderr
