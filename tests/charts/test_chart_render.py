@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -173,3 +175,20 @@ def test_every_object_has_the_standard_labels(render):
         assert labels["app.kubernetes.io/part-of"] == "slotserve", where
         assert labels["app.kubernetes.io/component"], where
         assert labels["helm.sh/chart"] == "slotserve-0.1.0", where
+
+
+@pytest.mark.parametrize("values_files", ALL_RENDERS, ids=_id)
+def test_every_long_running_container_is_sized_probed_and_pinned(render, values_files):
+    for name, spec in pod_specs(render(*values_files)):
+        for container in spec["containers"]:
+            where = f"{name} container {container['name']}"
+            image = container["image"]
+            assert re.fullmatch(r"[^:@\s]+(:\d+)?/[^:@\s]+:[\w][\w.-]*", image), where
+            assert not image.endswith(":latest"), where
+            if name.startswith("Pod/"):  # the helm test pod runs once
+                continue
+            resources = container["resources"]
+            assert {"cpu", "memory"} <= set(resources["requests"]), where
+            assert "memory" in resources["limits"], where
+            assert "readinessProbe" in container, where
+            assert "livenessProbe" in container, where
