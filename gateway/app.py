@@ -167,6 +167,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         timeout_s = min(timeout_s, deadline_ms / 1000)  # a client may only shorten it
     deadline = time.monotonic() + timeout_s
     admission = request.app[ADMISSION]
+    if not request.app[MONITOR].offers(model):
+        m.rejected.labels(model, "no_ready_endpoint").inc()
+        return error_response(
+            503, f"no engine of pool {model!r} is ready", "no_ready_endpoint", retry_after_s=1
+        )
     try:
         lease = await admission.acquire(policy, priority or settings.default_priority, timeout_s)
     except AdmissionError as exc:

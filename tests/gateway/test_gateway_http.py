@@ -207,3 +207,13 @@ async def test_metrics_and_pool_file_reload(gw, spawn, client, tmp_path):
         async with client.post(f"{url}/v1/completions", json=completion(model="m2")) as resp:
             status = resp.status
     assert status == 200
+
+
+async def test_pool_without_ready_engine_is_503_at_once(gw, client):
+    url = await gw([pool("m", [f"http://127.0.0.1:{free_port()}"])])
+    started = time.monotonic()
+    async with client.post(f"{url}/v1/completions", json=completion()) as resp:
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "1"
+        assert "no engine" in (await resp.json())["error"]["message"]
+    assert time.monotonic() - started < 1
