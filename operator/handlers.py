@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import re
 import threading
 from collections.abc import Mapping
@@ -106,6 +107,13 @@ class PoolView:
         )
 
 
+def _api_message(error: ApiException) -> str:
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except ValueError:
+        return str(error.reason)
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -162,7 +170,13 @@ class StatusWriter:
                 status["observedGeneration"] = observed_generation
             if kube.is_subset(status, previous):
                 return
-            self.children.patch_pool_status(key[0], key[1], status)
+            try:
+                self.children.patch_pool_status(key[0], key[1], status)
+            except ApiException as error:
+                if error.status == 404:  # deleted meanwhile
+                    self.forget(key)
+                    return
+                raise
             self._written[key] = _Written(view.uid, {**previous, **status})
 
     def forget(self, key: Key) -> None:
@@ -239,26 +253,29 @@ class PoolOperator:
     ) -> None:
         key = (namespace, name)
         generation = int(meta.get("generation", 1))
-        writer = self.writer
+
+        def report(problem: Problem) -> None:
+            """Record why the pool cannot run: condition (via status) and a Warning event."""
+            self.writer.problems[key] = problem
+            self._refresh(key, indexes, observed_generation=generation)
+            kopf.warn(body, reason=problem.reason, message=problem.message)
+
         try:
-            pool = validate_pool(body)
+            outcomes = self._apply_children(validate_pool(body), body)
         except InvalidPoolError as error:
-            writer.problems[key] = error.problem
-            self._refresh(key, indexes, observed_generation=generation)
-            kopf.warn(body, reason=error.problem.reason, message=error.problem.message)
+            report(error.problem)
             raise kopf.PermanentError(error.problem.message) from error
-        try:
-            outcomes = self._apply_children(pool, body)
         except kube.ChildConflictError as error:
-            writer.problems[key] = Problem("ChildConflict", str(error))
-            self._refresh(key, indexes, observed_generation=generation)
-            kopf.warn(body, reason="ChildConflict", message=str(error))
+            report(Problem("ChildConflict", str(error)))
             raise kopf.TemporaryError(str(error), delay=30) from error
         except ApiException as error:
+            if error.status in {400, 422}:  # the API server refused what we built from the spec
+                report(Problem("ChildRejected", _api_message(error)))
+                raise kopf.PermanentError(_api_message(error)) from error
             if error.status in {409, 429} or error.status >= 500:
                 raise kopf.TemporaryError(f"API said {error.status}; retrying", delay=2) from error
             raise
-        writer.problems.pop(key, None)
+        self.writer.problems.pop(key, None)
         logger.info(f"children: {outcomes}")
         self._refresh(key, indexes, observed_generation=generation)
 

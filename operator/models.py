@@ -49,6 +49,13 @@ Quantity = Annotated[
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# Label/annotation keys: [DNS subdomain prefix "/"] name. OpenAPI v3.0 cannot constrain map
+# keys, so the CRD cannot check these; the operator does (InvalidSpec).
+QUALIFIED_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
@@ -200,18 +207,31 @@ class EngineSpec(WireModel):
         default_factory=list, max_length=16, description="Names of image pull Secrets."
     )
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[
+        str, Annotated[str, StringConstraints(pattern=LABEL_VALUE, max_length=63)]
+    ] = Field(default_factory=dict, max_length=64)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     env: list[EnvVar] = Field(default_factory=list, max_length=64)
     service_account_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
     priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
-    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    pod_annotations: dict[str, str] = Field(default_factory=dict, max_length=64)
     startup_timeout_seconds: int = Field(
         900, ge=10, le=86_400, description="How long loading the model may take before restart."
     )
     drain_timeout_seconds: int = Field(
         30, ge=0, le=3600, description="How long a stopping engine may finish its requests."
     )
+
+    @model_validator(mode="after")
+    def _qualified_keys(self) -> EngineSpec:
+        for field, keys in (
+            ("nodeSelector", self.node_selector),
+            ("podAnnotations", self.pod_annotations),
+        ):
+            for key in keys:
+                if len(key) > 316 or not QUALIFIED_NAME.match(key):
+                    raise ValueError(f"{field} key {key!r} is not a valid label/annotation key")
+        return self
 
 
 class InferencePoolSpec(WireModel):

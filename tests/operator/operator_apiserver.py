@@ -10,6 +10,10 @@ server. This shim adds, each in one commented place below, what the operator and
 3. Custom resources are defaulted, pruned and validated against the CRD's openAPIV3Schema;
    violations answer 422 Invalid like the real server. CEL rules (x-kubernetes-validations)
    are NOT evaluated: the operator's pydantic models check the same rules themselves.
+   Deployments, Services and Pods are validated (as written, after every patch) against
+   Kubernetes 1.37's schemas with kubernetes-validate, strict: types and unknown fields, not
+   the server's semantic checks. ``policies`` stand in for validating admission webhooks
+   (Kyverno, Gatekeeper): a callable that returns a message denies the write with 422.
 4. ``kind``/``apiVersion``/``resourceVersion`` in list responses.
 5. Status subresource semantics (status ignored on the main endpoint, only status taken on
    ``/status``), the ``/scale`` subresource, and compare-and-swap on a patch's resourceVersion
@@ -30,15 +34,18 @@ import json
 import secrets
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import attrs
 import jsonpatch
 import jsonschema
 import kmock
+import kubernetes_validate
 from kmock._internal import dicts, rendering
 
+K8S_VERSION = "1.37.0"
+BUILTIN_VALIDATED = {"deployments", "services", "pods"}
 MUTATIONS = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
 VERBS = {
     kmock.action.FETCH: "get",
@@ -105,6 +112,8 @@ class ApiServer(kmock.KubernetesEmulator):
 
     # openAPIV3Schema of custom resources, by resource; objects of these are validated.
     schemas: dict[kmock.resource, dict[str, Any]] = attrs.field(factory=dict)
+    # Validating admission: (plural, object) -> a denial message, or "" to allow.
+    policies: list[Callable[[str, dict[str, Any]], str]] = attrs.field(factory=list)
     _rv: int = attrs.field(default=1000, init=False)
     # (resourceVersion, resource, event) of every write, for watch resumption.
     _log: list[tuple[int, kmock.resource, dict[str, Any]]] = attrs.field(factory=list, init=False)
@@ -184,8 +193,17 @@ class ApiServer(kmock.KubernetesEmulator):
         await self._buses[resource].put(event)
 
     def _admit(self, resource: kmock.resource, obj: dict[str, Any]) -> None:
+        for policy in self.policies:
+            if denial := policy(str(resource.plural), obj):
+                raise kmock.KubernetesError(
+                    status=422,
+                    reason="Invalid",
+                    message=f'admission webhook "policy.test" denied the request: {denial}',
+                )
         schema = self.schemas.get(resource)
         if schema is None:
+            if resource.plural in BUILTIN_VALIDATED:
+                self._admit_builtin(resource, obj)
             return
         apply_defaults(schema, obj)
         prune(schema, obj)
@@ -204,6 +222,20 @@ class ApiServer(kmock.KubernetesEmulator):
                 f"{causes}",
                 details={"kind": kind, "name": obj["metadata"].get("name")},
             )
+
+    def _admit_builtin(self, resource: kmock.resource, obj: dict[str, Any]) -> None:
+        kind = self.resources[resource].kind
+        api_version = f"{resource.group}/{resource.version}" if resource.group else "v1"
+        try:
+            kubernetes_validate.validate(
+                {"apiVersion": api_version, "kind": kind, **obj}, K8S_VERSION, strict=True
+            )
+        except kubernetes_validate.ValidationError as error:
+            raise kmock.KubernetesError(
+                status=422,
+                reason="Invalid",
+                message=f'{kind} "{obj["metadata"].get("name")}" is invalid: {error.message}',
+            ) from error
 
     async def _mutate(self, request: rendering.Request) -> dict[str, Any]:
         resource = request.resource

@@ -13,7 +13,12 @@ from slotserve.operator import crd, models
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "inferencepools.slotserve.dev.yaml"
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+# Example InferencePools (examples/ also holds other files, e.g. a local gateway pool file).
+EXAMPLES = [
+    path
+    for path in sorted((ROOT / "examples").glob("*.yaml"))
+    if (yaml.safe_load(path.read_text()) or {}).get("kind") == models.KIND
+]
 K8S_VERSION = "1.37.0"
 
 

@@ -47,6 +47,15 @@ def wait_status(kube: Kube, name: str, predicate: Any, what: str) -> dict[str, A
     return kube.get_pool(name)
 
 
+def assert_gateway_reads(pool: dict[str, Any], endpoints: tuple[str, ...], max_batch_size: int):
+    """The contract with the gateway: what its Kubernetes discovery makes of our status."""
+    discovery = pytest.importorskip("slotserve.gateway.discovery")
+    seen = discovery.pool_from_inference_pool(pool)
+    assert seen.model == pool["spec"]["model"]["name"]
+    assert seen.endpoints == endpoints
+    assert seen.batching.max_batch_size == max_batch_size
+
+
 def args_of(deployment: dict[str, Any]) -> list[str]:
     return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
 
@@ -92,6 +101,7 @@ def test_create_builds_owned_children_and_status_follows_the_pods(kube: Kube):
     assert pool["status"]["readyReplicas"] == pool["status"]["replicas"] == 2
     assert condition(pool, "Ready")["status"] == "True"
     assert condition(pool, "Degraded")["status"] == "False"
+    assert_gateway_reads(pool, ("http://10.1.0.1:8000", "http://10.1.0.2:8000"), max_batch_size=8)
 
     # A pod stops being ready: it leaves the endpoints at once.
     kube.set_pod_ready(first, "default", ip="10.1.0.1", ready=False)
@@ -150,16 +160,28 @@ def test_schema_violations_are_rejected_with_422(kube: Kube):
 
 @pytest.mark.usefixtures("operator")
 @pytest.mark.parametrize(
-    ("name", "spec", "reason"),
+    ("name", "spec", "reason", "fix"),
     [
         # A valid object name that cannot name a Service.
-        ("8b-model", {}, "InvalidName"),
+        ("8b-model", {}, "InvalidName", None),
         # A CEL rule; the emulator does not evaluate CEL, the operator's models do.
-        ("chat", {"batching": {"maxBatchSize": 4, "preferredBatchSizes": [8]}}, "InvalidSpec"),
+        (
+            "chat",
+            {"batching": {"maxBatchSize": 4, "preferredBatchSizes": [8]}},
+            "InvalidSpec",
+            {"batching": {"preferredBatchSizes": [2, 4]}},
+        ),
+        # Map keys: OpenAPI v3.0 cannot constrain them.
+        (
+            "keys",
+            {"engine": {"nodeSelector": {"bad key!": "x"}}},
+            "InvalidSpec",
+            {"engine": {"nodeSelector": {"bad key!": None, "zone": "x"}}},
+        ),
     ],
 )
 def test_specs_the_schema_cannot_catch_degrade_with_an_event(
-    kube: Kube, name: str, spec: dict[str, Any], reason: str
+    kube: Kube, name: str, spec: dict[str, Any], reason: str, fix: dict[str, Any] | None
 ):
     kube.create_pool(pool_body(name, **spec))
     pool = wait_status(
@@ -176,8 +198,8 @@ def test_specs_the_schema_cannot_catch_degrade_with_an_event(
         what="warning event",
     )
     assert kube.deployments() == []
-    if reason == "InvalidSpec":  # fixing the spec recovers
-        kube.patch_pool(name, {"spec": {"batching": {"preferredBatchSizes": [2, 4]}}})
+    if fix is not None:  # fixing the spec recovers
+        kube.patch_pool(name, {"spec": fix})
         wait_until(lambda: kube.deployments(), WAIT, what="deployment after fix")
         wait_status(
             kube, name, lambda p: condition(p, "Degraded").get("status") == "False", "healed"
@@ -355,3 +377,24 @@ def test_examples_apply_and_their_children_are_valid_kubernetes(kube: Kube, exam
         kubernetes_validate.validate(child, "1.37.0", strict=True)
     pool = kube.get_pool(name)
     assert pool["spec"]["admission"] == body["spec"]["admission"]
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_child_refused_by_admission_degrades_the_pool(kube: Kube, apiserver: Any):
+    def no_host_path(plural: str, obj: dict[str, Any]) -> str:
+        volumes = obj.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", [])
+        return "hostPath volumes are forbidden" if any("hostPath" in v for v in volumes) else ""
+
+    apiserver.server.policies.append(no_host_path)
+    source = {"hostPath": {"path": "/srv/models/smollm2"}}
+    kube.create_pool(pool_body(model={"name": "smollm2", "source": source}))
+    pool = wait_status(
+        kube, "chat", lambda p: condition(p, "Degraded").get("reason") == "ChildRejected", "refused"
+    )
+    assert "hostPath volumes are forbidden" in condition(pool, "Degraded")["message"]
+    assert any(e["reason"] == "ChildRejected" for e in kube.events())
+    # Switching to an allowed source recovers.
+    kube.patch_pool(
+        "chat", {"spec": {"model": {"source": {"hostPath": None, "builtin": "smollm2"}}}}
+    )
+    wait_until(lambda: kube.deployments(), WAIT, what="deployment after the fix")

@@ -85,3 +85,12 @@ def test_operator_settings_from_env(monkeypatch: pytest.MonkeyPatch):
     assert settings.namespaces == ["a", "b"]
     assert settings.health_port == 9090
     assert settings.engine_image == "ghcr.io/slotserve/engine:0.1.0"
+
+
+def test_node_selector_keys_and_values_are_checked():
+    with pytest.raises(ValidationError, match="nodeSelector key"):
+        InferencePoolSpec.model_validate(spec(engine={"nodeSelector": {"bad key!": "x"}}))
+    with pytest.raises(ValidationError):
+        InferencePoolSpec.model_validate(spec(engine={"nodeSelector": {"zone": "bad value!"}}))
+    ok = {"nodeSelector": {"nvidia.com/gpu.present": "true"}, "podAnnotations": {"a/b": "c"}}
+    assert InferencePoolSpec.model_validate(spec(engine=ok)).engine.node_selector
