@@ -162,7 +162,9 @@ def compute_status(
     else:
         degraded = (False, "AsExpected", "")
 
-    if problem is not None:
+    # A problem stops changes, not the pods already serving the last good spec: Ready reports
+    # what serves now, and names the problem only when nothing does.
+    if problem is not None and num_ready == 0:
         ready = (False, problem.reason, problem.message)
     elif desired_replicas == 0:
         ready = (False, "ScaledToZero", "replicas is 0")

@@ -398,3 +398,18 @@ def test_a_child_refused_by_admission_degrades_the_pool(kube: Kube, apiserver: A
         "chat", {"spec": {"model": {"source": {"hostPath": None, "builtin": "smollm2"}}}}
     )
     wait_until(lambda: kube.deployments(), WAIT, what="deployment after the fix")
+
+
+@pytest.mark.usefixtures("operator")
+def test_an_invalid_update_leaves_the_running_engines_alone(kube: Kube):
+    kube.create_pool(pool_body())
+    wait_until(lambda: kube.deployments(), WAIT, what="deployment")
+    wait_status(kube, "chat", lambda p: p.get("status", {}).get("observedGeneration") == 1, "s")
+    before = kube.deployment("chat")["metadata"]
+    kube.patch_pool("chat", {"spec": {"engine": {"nodeSelector": {"bad key!": "x"}}}})
+    pool = wait_status(
+        kube, "chat", lambda p: condition(p, "Degraded").get("reason") == "InvalidSpec", "invalid"
+    )
+    assert pool["status"]["observedGeneration"] == 2
+    after = kube.deployment("chat")["metadata"]
+    assert (after["uid"], after["resourceVersion"]) == (before["uid"], before["resourceVersion"])

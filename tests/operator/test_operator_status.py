@@ -121,6 +121,15 @@ def test_stuck_pods_and_problems_degrade_the_pool():
         "Progressing": ("False", "InvalidSpec"),
         "Degraded": ("True", "InvalidSpec"),
     }
+    # Pods of the last good spec keep serving: still Ready, but degraded and not progressing.
+    serving = [pod("a", "10.0.0.1", ready=True), pod("b", "10.0.0.2", ready=True)]
+    result = status(pods=serving, deployment=rolled_out(2), problem=problem)
+    assert result["endpoints"] == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    assert conditions(result) == {
+        "Ready": ("True", "AllReplicasReady"),
+        "Progressing": ("False", "InvalidSpec"),
+        "Degraded": ("True", "InvalidSpec"),
+    }
 
 
 def test_scaled_to_zero_is_not_ready_but_complete():
