@@ -102,7 +102,7 @@ def resolve_model_once(model: str) -> str:
     """Pull/resolve the model in the parent, so N engines do not race to download it."""
     from slotserve.models.resolve import resolve_model
 
-    return str(resolve_model(model))
+    return str(resolve_model(model, show_progress=True))
 
 
 def default_num_threads(num_busy_engines: int) -> int:

@@ -88,3 +88,39 @@ def test_up_answers_through_the_gateway_and_ctrl_c_stops_every_child(
     while time.monotonic() < deadline and not all(_gone(pid) for pid in pids):
         time.sleep(0.1)
     assert [pid for pid in pids if not _gone(pid)] == []
+
+
+def test_up_without_redis_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path, slotserve_command):
+    port = free_port()
+    up = slotserve_command(
+        [
+            "up",
+            "--model", str(tiny_model_dir),
+            "--engines", "1",
+            "--no-redis",
+            "--port", str(port),
+            "--num-threads", "1",
+            "--log-dir", str(tmp_path / "logs"),
+        ]
+    )  # fmt: skip
+
+    def banner_shown() -> bool:
+        if up.proc.poll() is not None:
+            raise AssertionError(f"slotserve up exited early:\n{up.output}")
+        return "Press Ctrl-C to stop" in up.output
+
+    wait_until(banner_shown, timeout=240, interval=0.5, what="slotserve up to be ready")
+    assert "in-process admission" in up.output
+    model = tiny_model_dir.name  # the served name defaults to the folder name
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    answer = client.completions.create(model=model, prompt="Hello", max_tokens=4)
+    assert answer.choices[0].text is not None and answer.usage.completion_tokens <= 4
+
+    pids = [p.pid for p in psutil.Process(up.proc.pid).children(recursive=True)]
+    assert len(pids) == 2  # one engine and the gateway, no Redis
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.wait(timeout=90) == 0, up.output
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(_gone(pid) for pid in pids):
+        time.sleep(0.1)
+    assert [pid for pid in pids if not _gone(pid)] == []
