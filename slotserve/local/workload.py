@@ -18,7 +18,7 @@ import httpx
 SEED_MAX_TOKENS = (20, 50, 100, 500)
 # Late arrivals: (tokens the longest seed request has produced, max_tokens of the new request).
 SEED_LATE_ARRIVALS = tuple((10 + 50 * index, 100) for index in range(8))
-BURST_MAX_TOKENS = 32
+BURST_MAX_TOKENS = 16
 # A burst request must outlast the burst's own arrival, or the queue never fills (tiny models).
 MIN_BURST_MAX_TOKENS = 16
 TOPICS = (

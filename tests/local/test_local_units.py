@@ -31,7 +31,8 @@ def test_scaled_workload_keeps_its_shape_and_never_asks_for_zero_tokens():
     assert all(s.max_tokens >= 1 and s.after_tokens < 50 for s in specs)
     assert len(burst_workload(7, 0.01)) == 7
     assert all(s.max_tokens == 16 for s in burst_workload(3, 0.01))
-    assert all(s.max_tokens == 32 for s in burst_workload(3, 1.0))
+    assert all(s.max_tokens == 16 for s in burst_workload(3, 2.0 / 3))
+    assert all(s.max_tokens == 32 for s in burst_workload(3, 2.0))
 
 
 def test_percentile_interpolates_and_has_no_value_for_no_data():
