@@ -145,7 +145,7 @@ def print_banner(console: Console, stack: RunningStack) -> None:
         f"each), {describe_redis(stack.redis)}"
     )
     print_children(console, stack.children)
-    console.print("\nTry it (curl):", style="bold")
+    console.print("\nTry it from another terminal (curl, then Python with openai):", style="bold")
     console.print(usage_examples(stack.gateway_url, pool.model), highlight=False, markup=False)
     console.print("\nPress Ctrl-C to stop.", style="bold")
 

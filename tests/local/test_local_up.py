@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -30,6 +31,14 @@ def _curl_example(output: str) -> str:
     start = next(i for i, line in enumerate(lines) if line.startswith("curl "))
     end = next(i for i in range(start, len(lines)) if not lines[i].endswith("\\"))
     return "\n".join(lines[start : end + 1])
+
+
+def _python_example(output: str) -> str:
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("python - <<'EOF'"))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i] == "EOF")
+    # `python` here is this interpreter, which has the openai package.
+    return "\n".join([f"{sys.executable} - <<'EOF'", *lines[start + 1 : end + 1]])
 
 
 def test_up_answers_through_the_gateway_and_ctrl_c_stops_every_child(
@@ -74,6 +83,10 @@ def test_up_answers_through_the_gateway_and_ctrl_c_stops_every_child(
         ["bash", "-c", _curl_example(up.output)], capture_output=True, text=True, timeout=60
     )
     assert curl.returncode == 0 and '"choices"' in curl.stdout, curl.stdout + curl.stderr
+    example = subprocess.run(
+        ["bash", "-c", _python_example(up.output)], capture_output=True, text=True, timeout=60
+    )
+    assert example.returncode == 0, example.stdout + example.stderr
 
     tree = psutil.Process(up.proc.pid).children(recursive=True)
     pids = [process.pid for process in tree]
