@@ -18,10 +18,8 @@ os.environ["KUBECONFIG"] = str(KUBECONFIG)
 
 import pytest  # noqa: E402
 from operator_apiserver import ApiServerThread  # noqa: E402
-from operator_harness import Kube, OperatorThread  # noqa: E402
+from operator_harness import Kube, OperatorThread, assert_rbac_covers  # noqa: E402
 from slotserve.operator import crd  # noqa: E402
-from slotserve.operator.kube import USER_AGENT  # noqa: E402
-from slotserve.operator.rbac import REQUIRED_RULES  # noqa: E402
 from slotserve.operator.settings import OperatorSettings  # noqa: E402
 from support import free_port  # noqa: E402
 
@@ -46,23 +44,6 @@ def kube(apiserver: ApiServerThread) -> Kube:
 @pytest.fixture
 def operator_settings() -> OperatorSettings:
     return OperatorSettings(engine_image=ENGINE_IMAGE, health_port=free_port())
-
-
-def allowed(verb: str, group: str, resource: str) -> bool:
-    return any(
-        group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
-        for rule in REQUIRED_RULES
-    )
-
-
-def assert_rbac_covers(apiserver: ApiServerThread) -> None:
-    """Every API call that kopf and the operator made is allowed by REQUIRED_RULES."""
-    assert apiserver.server is not None
-    made = {
-        call[1:] for call in apiserver.server.calls if call[0].startswith(("kopf/", USER_AGENT))
-    }
-    missing = sorted(call for call in made if not allowed(*call))
-    assert not missing, f"calls outside REQUIRED_RULES (verb, group, resource): {missing}"
 
 
 @pytest.fixture

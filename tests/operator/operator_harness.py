@@ -16,16 +16,37 @@ import kubernetes.client
 from kubernetes.client.exceptions import ApiException
 from slotserve.operator import cli, kube
 from slotserve.operator.models import GROUP, PLURAL, VERSION
+from slotserve.operator.rbac import REQUIRED_RULES
 from slotserve.operator.settings import OperatorSettings
 
 WATCH_TIMEOUT_SECONDS = 1
 
 
+def allowed(verb: str, group: str, resource: str) -> bool:
+    return any(
+        group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+        for rule in REQUIRED_RULES
+    )
+
+
+def assert_rbac_covers(apiserver: Any) -> None:
+    """Every API call that kopf and the operator made is allowed by REQUIRED_RULES."""
+    made = {
+        call[1:]
+        for call in apiserver.server.calls
+        if call[0].startswith(("kopf/", kube.USER_AGENT))
+    }
+    missing = sorted(call for call in made if not allowed(*call))
+    assert not missing, f"calls outside REQUIRED_RULES (verb, group, resource): {missing}"
+
+
 class OperatorThread:
-    """``slotserve operator`` in-process: cluster-wide, standalone (kmock serves no peering)."""
+    """``slotserve operator`` in-process: cluster-wide; standalone unless given a peering name."""
 
     def __init__(self, settings: OperatorSettings) -> None:
         self.settings = settings
+        # Peering needs kopf's peering resource, which a test must add to the API server first.
+        self.standalone = not settings.peering_name
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
         self.error: BaseException | None = None
@@ -38,8 +59,8 @@ class OperatorThread:
                     self.settings,
                     stop_flag=self.stop_flag,
                     ready_flag=self.ready_flag,
-                    standalone=True,
                     settings=self.kopf_settings(),
+                    **({"standalone": True} if self.standalone else {}),
                 )
             )
         except BaseException as error:
@@ -62,6 +83,9 @@ class OperatorThread:
             self.stop()
             raise RuntimeError(f"the operator did not start: {self.error!r}")
         return self
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self, timeout: float = 20) -> None:
         self.stop_flag.set()

@@ -7,6 +7,7 @@ Every wait is bounded.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,11 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import kmock
 import kubernetes_validate
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
-from operator_harness import Kube, OperatorThread
+from operator_harness import Kube, OperatorThread, assert_rbac_covers
 from slotserve.operator.models import API_VERSION, KIND
 from slotserve.operator.settings import OperatorSettings
 from support import free_port, http_ok, wait_until
@@ -413,3 +415,70 @@ def test_an_invalid_update_leaves_the_running_engines_alone(kube: Kube):
     assert pool["status"]["observedGeneration"] == 2
     after = kube.deployment("chat")["metadata"]
     assert (after["uid"], after["resourceVersion"]) == (before["uid"], before["resourceVersion"])
+
+
+def test_two_replicas_one_active_and_failover(kube: Kube, apiserver: Any):
+    """kopf peering: the higher priority works, the other stands by, then takes over."""
+    peerings = kmock.resource("kopf.dev", "v1", "clusterkopfpeerings")
+    apiserver.server.resources[peerings] = kmock.ResourceInfo(
+        kind="ClusterKopfPeering",
+        singular="clusterkopfpeering",
+        namespaced=False,
+        verbs=["create", "delete", "get", "list", "patch", "watch"],
+    )
+    kube.custom.create_cluster_custom_object(
+        "kopf.dev",
+        "v1",
+        "clusterkopfpeerings",
+        {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "ClusterKopfPeering",
+            "metadata": {"name": "slotserve"},
+        },
+        _preload_content=False,
+    )
+
+    def replica(priority: int, image: str) -> OperatorThread:
+        settings = OperatorSettings(
+            peering_name="slotserve",
+            priority=priority,
+            engine_image=image,
+            health_port=free_port(),
+        )
+        return OperatorThread(settings).start()
+
+    def image() -> str:
+        return kube.deployment("chat")["spec"]["template"]["spec"]["containers"][0]["image"]
+
+    def num_peers() -> int:
+        peering = kube.custom.get_cluster_custom_object(
+            "kopf.dev", "v1", "clusterkopfpeerings", "slotserve", _preload_content=False
+        )
+        return len(json.loads(peering.data).get("status") or {})
+
+    replicas = [leader := replica(200, "registry.test/engine:leader")]
+    try:
+        # kopf peering is not a lock: replicas starting at the same instant may both act
+        # briefly (harmless: the reconcile is idempotent). Start the standby once the leader
+        # is registered.
+        wait_until(lambda: num_peers() == 1, WAIT, what="leader registered in the peering")
+        replicas.append(replica(100, "registry.test/engine:standby"))
+        kube.create_pool(pool_body())
+        wait_until(lambda: kube.deployments(), WAIT, what="deployment")
+        time.sleep(2)  # both replicas have seen the pool by now
+        assert image() == "registry.test/engine:leader"
+        deployment_writes = [w for w in apiserver.server.writes if w[1] == "deployments"]
+        history = [
+            v["spec"]["template"]["spec"]["containers"][0]["image"]
+            for v in apiserver.server.objects["apps/v1/deployments", "default", "chat"].history
+            if v is not None
+        ]
+        assert [w[0] for w in deployment_writes] == ["CREATE"], f"the standby acted: {history}"
+
+        leader.stop()  # a clean exit retires it from the peering object at once
+        wait_until(lambda: image() == "registry.test/engine:standby", 30, what="failover")
+    finally:
+        for running in replicas:
+            if running.is_alive():
+                running.stop()
+    assert_rbac_covers(apiserver)
