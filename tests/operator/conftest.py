@@ -17,8 +17,12 @@ KUBECONFIG.write_text("{}")
 os.environ["KUBECONFIG"] = str(KUBECONFIG)
 
 import pytest  # noqa: E402
-from operator_apiserver import ApiServerThread  # noqa: E402
-from operator_harness import Kube, OperatorThread, assert_rbac_covers  # noqa: E402
+from operator_harness import (  # noqa: E402
+    ApiServerThread,
+    Kube,
+    OperatorThread,
+    assert_rbac_covers,
+)
 from slotserve.operator import crd  # noqa: E402
 from slotserve.operator.settings import OperatorSettings  # noqa: E402
 from support import free_port  # noqa: E402
