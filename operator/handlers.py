@@ -30,7 +30,10 @@ from slotserve.operator.settings import OperatorSettings
 from slotserve.operator.status import DeploymentView, PodView, Problem, compute_status
 
 POOLS = (GROUP, VERSION, PLURAL)
+# Fully qualified: a bare "pods" also matches metrics.k8s.io's PodMetrics.
 DEPLOYMENTS = ("apps", "v1", "deployments")
+PODS = ("v1", "pods")
+SERVICES = ("v1", "services")
 CHILD_LABELS = {
     builders.POOL_LABEL: kopf.PRESENT,
     "app.kubernetes.io/managed-by": builders.MANAGED_BY,
@@ -204,14 +207,14 @@ class PoolOperator:
         kopf.on.login(registry=registry, id="login")(self.login)
         kopf.on.startup(registry=registry, id="startup")(self.startup)
         kopf.index(*POOLS, registry=registry, id="pool_index")(self.pool_index)
-        kopf.index("pods", labels=CHILD_LABELS, registry=registry, id="pod_index")(self.pod_index)
+        kopf.index(*PODS, labels=CHILD_LABELS, registry=registry, id="pod_index")(self.pod_index)
         kopf.index(*DEPLOYMENTS, labels=CHILD_LABELS, registry=registry, id="deployment_index")(
             self.deployment_index
         )
         for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
             on(*POOLS, registry=registry, id="reconcile")(self.reconcile)
         kopf.on.event(*POOLS, registry=registry, id="pool_event")(self.pool_event)
-        for resource in (("pods",), DEPLOYMENTS, ("services",)):
+        for resource in (PODS, DEPLOYMENTS, SERVICES):
             kopf.on.event(*resource, labels=CHILD_LABELS, registry=registry, id="child_event")(
                 self.child_event
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from slotserve.operator.models import InferencePoolStatus
 from slotserve.operator.status import DeploymentView, PodView, Problem, compute_status
 
 NOW = "2026-01-01T00:00:00Z"
@@ -146,3 +147,13 @@ def test_transition_time_moves_only_when_the_status_flips():
     flipped = status(pods=pods, deployment=rolled_out(2), previous=first["conditions"], now=LATER)
     times = {c["type"]: c["lastTransitionTime"] for c in flipped["conditions"]}
     assert times == {"Ready": LATER, "Progressing": LATER, "Degraded": NOW}
+
+
+def test_computed_status_fits_the_status_model_of_the_crd():
+    pods = [pod("a", "10.0.0.1", ready=True)]
+    result = status(pods=pods, deployment=rolled_out(2), problem=Problem("ChildConflict", "x"))
+    parsed = InferencePoolStatus.model_validate({**result, "observedGeneration": 3})
+    assert parsed.model_dump(by_alias=True, exclude_none=True) == {
+        **result,
+        "observedGeneration": 3,
+    }
