@@ -16,7 +16,8 @@ import threading
 from typing import Any
 
 import kopf
-from slotserve.operator.handlers import PoolOperator
+from slotserve.operator.builders import MANAGED_BY, POOL_LABEL
+from slotserve.operator.handlers import DEPLOYMENTS, PODS, SERVICES, PoolOperator
 from slotserve.operator.settings import OperatorSettings
 
 from slotserve.settings import settings_from_args
@@ -36,6 +37,11 @@ def kopf_settings() -> kopf.OperatorSettings:
     # A server-side watch timeout makes watches reconnect (resuming from a resourceVersion).
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # Server-side filtering: watch only the engine pods and children, not every pod in the
+    # cluster (the handlers' label filters alone would run client-side).
+    children = f"{POOL_LABEL},app.kubernetes.io/managed-by={MANAGED_BY}"
+    for resource in (PODS, DEPLOYMENTS, SERVICES):
+        settings.watching.label_selectors[resource] = children
     return settings
 
 

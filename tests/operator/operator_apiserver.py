@@ -14,7 +14,8 @@ server. This shim adds, each in one commented place below, what the operator and
    Kubernetes 1.37's schemas with kubernetes-validate, strict: types and unknown fields, not
    the server's semantic checks. ``policies`` stand in for validating admission webhooks
    (Kyverno, Gatekeeper): a callable that returns a message denies the write with 422.
-4. ``kind``/``apiVersion``/``resourceVersion`` in list responses.
+4. ``kind``/``apiVersion``/``resourceVersion`` in list responses, and ``labelSelector``
+   filtering of lists and watches (equality and existence terms).
 5. Status subresource semantics (status ignored on the main endpoint, only status taken on
    ``/status``), the ``/scale`` subresource, and compare-and-swap on a patch's resourceVersion
    (409 Conflict), no-op patches leaving the object (and its resourceVersion) untouched.
@@ -57,6 +58,23 @@ VERBS = {
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def label_matches(term: str, labels: dict[str, str]) -> bool:
+    """One term of a label selector: key, !key, key=value, key==value, key!=value.
+
+    (Set-based terms are not needed here. Unlike a real server, a watch does not turn an object
+    that stops matching into a DELETED event; the operator's labels never change.)
+    """
+    if "!=" in term:
+        key, value = term.split("!=", 1)
+        return labels.get(key) != value
+    if "=" in term:
+        key, value = term.replace("==", "=").split("=", 1)
+        return labels.get(key) == value
+    if term.startswith("!"):
+        return term[1:] not in labels
+    return term in labels
 
 
 def resource_plural(request: rendering.Request) -> str:
@@ -117,8 +135,8 @@ class ApiServer(kmock.KubernetesEmulator):
     _log: list[tuple[int, kmock.resource, dict[str, Any]]] = attrs.field(factory=list, init=False)
     # (action, plural, namespace, name) of every accepted write, for assertions in tests.
     writes: list[tuple[str, str, str | None, str]] = attrs.field(factory=list, init=False)
-    # (user agent, verb, group, resource[/subresource]) of every API request, for RBAC checks.
-    calls: list[tuple[str, str, str, str]] = attrs.field(factory=list, init=False)
+    # (user agent, verb, group, resource[/subresource], labelSelector) of every API request.
+    calls: list[tuple[str, str, str, str, str]] = attrs.field(factory=list, init=False)
     # How many watches resumed from a resourceVersion (reconnects), for assertions in tests.
     num_resumed_watches: int = attrs.field(default=0, init=False)
     # The object each mutating request produced, handed to the response renderers.
@@ -152,7 +170,9 @@ class ApiServer(kmock.KubernetesEmulator):
         if request.resource is not None and request.action and request.resource.plural:
             verb = VERBS[request.action]
             agent = request.headers.get("User-Agent", "")
-            self.calls.append((agent, verb, str(request.resource.group), resource_plural(request)))
+            group, plural = str(request.resource.group), resource_plural(request)
+            selector = request.params.get("labelSelector", "")
+            self.calls.append((agent, verb, group, plural, selector))
         if request.resource is None or request.action not in MUTATIONS:
             return await super()._handle(request)
         if request.action != kmock.action.CREATE and request.name is None:
@@ -343,7 +363,11 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _matches(self, request: rendering.Request, obj: dict[str, Any]) -> bool:
         namespace = obj.get("metadata", {}).get("namespace")
-        return request.namespace is None or namespace == request.namespace
+        labels = obj.get("metadata", {}).get("labels") or {}
+        selector = request.params.get("labelSelector", "")
+        return (request.namespace is None or namespace == request.namespace) and all(
+            label_matches(term.strip(), labels) for term in selector.split(",") if term.strip()
+        )
 
     def _current(self, request: rendering.Request) -> list[dict[str, Any]]:
         return [

@@ -35,7 +35,7 @@ def allowed(verb: str, group: str, resource: str) -> bool:
 def assert_rbac_covers(apiserver: Any) -> None:
     """Every API call that kopf and the operator made is allowed by REQUIRED_RULES."""
     made = {
-        call[1:]
+        call[1:4]
         for call in apiserver.server.calls
         if call[0].startswith(("kopf/", kube.USER_AGENT))
     }

@@ -63,7 +63,7 @@ def args_of(deployment: dict[str, Any]) -> list[str]:
 
 
 @pytest.mark.usefixtures("operator")
-def test_create_builds_owned_children_and_status_follows_the_pods(kube: Kube):
+def test_create_builds_owned_children_and_status_follows_the_pods(kube: Kube, apiserver: Any):
     pool = kube.create_pool(pool_body(replicas=2, batching={"maxBatchSize": 8}))
     uid = pool["metadata"]["uid"]
     wait_until(lambda: kube.deployments() and kube.services(), WAIT, what="children")
@@ -82,6 +82,10 @@ def test_create_builds_owned_children_and_status_follows_the_pods(kube: Kube):
     assert status["selector"] == "app.kubernetes.io/component=engine,slotserve.dev/pool=chat"
     assert status["endpoints"] == [] and status["readyReplicas"] == 0
     assert condition(kube.get_pool("chat"), "Ready")["reason"] == "NoReplicasReady"
+
+    # Only the engine pods are watched (server-side label selector), not every pod.
+    pod_watches = [c for c in apiserver.server.calls if c[0].startswith("kopf/") and c[3] == "pods"]
+    assert pod_watches and all("slotserve.dev/pool" in c[4] for c in pod_watches)
 
     # The "kubelet": two pods start, then become ready; the gateway's endpoints follow.
     first = kube.start_pod(deployment, 0, "10.1.0.1")
