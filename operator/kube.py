@@ -2,6 +2,11 @@
 
 Objects travel as plain dicts (``_preload_content=False``), exactly as the builders make them
 and as the API returns them, so comparisons need no model round trips.
+
+Children are written with JSON merge patches (not server-side apply): read, compare, and patch
+only when something differs, with the read's resourceVersion as a compare-and-swap. The pod
+template is owned whole, so keys the pool no longer sets are nulled out of it. This works the
+same on every API server, including the emulator the tests use.
 """
 
 from __future__ import annotations
