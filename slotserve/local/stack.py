@@ -100,9 +100,12 @@ def served_name_for(model: str) -> str:
 
 def resolve_model_once(model: str) -> str:
     """Pull/resolve the model in the parent, so N engines do not race to download it."""
-    from slotserve.models.resolve import resolve_model
+    from slotserve.models.resolve import ModelNotFoundError, resolve_model
 
-    return str(resolve_model(model, show_progress=True))
+    try:
+        return str(resolve_model(model, show_progress=True))
+    except ModelNotFoundError as exc:
+        raise SystemExit(f"slotserve: {exc}") from None
 
 
 def default_num_threads(num_busy_engines: int) -> int:

@@ -170,3 +170,11 @@ def test_results_table_and_plots_carry_the_same_numbers(tmp_path):
         assert image.text["slotserve-run-id"] == "run-1"
         data = json.loads(image.text["slotserve-data"])
         assert data["continuous"]["row"] == row
+
+
+def test_an_unknown_model_is_a_clear_error_before_anything_starts(tmp_path):
+    with pytest.raises(SystemExit, match="not a known name"):
+        stack.resolve_model_once(str(tmp_path / "no-such-model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"no config\.json"):
+        stack.resolve_model_once(str(tmp_path / "empty"))
