@@ -3,13 +3,17 @@
 No cluster here: the API server is the kmock shim and ``LocalKubelet`` runs each pod's engine
 container command (a tiny random Llama from a hostPath volume) as a process on its own loopback
 address. What a user would notice: the pool turns Ready with one endpoint per engine, each
-endpoint answers the OpenAI API with the pool's model name, and an engine that dies leaves the
+endpoint answers the OpenAI API with the pool's model name, the real gateway (Kubernetes
+discovery) finds the pool from its status and serves it, and an engine that dies leaves the
 endpoints at once.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -17,9 +21,17 @@ from typing import Any
 import pytest
 from operator_harness import Kube, LocalKubelet, free_loopback_ips
 from slotserve.operator.models import API_VERSION, KIND
-from support import wait_until
+from support import free_port, wait_until
 
 pytestmark = pytest.mark.slow
+
+
+def http_get(url: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bytes(response.read())
+    except OSError:
+        return b""
 
 
 def complete(endpoint: str, model: str) -> dict[str, Any]:
@@ -69,6 +81,38 @@ def test_engines_from_the_built_deployment_serve_and_leave_endpoints_when_they_d
         for endpoint in endpoints():
             answer = complete(endpoint, "tiny-chat")
             assert answer["model"] == "tiny-chat" and answer["choices"][0]["text"]
+
+        # The real gateway, discovering the pool from its status (as in the cluster).
+        port = free_port()
+        gateway = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "slotserve.cli",
+                "gateway",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--discovery",
+                "kubernetes",
+            ],
+            env={**os.environ},  # KUBECONFIG: the emulator's (conftest)
+            stdout=(tmp_path / "gateway.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_until(
+                lambda: b"tiny-chat" in http_get(f"http://127.0.0.1:{port}/v1/models"),
+                30,
+                interval=0.3,
+                what="gateway discovered the pool",
+            )
+            answer = complete(f"127.0.0.1:{port}", "tiny-chat")
+            assert answer["choices"][0]["text"]
+        finally:
+            gateway.terminate()
+            gateway.wait(20)
 
         kubelet.kill(names[0])  # kill -9: the readiness probe fails, the endpoint goes
         wait_until(
