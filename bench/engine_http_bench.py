@@ -138,7 +138,8 @@ def start_server(args, model_path: str, port: int, log_path: Path) -> subprocess
     argv = [
         str(slotserve), "engine", "--model", model_path, "--served-model-name", "bench",
         "--host", "127.0.0.1", "--port", str(port), "--max-batch-size", str(args.max_batch_size),
-        "--num-threads", str(args.num_threads), "--log-level", "WARNING",
+        "--num-threads", str(args.num_threads), "--max-model-len", str(args.max_model_len),
+        "--log-level", "WARNING",
     ]  # fmt: skip
     log = log_path.open("wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -159,7 +160,10 @@ async def main_async(args) -> dict:
     console = Console()
     model_path = resolve_model(args.model)
     settings = EngineSettings(
-        model=model_path, max_batch_size=args.max_batch_size, num_threads=args.num_threads
+        model=model_path,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
     )
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -245,6 +249,7 @@ def report(args, console: Console, runs: list[Run], model_path: str) -> dict:
         "settings": {
             "max_batch_size": args.max_batch_size,
             "num_threads": args.num_threads,
+            "max_model_len": args.max_model_len,
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens,
             "requests_per_client": args.requests_per_client,
@@ -269,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--max-model-len", type=int, default=256, help="prompt + new tokens")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default="results/engine_http_bench.json")
     args = parser.parse_args(argv)

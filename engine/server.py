@@ -29,6 +29,8 @@ from slotserve.engine.http_state import (
 from slotserve.engine.openai_routes import chat_completions, completions, models
 from slotserve.engine.settings import EngineSettings
 
+from slotserve.models.resolve import resolve_model
+
 if TYPE_CHECKING:
     from slotserve.engine.async_engine import (
         AsyncEngine,
@@ -84,7 +86,9 @@ async def _load_and_start(state: ServerState) -> None:
     try:
         engine = state.preloaded
         if engine is None:
-            from slotserve.engine.async_engine import AsyncEngine  # torch: import off the hot path
+            # A wrong model name or path fails here in milliseconds, before torch is imported.
+            await _in_daemon_thread(resolve_model, state.settings.model)
+            from slotserve.engine.async_engine import AsyncEngine
 
             log.info("loading model %s", state.settings.model)
             engine = await _in_daemon_thread(AsyncEngine.load, state.settings)
@@ -229,7 +233,13 @@ async def _errors_as_openai(
     try:
         return await handler(request)
     except ApiError as error:
-        return error.response()
+        response = error.response()
+        engine = request.app[STATE].engine
+        if engine is not None and request.path.startswith("/v1/"):
+            # The gateway reads capacity from every answer, refusals included.
+            for name, value in slot_headers(engine.stats()).items():
+                response.headers.setdefault(name, value)
+        return response
     except web.HTTPException as error:
         if error.status < 400:
             raise

@@ -177,8 +177,9 @@ async def post(engine, path: str, body, headers=None):
     ],
 )
 async def test_completion_errors_in_openai_shape(engine, body, status, param, code):
-    got, payload, _ = await post(engine, "/v1/completions", body)
+    got, payload, headers = await post(engine, "/v1/completions", body)
     assert got == status, payload
+    assert headers["x-slotserve-slots-total"] == "2"  # capacity rides on refusals too
     error = payload["error"]
     assert error["message"]
     assert error["type"]
