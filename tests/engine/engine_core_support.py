@@ -58,4 +58,7 @@ def build_sharp_tiny_model(dest: Path, tokenizer_dir: Path, *, seed: int = 0) ->
 
 def make_engine(model_dir: Path, **settings) -> LLMEngine:
     settings.setdefault("max_model_len", 512)
+    # One torch thread: with 2 cores shared by parallel test processes, OpenMP threads that
+    # spin at every barrier make each step up to 10x slower than a single thread.
+    settings.setdefault("num_threads", 1)
     return LLMEngine.load(EngineSettings(model=str(model_dir), **settings))

@@ -18,7 +18,10 @@ def sharp_model_dir(tmp_path_factory, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def reference_model(sharp_model_dir):
-    return AutoModelForCausalLM.from_pretrained(str(sharp_model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(sharp_model_dir), dtype=torch.float32).eval()
+    # Like ignore_eos in the engine: neither stop at nor suppress the end-of-sequence token.
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -27,7 +30,6 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
         )

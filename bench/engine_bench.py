@@ -1,0 +1,312 @@
+"""Engine benchmark: policies on the seed workload, Poisson arrivals, decode speed vs HF generate().
+
+    .venv/bin/python bench/engine_bench.py --model smollm2 --out results/engine [--quick]
+
+Everything runs in one process, side by side, so ratios are comparable on a shared machine.
+Prints tables, writes ``results.json`` and PNG plots into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from engine_plots import plot_decode, plot_occupancy, plot_poisson
+from slotserve.engine.engine import LLMEngine
+from slotserve.engine.params import SamplingParams
+from slotserve.engine.runner import ModelRunner, load_model, pick_device, pick_dtype
+from slotserve.engine.settings import EngineSettings
+from transformers import AutoModelForCausalLM
+
+from slotserve.models.resolve import resolve_model
+
+SEED_LENGTHS = (20, 50, 100, 500)
+
+
+@dataclass
+class Bench:
+    model: object
+    tokenizer: object
+    hf_model: object
+    prompt_ids: list[int]
+    device: torch.device
+
+
+def make_engine(bench: Bench, **settings) -> LLMEngine:
+    settings.setdefault("max_model_len", 1024)
+    engine_settings = EngineSettings(model="bench", **settings)
+    runner = ModelRunner(
+        bench.model,
+        num_slots=engine_settings.max_batch_size,
+        max_model_len=engine_settings.max_model_len,
+    )
+    return LLMEngine(
+        engine_settings,
+        runner,
+        bench.tokenizer,
+        kv_cache_tokens=engine_settings.max_batch_size * engine_settings.max_model_len,
+        model_name="bench",
+        record_steps=True,
+    )
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[index]
+
+
+def hf_generate(
+    bench: Bench, batch: int, new_tokens: int, prompt: list[int] | None = None
+) -> float:
+    """Seconds for one HF generate() of ``batch`` copies of the prompt, ignoring EOS."""
+    ids = torch.tensor([prompt or bench.prompt_ids] * batch, device=bench.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        bench.hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=bench.tokenizer.pad_token_id or 0,
+        )
+    return time.perf_counter() - start
+
+
+# -- 1. the seed workload ------------------------------------------------------------------
+
+
+def seed_workload(bench: Bench, lengths: tuple[int, ...], num_cycles: int, out: Path) -> dict:
+    stream = [n for _ in range(num_cycles) for n in lengths]
+    useful = sum(stream)
+    rows = {}
+    records = {}
+    for policy in ("static", "dynamic", "continuous"):
+        engine = make_engine(bench, policy=policy, max_batch_size=4)
+        start = time.perf_counter()
+        results = engine.generate([bench.prompt_ids] * len(stream), [greedy(n) for n in stream])
+        wall = time.perf_counter() - start
+        assert [len(r.token_ids) for r in results] == stream
+        stats = engine.stats()
+        rows[policy] = {
+            "wall_s": wall,
+            "useful_tokens": useful,
+            "useful_tok_s": useful / wall,
+            "steps": stats.num_steps,
+            "slot_utilisation": stats.slot_utilisation,
+        }
+        records[policy] = engine.step_records
+        print(
+            f"  {policy:<10} {wall:8.1f} s  {useful / wall:7.1f} tok/s  "
+            f"util {stats.slot_utilisation:.1%}"
+        )
+    # HF static batches of 4 (one of each length): every batch runs to the longest request.
+    # All batches are identical (same prompt, same lengths), so one is measured and the stream
+    # time is that times the number of batches; likewise one request of each length alone.
+    batch_s = hf_generate(bench, len(lengths), max(lengths))
+    rows["hf_static_batches"] = {
+        "wall_s": batch_s * num_cycles,
+        "useful_tokens": useful,
+        "useful_tok_s": useful / (batch_s * num_cycles),
+        "steps": max(lengths) * num_cycles,
+        "slot_utilisation": sum(lengths) / (len(lengths) * max(lengths)),
+        "note": f"one batch measured ({batch_s:.1f} s), x{num_cycles} batches",
+    }
+    single_s = sum(hf_generate(bench, 1, n) for n in lengths)
+    rows["hf_one_at_a_time"] = {
+        "wall_s": single_s * num_cycles,
+        "useful_tokens": useful,
+        "useful_tok_s": useful / (single_s * num_cycles),
+        "steps": sum(lengths) * num_cycles,
+        "slot_utilisation": 1 / len(lengths),
+        "note": f"one request of each length measured ({single_s:.1f} s), x{num_cycles}",
+    }
+    for name in ("hf_static_batches", "hf_one_at_a_time"):
+        row = rows[name]
+        print(
+            f"  {name:<10} {row['wall_s']:8.1f} s  {row['useful_tok_s']:7.1f} tok/s  "
+            f"({row['note']})"
+        )
+    plot_occupancy(records["static"], records["continuous"], 4, out / "seed_occupancy.png")
+    continuous = rows["continuous"]["useful_tok_s"]
+    return {
+        "stream_output_lengths": stream,
+        "rows": rows,
+        "continuous_vs_hf_static": continuous / rows["hf_static_batches"]["useful_tok_s"],
+        "continuous_vs_static": continuous / rows["static"]["useful_tok_s"],
+    }
+
+
+# -- 2. Poisson arrivals -------------------------------------------------------------------
+
+
+def long_tailed_lengths(rng: random.Random, num: int, low: int, high: int) -> list[int]:
+    """Log-uniform between low and high: many short answers, a few long ones."""
+    return [round(math.exp(rng.uniform(math.log(low), math.log(high)))) for _ in range(num)]
+
+
+def poisson_run(bench: Bench, rate: float, lengths: list[int], seed: int, policy: str) -> dict:
+    rng = random.Random(seed)
+    arrivals, clock = [], 0.0
+    for _ in lengths:
+        clock += rng.expovariate(rate)
+        arrivals.append(clock)
+    engine = make_engine(
+        bench, policy=policy, max_batch_size=32, max_queue_delay_microseconds=50_000
+    )
+    start = time.perf_counter()
+    engine.clock = lambda: time.perf_counter() - start
+    metrics, next_index = [], 0
+    while next_index < len(lengths) or engine.has_unfinished():
+        now = engine.clock()
+        while next_index < len(lengths) and arrivals[next_index] <= now:
+            engine.add_request(f"p{next_index}", bench.prompt_ids, greedy(lengths[next_index]))
+            next_index += 1
+        delay = engine.next_step_delay()
+        if delay > 0:
+            wait = arrivals[next_index] - now if next_index < len(lengths) else delay
+            time.sleep(max(0.0, min(delay, wait)))
+            continue
+        metrics.extend(out.metrics for out in engine.step() if out.finished)
+    duration = engine.clock()
+    ttft = [m.time_to_first_token for m in metrics]
+    itl = [x for m in metrics for x in m.inter_token_latencies]
+    tpot = [
+        (m.e2e_latency - m.time_to_first_token) / len(m.inter_token_latencies)
+        for m in metrics
+        if m.inter_token_latencies
+    ]
+    return {
+        "policy": policy,
+        "rate_req_s": rate,
+        "num_requests": len(lengths),
+        "duration_s": duration,
+        "request_throughput": len(lengths) / duration,
+        "output_token_throughput": sum(lengths) / duration,
+        "ttft_p50_ms": percentile(ttft, 50) * 1e3,
+        "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+        "tpot_p50_ms": percentile(tpot, 50) * 1e3,
+        "tpot_p99_ms": percentile(tpot, 99) * 1e3,
+        "itl_p50_ms": percentile(itl, 50) * 1e3,
+        "itl_p99_ms": percentile(itl, 99) * 1e3,
+        "slot_utilisation": engine.stats().slot_utilisation,
+    }
+
+
+def poisson_workload(bench: Bench, rates: list[float], num: int, high: int, out: Path) -> list:
+    lengths = long_tailed_lengths(random.Random(0), num, 16, high)
+    rows = []
+    for policy in ("continuous", "static"):
+        for rate in rates:
+            row = poisson_run(bench, rate, lengths, seed=1, policy=policy)
+            rows.append(row)
+            print(
+                f"  {policy:<10} {rate:5.2f} req/s  {row['request_throughput']:5.2f} req/s  "
+                f"{row['output_token_throughput']:6.1f} tok/s  TTFT p50/p99 "
+                f"{row['ttft_p50_ms']:7.0f}/{row['ttft_p99_ms']:7.0f} ms  TPOT p50/p99 "
+                f"{row['tpot_p50_ms']:5.0f}/{row['tpot_p99_ms']:5.0f} ms  ITL p50/p99 "
+                f"{row['itl_p50_ms']:5.0f}/{row['itl_p99_ms']:5.0f} ms"
+            )
+    plot_poisson(rows, out / "poisson_throughput_latency.png")
+    return rows
+
+
+# -- 3. decode speed -----------------------------------------------------------------------
+
+
+def ours_decode(bench: Bench, batch: int, new_tokens: int, prompt: list[int]) -> float:
+    engine = make_engine(bench, max_batch_size=batch, max_batched_tokens=batch * len(prompt))
+    for i in range(batch):
+        engine.add_request(f"d{i}", prompt, greedy(new_tokens))
+    engine.step()  # every prefill, and the first token
+    start = time.perf_counter()
+    num_tokens = 0
+    while engine.has_unfinished():
+        num_tokens += sum(len(out.token_ids) for out in engine.step())
+    return num_tokens / (time.perf_counter() - start)
+
+
+def decode_speed(bench: Bench, batches: list[int], new_tokens: int, out: Path) -> list:
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 40_000, (128,), generator=generator).tolist()
+    rows = []
+    for batch in batches:
+        ours = ours_decode(bench, batch, new_tokens, prompt)
+        # HF: decode rate from the difference of a long and a one-token generate (drops prefill).
+        first = hf_generate(bench, batch, 1, prompt)
+        full = hf_generate(bench, batch, new_tokens, prompt)
+        hf = batch * (new_tokens - 1) / max(1e-9, full - first)
+        rows.append(
+            {"batch": batch, "ours_tok_s": ours, "hf_generate_tok_s": hf, "ratio": ours / hf}
+        )
+        print(
+            f"  batch {batch:>3}: ours {ours:7.1f} tok/s   HF generate {hf:7.1f} tok/s   "
+            f"x{ours / hf:.2f}"
+        )
+    plot_decode(rows, out / "decode_tokens_per_second.png")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--out", type=Path, default=Path("results/engine"))
+    parser.add_argument("--quick", action="store_true", help="short lengths, few requests")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--only", choices=["seed", "poisson", "decode"], action="append")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = pick_device("auto")
+    dtype = pick_dtype("auto", device)
+    source = resolve_model(args.model)
+    model, tokenizer = load_model(source, device, dtype)
+    hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device).eval()
+    chat = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
+    bench = Bench(model, tokenizer, hf_model, prompt_ids, device)
+    sections = set(args.only or ["seed", "poisson", "decode"])
+    report: dict = {
+        "model": args.model,
+        "device": str(device),
+        "dtype": str(dtype),
+        "threads": torch.get_num_threads(),
+        "quick": args.quick,
+        "prompt_tokens": len(prompt_ids),
+    }
+    started = time.perf_counter()
+    if "seed" in sections:
+        lengths = tuple(n // 5 for n in SEED_LENGTHS) if args.quick else SEED_LENGTHS
+        print(f"1. seed workload: {lengths} x4 requests, max_batch_size 4, ignore EOS")
+        report["seed"] = seed_workload(bench, lengths, 4, args.out)
+    if "poisson" in sections:
+        rates = [1.0, 4.0] if args.quick else [0.5, 1.0, 2.0, 4.0]
+        num, high = (12, 64) if args.quick else (32, 512)
+        print(f"2. Poisson arrivals: {num} requests, output 16..{high} log-uniform, 32 slots")
+        report["poisson"] = poisson_workload(bench, rates, num, high, args.out)
+    if "decode" in sections:
+        new_tokens = 16 if args.quick else 64
+        print(f"3. decode speed: 128-token prompts, {new_tokens} new tokens")
+        report["decode"] = decode_speed(bench, [1, 8, 32], new_tokens, args.out)
+    report["total_s"] = time.perf_counter() - started
+    (args.out / "results.json").write_text(json.dumps(report, indent=2, default=asdict))
+    print(f"wrote {args.out / 'results.json'} and plots in {args.out} ({report['total_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
