@@ -50,6 +50,11 @@ class Run:
     generated_tokens: int
     wall_s: float
     ttft_median_s: float
+    # CPU seconds of the serving process during the run: all threads, and the event-loop thread
+    # alone (HTTP parsing, SSE writes, handing outputs over). Unlike tokens/s on a shared
+    # machine, their ratio does not depend on what else runs.
+    server_cpu_s: float = 0.0
+    event_loop_cpu_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -127,6 +132,17 @@ def http_submit(session: aiohttp.ClientSession, url: str, model: str, max_tokens
     return submit
 
 
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(whole process, main thread) CPU seconds from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def read(path: str) -> float:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -157,7 +173,7 @@ def start_server(args, model_path: str, port: int, log_path: Path) -> subprocess
 
 
 async def main_async(args) -> dict:
-    console = Console()
+    console = Console(width=140)
     model_path = resolve_model(args.model)
     settings = EngineSettings(
         model=model_path,
@@ -192,10 +208,17 @@ async def main_async(args) -> dict:
                             if mode == "in-process"
                             else http_submit(session, url, "bench", args.max_tokens)
                         )
+                        # In process, the "server" is this process; over HTTP, the subprocess.
+                        pid = os.getpid() if mode == "in-process" else server.pid
+                        cpu_before = cpu_seconds(pid)
                         run = await run_workload(submit, prompts, concurrency, mode)
+                        cpu_after = cpu_seconds(pid)
+                        run.server_cpu_s = cpu_after[0] - cpu_before[0]
+                        run.event_loop_cpu_s = cpu_after[1] - cpu_before[1]
                         console.print(
                             f"  c={concurrency:<3} {mode:<11} {run.tokens_per_s:7.1f} tok/s "
-                            f"({run.generated_tokens} tokens in {run.wall_s:.1f} s)"
+                            f"({run.generated_tokens} tokens in {run.wall_s:.1f} s; event loop "
+                            f"{run.event_loop_cpu_s:.1f} of {run.server_cpu_s:.1f} CPU s)"
                         )
                         runs.append(run)
     finally:
@@ -210,7 +233,11 @@ async def main_async(args) -> dict:
 
 def report(args, console: Console, runs: list[Run], model_path: str) -> dict:
     table = Table(title="engine throughput: in-process AsyncEngine vs HTTP (SSE)")
-    for col in ("concurrency", "in-process tok/s", "http tok/s", "http overhead", "http TTFT p50"):
+    columns = (
+        "concurrency", "in-process tok/s", "http tok/s", "http vs in-process",
+        "http event-loop CPU", "http TTFT p50",
+    )  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="right")
     summary = []
     for concurrency in args.concurrency:
@@ -222,21 +249,30 @@ def report(args, console: Console, runs: list[Run], model_path: str) -> dict:
 
         local, http = median("in-process", "tokens_per_s"), median("http", "tokens_per_s")
         overhead = 1 - http / local
+        loop_share = median("http", "event_loop_cpu_s") / median("http", "server_cpu_s")
         summary.append(
             {
                 "concurrency": concurrency,
                 "in_process_tokens_per_s": local,
                 "http_tokens_per_s": http,
                 "http_overhead": overhead,
+                "http_event_loop_cpu_share": loop_share,
+                "http_event_loop_cpu_ms_per_token": 1000
+                * median("http", "event_loop_cpu_s")
+                / median("http", "generated_tokens"),
                 "http_ttft_median_s": median("http", "ttft_median_s"),
                 "in_process_ttft_median_s": median("in-process", "ttft_median_s"),
             }
         )
         table.add_row(
-            str(concurrency), f"{local:.1f}", f"{http:.1f}", f"{overhead:+.1%}",
-            f"{median('http', 'ttft_median_s'):.2f} s",
+            str(concurrency), f"{local:.1f}", f"{http:.1f}", f"{-overhead:+.1%}",
+            f"{loop_share:.1%}", f"{median('http', 'ttft_median_s'):.2f} s",
         )  # fmt: skip
     console.print(table)
+    console.print(
+        "http event-loop CPU = the share of the serving process's CPU time spent on its "
+        "event-loop thread (HTTP, JSON, SSE); the model runs on other threads."
+    )
     c8 = next((s for s in summary if s["concurrency"] == 8), None)
     if c8:
         console.print(
