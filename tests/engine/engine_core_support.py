@@ -12,7 +12,20 @@ from slotserve.engine.settings import EngineSettings
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def build_sharp_tiny_model(dest: Path, tokenizer_dir: Path, *, seed: int = 0) -> Path:
+ARCHITECTURES = {
+    # name: (config class, extra config fields)
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "gemma": ("GemmaConfig", {"head_dim": 16}),
+    "phi3": ("Phi3Config", {}),
+}
+
+
+def build_sharp_tiny_model(
+    dest: Path, tokenizer_dir: Path, *, seed: int = 0, arch: str = "llama"
+) -> Path:
     """A 2-layer Llama (hidden 64, 4 heads, 2 kv heads) with weights scaled for sharp choices.
 
     With default init, attention is near-uniform and the output head echoes the input token, so
@@ -22,10 +35,12 @@ def build_sharp_tiny_model(dest: Path, tokenizer_dir: Path, *, seed: int = 0) ->
     if (dest / "config.json").is_file():
         return dest
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    config = LlamaConfig(
+    config_name, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, config_name)(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -37,16 +52,17 @@ def build_sharp_tiny_model(dest: Path, tokenizer_dir: Path, *, seed: int = 0) ->
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **extra,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
                 scale = 3.0 if name.endswith(("q_proj", "k_proj")) else 1.0
                 module.weight.normal_(0.0, scale / math.sqrt(module.in_features))
-        model.model.embed_tokens.weight.normal_(0.0, 1.0)
-        model.lm_head.weight.mul_(4.0)
+        model.get_input_embeddings().weight.normal_(0.0, 1.0)
+        model.get_output_embeddings().weight.mul_(4.0)
     tmp = dest.with_name(dest.name + ".tmp")
     model.save_pretrained(str(tmp))
     for name in TOKENIZER_FILES:

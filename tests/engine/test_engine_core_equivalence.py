@@ -89,3 +89,19 @@ def test_static_and_dynamic_policies_equal_generate(sharp_model_dir, reference_m
     )
     for result, prompt in zip(results, prompts, strict=True):
         assert result.token_ids == hf_greedy(reference_model, prompt, 10)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "gemma", "phi3"])
+def test_other_decoder_families_equal_generate(tmp_path_factory, smollm2_dir, arch):
+    model_dir = build_sharp_tiny_model(
+        tmp_path_factory.getbasetemp() / f"sharp-{arch}", smollm2_dir, arch=arch
+    )
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id = None
+    prompts = make_prompts(5, seed=2)
+    engine = make_engine(model_dir, max_batch_size=3, max_batched_tokens=24)
+    results = engine.generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
+    for result, prompt in zip(results, prompts, strict=True):
+        assert result.token_ids == hf_greedy(reference, prompt, 8), arch
