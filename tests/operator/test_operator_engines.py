@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -34,15 +35,21 @@ def http_get(url: str) -> bytes:
         return b""
 
 
-def complete(endpoint: str, model: str) -> dict[str, Any]:
+def complete(endpoint: str, model: str, *, retry: bool = False) -> Any:
+    """A completion from ``endpoint``; with ``retry``, None on 503 (not ready yet)."""
     request = urllib.request.Request(
         f"http://{endpoint}/v1/completions",
         data=json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4}).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        assert response.status == 200
-        return json.loads(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        if retry and error.code == 503:
+            return None
+        raise
 
 
 @pytest.mark.usefixtures("operator")
@@ -108,8 +115,18 @@ def test_engines_from_the_built_deployment_serve_and_leave_endpoints_when_they_d
                 interval=0.3,
                 what="gateway discovered the pool",
             )
-            answer = complete(f"127.0.0.1:{port}", "tiny-chat")
-            assert answer["choices"][0]["text"]
+            # The gateway checks the engines itself before routing (503 until then).
+            answers: list[dict[str, Any]] = []
+            wait_until(
+                lambda: (
+                    answers.append(complete(f"127.0.0.1:{port}", "tiny-chat", retry=True))
+                    or answers[-1] is not None
+                ),
+                30,
+                interval=0.5,
+                what="a completion through the gateway",
+            )
+            assert answers[-1]["choices"][0]["text"]
         finally:
             gateway.terminate()
             gateway.wait(20)
