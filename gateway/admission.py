@@ -10,7 +10,6 @@ polls the backend on its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -33,6 +32,14 @@ T = TypeVar("T")
 
 OffersFn = Callable[[str], Sequence[EndpointOffer]]
 PoolsFn = Callable[[], Sequence[PoolPolicy]]
+
+
+@dataclass
+class _Waiter:
+    pool: PoolPolicy
+    future: asyncio.Future[str]
+    priority: int
+    deadline: float  # monotonic
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ class Admission:
         self.lease_ttl_s = lease_ttl_s
         self.tick_interval_s = tick_interval_s
         self.idle_tick_interval_s = idle_tick_interval_s
-        self._waiters: dict[str, tuple[str, asyncio.Future[str]]] = {}
+        self._waiters: dict[str, _Waiter] = {}
         self._leased: dict[str, tuple[str, str]] = {}  # request id -> (pool, endpoint)
         self._drain: dict[str, DrainRate] = {}
         self._queue_depth: dict[str, int] = {}
@@ -93,6 +100,7 @@ class Admission:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[object]] = set()
         self._needs_restore = False
+        self._closing = False
         self.backend_ok = True
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -105,11 +113,13 @@ class Admission:
         ]
 
     async def close(self) -> None:
+        self._closing = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Bounded: a client library that turns a cancellation into its own error must not
+        # keep shutdown waiting (the loops also stop on the closing flag).
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2)
         for handle in self._hold_timers.values():
             handle.cancel()
         await self.backend.close()
@@ -134,7 +144,7 @@ class Admission:
             await self._heartbeat_once()
         request_id = uuid.uuid4().hex
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiters[request_id] = (pool.name, future)
+        self._waiters[request_id] = _Waiter(pool, future, priority, started + timeout_s)
         in_queue = False  # True while an entry or grant of ours may sit in the backend
         try:
             try:
@@ -154,7 +164,10 @@ class Admission:
             in_queue = True
             self._apply(pool, result)
             try:
-                endpoint = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+                if future.done():  # granted in the enqueue step itself: the common fast path
+                    endpoint = future.result()
+                else:
+                    endpoint = await asyncio.wait_for(asyncio.shield(future), timeout_s)
             except TimeoutError:
                 in_queue = False
                 endpoint = await self._cancel(pool, request_id, future)
@@ -204,9 +217,9 @@ class Admission:
     def _on_grant(self, pool_name: str, request_id: str, endpoint: str) -> None:
         waiter = self._waiters.get(request_id)
         if waiter is not None:
-            if not waiter[1].done():
+            if not waiter.future.done():
                 self._leased[request_id] = (pool_name, endpoint)
-                waiter[1].set_result(endpoint)
+                waiter.future.set_result(endpoint)
             return
         if request_id in self._leased:
             return
@@ -262,8 +275,8 @@ class Admission:
         self._apply(pool, result)
 
     async def _tick_loop(self) -> None:
-        while True:
-            waiting_pools = {name for name, _ in self._waiters.values()}
+        while not self._closing:
+            waiting_pools = {waiter.pool.name for waiter in self._waiters.values()}
             for pool in self.pools():
                 try:
                     await self._tick_pool(pool)
@@ -278,15 +291,47 @@ class Admission:
             held.setdefault(pool_name, []).append((request_id, endpoint))
         restore = self._needs_restore
         try:
-            await self._call(self.backend.heartbeat(held, restore=restore))
+            was_alive = await self._call(self.backend.heartbeat(held, restore=restore))
+            if was_alive and not restore:
+                return
+            if not was_alive:
+                # Our heartbeat came too late (a stall longer than the lease TTL, or Redis lost
+                # its data): take back the leases we still use before anything else.
+                log.warning("this replica was presumed dead; restoring its leases and queue")
+                await self._call(self.backend.heartbeat(held, restore=True))
+            # Entries of our waiters may have been swept or lost: put back the missing ones.
+            await self._requeue_waiters()
         except BackendUnavailableError:
             return
+        self._needs_restore = False
         if restore:
-            self._needs_restore = False
             log.info("admission backend is back; restored %d leases", len(self._leased))
 
+    async def _requeue_waiters(self) -> None:
+        now = time.monotonic()
+        for request_id, waiter in list(self._waiters.items()):
+            if waiter.future.done():
+                continue
+            remaining_us = max(1, int((waiter.deadline - now) * 1_000_000))
+            try:
+                result = await self._call(
+                    self.backend.enqueue(
+                        waiter.pool,
+                        self.offers(waiter.pool.name),
+                        request_id,
+                        waiter.priority,
+                        remaining_us,
+                        only_if_absent=True,
+                    )
+                )
+            except QueueFullError as exc:
+                if not waiter.future.done():
+                    waiter.future.set_exception(exc)
+                continue
+            self._apply(waiter.pool, result)
+
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await self._heartbeat_once()
             except Exception:  # keep heartbeating: a stopped heartbeat loses every lease

@@ -120,8 +120,13 @@ class AdmissionBackend(Protocol):
         request_id: str,
         priority: int,
         timeout_us: int,
+        *,
+        only_if_absent: bool = False,
     ) -> DispatchResult:
-        """Queue a request (raising QueueFullError beyond maxQueueSize), then dispatch."""
+        """Queue a request (raising QueueFullError beyond maxQueueSize), then dispatch.
+
+        ``only_if_absent``: do nothing if the request is already queued or holds a lease.
+        """
         ...
 
     async def release(

@@ -158,6 +158,10 @@ ENQUEUE = (
     + r"""
 local rid, priority = ARGV[REST], tonumber(ARGV[REST + 1])
 local timeout_us, max_size = tonumber(ARGV[REST + 2]), tonumber(ARGV[REST + 3])
+if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
+    or redis.call('ZSCORE', K_LEASES, rid)) then
+  return result('ok', 0)
+end
 local now = now_us()
 local seq = redis.call('INCR', K_SEQ)
 redis.call('ZADD', K_QUEUE, priority * 10000000000000 + seq, rid)

@@ -152,9 +152,13 @@ class InProcessBackend:
         request_id: str,
         priority: int,
         timeout_us: int,
+        *,
+        only_if_absent: bool = False,
     ) -> DispatchResult:
         now = self.hub.clock_us()
         state = self.hub.pool(pool.name)
+        if only_if_absent and (request_id in state.queue or request_id in state.leases):
+            return DispatchResult([], len(state.queue), state.num_dispatched, 0)
         state.seq += 1
         state.queue[request_id] = priority * PRIORITY_STRIDE + state.seq
         state.entries[request_id] = _Entry(self.replica_id, now + timeout_us, now)
@@ -194,8 +198,9 @@ class InProcessBackend:
                 state._drop(request_id)
         return self.hub.dispatch(pool, offers, self.replica_id, now)
 
-    async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> None:
+    async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> bool:
         now = self.hub.clock_us()
+        was_alive = self.hub.alive_until.get(self.replica_id, 0) > now
         self.hub.alive_until[self.replica_id] = now + self.hub.lease_ttl_us
         for pool_name, held in leases.items():
             state = self.hub.pool(pool_name)
@@ -206,6 +211,7 @@ class InProcessBackend:
                     state.leases[request_id] = now + self.hub.lease_ttl_us
                     state.lease_endpoint[request_id] = endpoint
                     state.inflight[endpoint] = state.inflight.get(endpoint, 0) + 1
+        return was_alive
 
     async def inflight(self, pool: PoolPolicy) -> dict[str, int]:
         return dict(self.hub.pool(pool.name).inflight)

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 FORWARD_REQUEST_HEADERS = ("Content-Type", "Accept", "X-Request-Id", "User-Agent")
 FORWARD_RESPONSE_HEADERS = (
     "Content-Type",
+    "Content-Encoding",
     "Cache-Control",
     "X-Request-Id",
     "x-slotserve-slots-free",

@@ -69,25 +69,28 @@ class RedisBackend:
         self.client = make_client(url)
         # BLPOP holds its connection for up to a second: give it its own client.
         self.blocking_client = make_client(url, socket_timeout_s=5.0, max_connections=2)
+        # Heartbeats must not queue behind request traffic for a connection: their own client.
+        self.control_client = make_client(url, max_connections=2)
         self.scripts = {name: self.client.register_script(src) for name, src in SCRIPTS.items()}
         self._listener: asyncio.Task[None] | None = None
         self._on_grant: GrantCallback | None = None
+        self._closing = False
 
     async def start(self, on_grant: GrantCallback) -> None:
         self._on_grant = on_grant
         with contextlib.suppress(BackendUnavailableError):
-            await self.heartbeat({}, restore=False)
+            await self.heartbeat({}, restore=False)  # registers this replica as alive
         self._listener = asyncio.create_task(self._listen(), name="redis-grant-listener")
 
     async def close(self) -> None:
+        self._closing = True
         if self._listener is not None:
             self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
+            await asyncio.wait([self._listener], timeout=2)
         with contextlib.suppress(*_UNAVAILABLE):
             await self.client.delete(self.keys.replica(self.replica_id))
-        await self.client.aclose()
-        await self.blocking_client.aclose()
+        for client in (self.client, self.blocking_client, self.control_client):
+            await client.aclose()
 
     # -- script calls -------------------------------------------------------------------------
 
@@ -107,9 +110,17 @@ class RedisBackend:
             args += [offer.url, offer.slots_total, repr(float(offer.load_score))]
         return args
 
-    async def _run(self, name: str, pool: PoolPolicy, args: list[str | int]) -> list[object]:
+    async def _run(
+        self,
+        name: str,
+        pool: PoolPolicy,
+        args: list[str | int],
+        client: aioredis.Redis | None = None,
+    ) -> list[object]:
         try:
-            reply = await self.scripts[name](keys=self.keys.pool(pool.name), args=args)
+            reply = await self.scripts[name](
+                keys=self.keys.pool(pool.name), args=args, client=client or self.client
+            )
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError(f"admission backend (Redis) unavailable: {exc}") from exc
         return list(reply)
@@ -126,8 +137,11 @@ class RedisBackend:
         request_id: str,
         priority: int,
         timeout_us: int,
+        *,
+        only_if_absent: bool = False,
     ) -> DispatchResult:
         args = [*self._args(pool, offers), request_id, priority, timeout_us, pool.max_queue_size]
+        args.append(1 if only_if_absent else 0)
         reply = await self._run("enqueue", pool, args)
         result = self._result(reply)
         if reply[0] == "full":
@@ -151,10 +165,10 @@ class RedisBackend:
     async def tick(self, pool: PoolPolicy, offers: Sequence[EndpointOffer]) -> DispatchResult:
         return self._result(await self._run("tick", pool, self._args(pool, offers)))
 
-    async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> None:
+    async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> bool:
         try:
-            await self.client.set(
-                self.keys.replica(self.replica_id), "1", px=self.lease_ttl_us // 1000
+            previous = await self.control_client.set(
+                self.keys.replica(self.replica_id), "1", px=self.lease_ttl_us // 1000, get=True
             )
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError(f"admission backend (Redis) unavailable: {exc}") from exc
@@ -163,7 +177,8 @@ class RedisBackend:
             args = [*self._args(pool, []), "1" if restore else "0"]
             for request_id, endpoint in held:
                 args += [request_id, endpoint]
-            await self._run("heartbeat", pool, args)
+            await self._run("heartbeat", pool, args, client=self.control_client)
+        return previous is not None
 
     async def inflight(self, pool: PoolPolicy) -> dict[str, int]:
         try:
@@ -176,7 +191,7 @@ class RedisBackend:
 
     async def _listen(self) -> None:
         key = self.keys.grants(self.replica_id)
-        while True:
+        while not self._closing:
             try:
                 popped = await self.blocking_client.blpop([key], timeout=1)
                 if popped is None:

@@ -87,7 +87,7 @@ async def test_slots_never_exceeded_across_replicas(cluster):
         peak[lease.endpoint] = max(peak[lease.endpoint], current[lease.endpoint])
         await asyncio.sleep(0.002 * (i % 5))
         current[lease.endpoint] -= 1
-        await replicas[(i + 1) % 3].release(lease)  # released by another replica: still exact
+        await replicas[i % 3].release(lease)
         return lease.endpoint
 
     endpoints = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(150))), 30)
@@ -271,3 +271,25 @@ async def test_live_replica_keeps_its_lease_beyond_the_ttl(cluster):
     assert await a.backend.inflight(pool) == {"http://a": 1}
     await a.release(holder)
     await b.release(await b.acquire(pool, priority=5, timeout_s=2))
+
+
+async def test_replica_presumed_dead_after_a_stall_requeues_its_waiters(cluster):
+    pool = PoolPolicy("m", max_queue_size=10, queue_timeout_s=10)
+    cluster.pools["m"] = pool
+    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    stalled, other = await cluster.replica(), await cluster.replica()
+    holder = await other.acquire(pool, priority=5, timeout_s=5)
+    waiter = asyncio.create_task(stalled.acquire(pool, priority=5, timeout_s=10))
+    await asyncio.sleep(0.1)
+    # As if the stalled replica missed its heartbeats: the others sweep its queue entry.
+    if cluster.kind == "memory":
+        cluster.hub.alive_until[stalled.backend.replica_id] = 0
+    else:
+        await other.backend.client.delete(other.backend.keys.replica(stalled.backend.replica_id))
+    await other._tick_pool(pool)
+    assert other.queue_depth("m") == 0
+    await asyncio.sleep(LEASE_TTL_S / 2)  # its next heartbeat notices and requeues the waiter
+    await other.release(holder)
+    lease = await asyncio.wait_for(waiter, 5)
+    assert lease.endpoint == "http://a"
+    await stalled.release(lease)
