@@ -116,16 +116,13 @@ def test_engines_from_the_built_deployment_serve_and_leave_endpoints_when_they_d
                 what="gateway discovered the pool",
             )
             # The gateway checks the engines itself before routing (503 until then).
-            answers: list[dict[str, Any]] = []
-            wait_until(
-                lambda: (
-                    answers.append(complete(f"127.0.0.1:{port}", "tiny-chat", retry=True))
-                    or answers[-1] is not None
-                ),
-                30,
-                interval=0.5,
-                what="a completion through the gateway",
-            )
+            answers: list[Any] = []
+
+            def gateway_answers() -> bool:
+                answers.append(complete(f"127.0.0.1:{port}", "tiny-chat", retry=True))
+                return answers[-1] is not None
+
+            wait_until(gateway_answers, 30, interval=0.5, what="a completion through the gateway")
             assert answers[-1]["choices"][0]["text"]
         finally:
             gateway.terminate()
