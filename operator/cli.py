@@ -2,7 +2,7 @@
 
 Cluster-wide by default, or only in ``--namespaces``. Several replicas are safe with kopf peering
 (``--peering-name`` and kopf's peering CRDs): each replica takes a random priority, the highest
-one works and the others stand by until its keep-alive expires.
+one works and the others stand by until it exits or its keep-alive expires.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ def kopf_settings() -> kopf.OperatorSettings:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="slotserve.dev", key="last-handled-configuration"
     )
-    settings.persistence.finalizer = "slotserve.dev/operator"
     # Events for warnings and errors only; a reconcile that worked is not news.
     settings.posting.level = logging.WARNING
     settings.watching.reconnect_backoff = 1.0
