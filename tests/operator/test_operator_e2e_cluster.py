@@ -3,8 +3,9 @@
 Runs only when SLOTSERVE_E2E_KUBECONFIG points at a cluster whose nodes can run the engine image
 (see docs/operator.md: "End-to-end test on kind"); skipped otherwise. It applies the CRD, runs
 `slotserve operator` as a process on this machine for a fresh namespace, applies a one-replica
-smollm2 pool, waits for status Ready with an endpoint, and asks the engine for a completion
-through the API server's service proxy. The namespace is deleted afterwards.
+smollm2 pool, waits for status Ready with an endpoint, asks the engine for a completion
+through the API server's service proxy, deletes the pool and waits for the garbage collector to
+remove its Deployment and Service. The namespace is deleted afterwards.
 """
 
 from __future__ import annotations
@@ -163,6 +164,23 @@ def test_pool_becomes_ready_and_serves_a_completion(api: Any, tmp_path: Path):
             {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8},
         )
         assert status == 200 and answer["choices"][0]["text"].strip()
+
+        # Deleting the pool deletes its Deployment and Service (the real garbage collector).
+        custom.delete_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, "smollm2", _preload_content=False
+        )
+        apps = kubernetes.client.AppsV1Api(api)
+
+        def children_gone() -> bool:
+            deployments = json.loads(
+                apps.list_namespaced_deployment(namespace, _preload_content=False).data
+            )["items"]
+            services = json.loads(
+                core.list_namespaced_service(namespace, _preload_content=False).data
+            )["items"]
+            return not deployments and not services
+
+        wait_until(children_gone, 120, interval=2, what="children garbage-collected")
     finally:
         operator.terminate()
         try:
