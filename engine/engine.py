@@ -6,6 +6,7 @@ thread for the HTTP server.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config, self.kv_cache, eos_token_ids=eos_token_ids(runner.model, tokenizer)
         )
+        # Requests are tokenized on the caller's thread while the loop thread detokenizes; the
+        # Rust tokenizer raises "Already borrowed" if a mutable call overlaps another call.
+        self.tokenizer_lock = threading.Lock()
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._counters = _Counters(records=[] if record_steps else None)
@@ -108,7 +112,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
-            token_ids = list(self.tokenizer.encode(prompt))
+            with self.tokenizer_lock:
+                token_ids = list(self.tokenizer.encode(prompt))
         else:
             token_ids = list(prompt)
             if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in token_ids):
@@ -179,8 +184,9 @@ class LLMEngine:
         if self._counters.records is not None:
             self._record(plan, now)
         self.scheduler.postprocess(plan, token_ids, now)
-        for chunk, token_id in zip(plan.sampling_chunks, token_ids, strict=True):
-            outputs.append(self._token_output(chunk.seq, token_id, now))
+        with self.tokenizer_lock:
+            for chunk, token_id in zip(plan.sampling_chunks, token_ids, strict=True):
+                outputs.append(self._token_output(chunk.seq, token_id, now))
         return outputs
 
     def _token_output(self, seq: Sequence, token_id: int, now: float) -> RequestOutput:
