@@ -192,7 +192,8 @@ def gateway_argv(host: str, port: int, pool_file: Path, redis_url: str | None) -
 
 
 def redis_argv(plan: RedisPlan, workdir: Path) -> list[str]:
-    assert plan.binary is not None and plan.port is not None  # only called for mode "spawn"
+    if plan.mode != "spawn" or plan.binary is None or plan.port is None:
+        raise ValueError(f"no redis-server to start for a {plan.mode!r} Redis plan")
     return [
         plan.binary,
         "--port", str(plan.port),
@@ -219,8 +220,8 @@ def start_stack(
     if redis.mode == "spawn":
         redis_dir = run_dir / "redis"
         redis_dir.mkdir(exist_ok=True)
-        assert redis.port is not None
-        spec = ChildSpec("redis-server", redis_argv(redis, redis_dir), redis_ready(redis.port))
+        argv = redis_argv(redis, redis_dir)
+        spec = ChildSpec("redis-server", argv, redis_ready(redis.port or 0))
         children.append(supervisor.start(spec))
     engine_env = {"TOKENIZERS_PARALLELISM": "false"}
     for pool in pools:

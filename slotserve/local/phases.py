@@ -1,0 +1,155 @@
+"""The demo's phases: warm-up, static-batch primers, and one workload run against one pool while
+its engines are sampled."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from collections.abc import Coroutine
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from slotserve.local import enginestats
+from slotserve.local.enginestats import EngineCounters
+from slotserve.local.report import PhaseResult, summarise
+from slotserve.local.stack import PoolPlan, RunningStack
+from slotserve.local.workload import RequestResult, RequestSpec, run_workload
+
+PRIMER_SECONDS = 0.25
+PRIMER_MIN_TOKENS = 4
+SAMPLE_INTERVAL_SECONDS = 0.05
+
+
+async def warm_up(stack: RunningStack) -> float:
+    """A short request per engine so first-call costs (lazy init) stay out of the numbers;
+    returns the longest time per output token seen (seconds per step at batch 1)."""
+    step_seconds = 0.0
+    for pool in stack.pools:
+        specs = [RequestSpec(f"warmup-{i}", 8, "Hello!", "warmup") for i in range(pool.num_engines)]
+        results, _ = await run_workload(stack.gateway_url, pool.model, specs, timeout_seconds=120)
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise RuntimeError(f"warm-up request to {pool.model} failed: {failed[0].error}")
+        step_seconds = max([step_seconds, *(r.tpot or 0.0 for r in results)])
+    return step_seconds
+
+
+def primer_tokens(step_seconds: float) -> int:
+    """Steps a primer must run so that requests sent at its first token reach the engine
+    before it ends (about 0.25 s, at least 4 steps)."""
+    if step_seconds <= 0:
+        return PRIMER_MIN_TOKENS
+    return min(64, max(PRIMER_MIN_TOKENS, math.ceil(PRIMER_SECONDS / step_seconds)))
+
+
+async def start_primers(
+    pool: PoolPlan, host: str, num_tokens: int
+) -> tuple[asyncio.Task[tuple[list[RequestResult], float]], dict[str, EngineCounters]]:
+    """Occupy each idle static engine with one short request sent straight to it (not through
+    the gateway), and return once it has produced a token: requests sent now queue in the
+    engine together and start as one batch, as ``model.generate()`` would get them.
+
+    Returns the primers' task and counters that exclude the primers' steps: a primer runs
+    alone, so it adds exactly ``num_tokens`` steps and useful slot-steps to its engine.
+    """
+    engine_urls = pool.endpoints(host)
+    before = await enginestats.scrape_all(engine_urls)
+    started = asyncio.Event()
+    tasks = [
+        run_workload(
+            url,
+            pool.model,
+            [RequestSpec(f"primer-{i}", num_tokens, "Hello!", "primer")],
+            on_token=lambda _: started.set(),
+        )
+        for i, url in enumerate(engine_urls)
+    ]
+    primers = asyncio.ensure_future(_gather_primers(tasks))
+    waiter = asyncio.ensure_future(started.wait())
+    await asyncio.wait([primers, waiter], return_when=asyncio.FIRST_COMPLETED, timeout=120)
+    waiter.cancel()
+    adjusted = {
+        url: dataclasses.replace(
+            counters,
+            steps=counters.steps + num_tokens,
+            useful_slot_steps=counters.useful_slot_steps + num_tokens,
+        )
+        for url, counters in before.items()
+    }
+    return primers, adjusted
+
+
+async def _gather_primers(
+    tasks: list[Coroutine[object, object, tuple[list[RequestResult], float]]],
+) -> tuple[list[RequestResult], float]:
+    outcomes = await asyncio.gather(*tasks)
+    return [r for results, _ in outcomes for r in results], max(w for _, w in outcomes)
+
+
+async def run_phase(
+    console: Console,
+    stack: RunningStack,
+    pool: PoolPlan,
+    name: str,
+    specs: list[RequestSpec],
+    stagger_seconds: float = 0.0,
+    num_primer_tokens: int = 0,
+) -> PhaseResult:
+    """Run one workload against one pool while sampling its engines; return its table row.
+
+    With ``num_primer_tokens``, each engine first gets a primer (see ``start_primers``); its
+    steps are left out of the phase's counters.
+    """
+    engine_urls = pool.endpoints(stack_host(stack))
+    primers = None
+    if num_primer_tokens:
+        primers, before = await start_primers(pool, stack_host(stack), num_primer_tokens)
+    else:
+        before = await enginestats.scrape_all(engine_urls)
+    sampler = enginestats.OccupancySampler(engine_urls, interval_seconds=SAMPLE_INTERVAL_SECONDS)
+    total_tokens = sum(spec.max_tokens for spec in specs)
+    columns = (
+        TextColumn(f"{name:<10} [dim]{pool.model:<22}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(name, total=total_tokens)
+        t0 = time.monotonic()
+        await sampler.start(before, t0)
+        try:
+            results, wall = await run_workload(
+                stack.gateway_url,
+                pool.model,
+                specs,
+                stagger_seconds=stagger_seconds,
+                on_token=lambda _: progress.advance(task),
+                t0=t0,
+            )
+        finally:
+            samples = await sampler.stop()
+            if primers is not None:
+                await primers
+        done = sum(r.num_tokens for r in results if r.ok)
+        progress.update(task, total=done, completed=done)
+    after = await enginestats.scrape_all(engine_urls)
+    return summarise(
+        name,
+        pool.engine.batching.policy,
+        pool.model,
+        results,
+        wall,
+        slot_utilisation=enginestats.phase_utilisation(before, after),
+        num_steps=enginestats.phase_steps(before, after),
+        num_slots=pool.engine.batching.max_batch_size * pool.num_engines,
+        occupancy=samples,
+    )
+
+
+def stack_host(stack: RunningStack) -> str:
+    return stack.gateway_url.split("://", 1)[1].rsplit(":", 1)[0]
