@@ -11,7 +11,7 @@ no generation, answers at once), one real redis-server, gateway processes.
      3 replica processes at once;
    - end to end over HTTP: requests through 1 and 3 gateway replicas to the fast double.
 
-    .venv/bin/python bench/gateway_bench.py [--requests 400] [--seconds 4] [--out results/gateway_bench.json]
+    .venv/bin/python bench/gateway_bench.py [--requests 400] [--seconds 4] [--out PATH.json]
 """
 
 from __future__ import annotations
@@ -162,17 +162,25 @@ def _admission_worker(redis_url: str, prefix: str, seconds: float, concurrency: 
         admission = Admission(backend, lambda _: offers, lambda: [pool])
         await admission.start()
         done = 0
+        errors: list[str] = []
         stop_at = time.monotonic() + seconds
 
         async def worker() -> None:
             nonlocal done
             while time.monotonic() < stop_at:
-                lease = await admission.acquire(pool, 5, 30)
+                try:
+                    lease = await admission.acquire(pool, 5, 30)
+                except Exception as exc:  # counted, not fatal: the run reports it
+                    errors.append(repr(exc)[:120])
+                    await asyncio.sleep(0.05)
+                    continue
                 await admission.release(lease)
                 done += 1
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         await admission.close()
+        if errors:
+            print(f"admission worker: {len(errors)} errors, first: {errors[0]}", flush=True)
         return done
 
     queue.put(asyncio.run(run()))
@@ -192,6 +200,23 @@ def admission_throughput(redis_url: str, num_procs: int, seconds: float, concurr
     for p in procs:
         p.join(timeout=10)
     return total / seconds
+
+
+def redis_ping_us(redis_url: str, num: int = 2000) -> float:
+    """Round trip of a bare PING from this process: how busy the machine is right now."""
+    import redis.asyncio as aioredis
+
+    async def run() -> float:
+        client = aioredis.Redis.from_url(redis_url)
+        await client.ping()
+        started = time.perf_counter()
+        for _ in range(num):
+            await client.ping()
+        elapsed = time.perf_counter() - started
+        await client.aclose()
+        return elapsed / num * 1e6
+
+    return asyncio.run(run())
 
 
 def main() -> int:
@@ -230,6 +255,7 @@ def main() -> int:
                     args.requests,
                 )
             )
+            ping_us = redis_ping_us(redis.url)
             thr = {
                 "admission_only_1_replica": admission_throughput(
                     redis.url, 1, args.seconds, args.concurrency
@@ -253,18 +279,24 @@ def main() -> int:
         finally:
             procs.stop()
             redis.stop()
-    print(
-        f"{'latency (sequential)':<28}{'p50 ms':>10}{'p99 ms':>10}{'added p50':>12}{'added p99':>12}"
-    )
+    header = ["p50 ms", "p99 ms", "added p50", "added p99"]
+    print(f"{'latency (sequential)':<28}" + "".join(f"{h:>11}" for h in header))
     for name, row in lat.items():
-        print(
-            f"{name:<28}{row['p50_ms']:>10.2f}{row['p99_ms']:>10.2f}{row.get('added_p50_ms', 0):>12.2f}{row.get('added_p99_ms', 0):>12.2f}"
-        )
+        values = [
+            row["p50_ms"],
+            row["p99_ms"],
+            row.get("added_p50_ms", 0),
+            row.get("added_p99_ms", 0),
+        ]
+        print(f"{name:<28}" + "".join(f"{v:>11.2f}" for v in values))
     print()
     print(f"{'throughput':<28}{'req/s':>10}")
     for name, value in thr.items():
         print(f"{name:<28}{value:>10.0f}")
+    print(f"\ncalibration: Redis PING round trip {ping_us:.0f} us, load average {os.getloadavg()}")
     result = {
+        "redis_ping_us": ping_us,
+        "load_average": os.getloadavg(),
         "latency": lat,
         "throughput_per_s": thr,
         "requests": args.requests,

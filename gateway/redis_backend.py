@@ -35,42 +35,41 @@ log = logging.getLogger(__name__)
 _UNAVAILABLE = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
 
 
-def make_client(
-    url: str, *, socket_timeout_s: float = 3.0, max_connections: int = 32
-) -> aioredis.Redis:
-    """A client that fails fast and shares a bounded set of connections.
-
-    A burst of requests waits for one of ``max_connections`` connections rather than opening
-    hundreds at once (which, on a busy host, time out while connecting).
-    """
-    pool = aioredis.BlockingConnectionPool.from_url(
+def make_client(url: str, *, socket_timeout_s: float = 3.0) -> aioredis.Redis:
+    """A client that fails fast: short timeouts, one immediate retry on a broken connection
+    (stale after a Redis restart) and none on timeouts, so a hung Redis costs one timeout."""
+    return aioredis.Redis.from_url(
         url,
-        max_connections=max_connections,
-        timeout=socket_timeout_s,
         decode_responses=True,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=2.0,
-        # One immediate retry on a broken connection (stale after a Redis restart); none on
-        # timeouts, so a hung Redis costs one timeout, not several.
         retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
     )
-    return aioredis.Redis(connection_pool=pool)
 
 
 class RedisBackend:
     """One replica's connection to the shared admission state in Redis."""
 
     def __init__(
-        self, url: str, replica_id: str, *, prefix: str = "slotserve", lease_ttl_s: float = 10.0
+        self,
+        url: str,
+        replica_id: str,
+        *,
+        prefix: str = "slotserve",
+        lease_ttl_s: float = 10.0,
+        max_connections: int = 32,
     ) -> None:
         self.replica_id = replica_id
         self.keys = Keys(prefix)
         self.lease_ttl_us = int(lease_ttl_s * 1_000_000)
         self.client = make_client(url)
         # BLPOP holds its connection for up to a second: give it its own client.
-        self.blocking_client = make_client(url, socket_timeout_s=5.0, max_connections=2)
+        self.blocking_client = make_client(url, socket_timeout_s=5.0)
         # Heartbeats must not queue behind request traffic for a connection: their own client.
-        self.control_client = make_client(url, max_connections=2)
+        self.control_client = make_client(url)
+        # A burst of requests shares a bounded set of connections (FIFO) instead of opening
+        # hundreds at once, which on a busy host time out while connecting.
+        self._connection_slots = asyncio.Semaphore(max_connections)
         self.scripts = {name: self.client.register_script(src) for name, src in SCRIPTS.items()}
         self._listener: asyncio.Task[None] | None = None
         self._on_grant: GrantCallback | None = None
@@ -118,9 +117,13 @@ class RedisBackend:
         client: aioredis.Redis | None = None,
     ) -> list[object]:
         try:
-            reply = await self.scripts[name](
-                keys=self.keys.pool(pool.name), args=args, client=client or self.client
-            )
+            if client is not None:
+                reply = await self.scripts[name](
+                    keys=self.keys.pool(pool.name), args=args, client=client
+                )
+            else:
+                async with self._connection_slots:
+                    reply = await self.scripts[name](keys=self.keys.pool(pool.name), args=args)
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError(f"admission backend (Redis) unavailable: {exc}") from exc
         return list(reply)
