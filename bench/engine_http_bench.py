@@ -201,8 +201,10 @@ async def main_async(args) -> dict:
             await run_workload(http_submit(session, url, "bench", 4), prompts_all[:2], 2, "warm")
             for concurrency in args.concurrency:
                 prompts = prompts_all[: concurrency * args.requests_per_client]
-                for _ in range(args.repeats):
-                    for mode in ("in-process", "http"):
+                for repeat in range(args.repeats):
+                    # ABBA order, so a load change on the machine hits both modes alike.
+                    modes = ("in-process", "http") if repeat % 2 == 0 else ("http", "in-process")
+                    for mode in modes:
                         submit = (
                             in_process_submit(engine, args.max_tokens)
                             if mode == "in-process"
