@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 
 from slotserve.local.phases import primer_tokens, run_phase, warm_up
-from slotserve.local.processes import ChildExitedError, Supervisor, interrupt_on_sigterm
+from slotserve.local.processes import ChildExitedError, Supervisor, interrupt_on_signals
 from slotserve.local.report import PhaseResult, build_table, write_results
 from slotserve.local.stack import (
     DEMO_MODEL,
@@ -117,11 +117,11 @@ def plan_pools(args: argparse.Namespace, model_source: str, policies: list[str])
 
 
 async def run_demo(
-    console: Console, stack: RunningStack, args: argparse.Namespace
-) -> list[PhaseResult]:
+    console: Console, stack: RunningStack, args: argparse.Namespace, phases: list[PhaseResult]
+) -> None:
+    """Run every phase, appending each result to ``phases`` as soon as it is complete."""
     console.print("Warming up every engine ...")
     step_seconds = await warm_up(stack)
-    phases = []
     workload = seed_workload(args.max_tokens_scale)
     console.print(
         f"\n[bold]1. The same workload under each policy[/]: {len(workload)} requests "
@@ -145,7 +145,6 @@ async def run_demo(
         )
         burst = burst_workload(num_burst, args.max_tokens_scale)
         phases.append(await run_phase(console, stack, pool, "burst", burst, stagger_seconds=0.002))
-    return phases
 
 
 def print_story(console: Console, phases: list[PhaseResult]) -> None:
@@ -191,13 +190,17 @@ def main(argv: list[str]) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     results_dir = (args.results_dir or Path("results") / f"demo-{stamp}").resolve()
     run_id = f"{stamp}-{uuid.uuid4().hex[:8]}"
-    with interrupt_on_sigterm():
+    phases: list[PhaseResult] = []
+    redis_mode = "-"
+    interrupted = False
+    with interrupt_on_signals():
         try:
             with Supervisor(results_dir / "logs", console=console) as supervisor:
                 console.print(f"Resolving model [bold]{args.model}[/] ...")
                 pools = plan_pools(args, resolve_model_once(args.model), policies)
                 assign_ports(pools)
                 redis = plan_redis(args.redis_url, use_redis=not args.no_redis)
+                redis_mode = redis.mode
                 console.print(
                     f"Starting {len(pools) * args.engines} engine(s) ({', '.join(policies)}), "
                     f"a gateway and {describe_redis(redis)} ..."
@@ -211,11 +214,13 @@ def main(argv: list[str]) -> int:
                     run_dir=results_dir,
                     ready_timeout_seconds=args.ready_timeout_seconds,
                 )
-                phases = asyncio.run(run_demo(console, stack, args))
+                asyncio.run(run_demo(console, stack, args, phases))
                 supervisor.check_alive()
         except KeyboardInterrupt:
             console.print("\nInterrupted: every child process has been stopped.")
-            return 130
+            if not phases:
+                return 130
+            interrupted = True  # still report the phases that completed
         except (ChildExitedError, TimeoutError, RuntimeError) as exc:
             console.print("[red]slotserve demo failed:[/]")
             console.print(str(exc), markup=False)
@@ -223,6 +228,7 @@ def main(argv: list[str]) -> int:
     title = (
         f"slotserve demo: {served_name_for(args.model)}, {args.engines} engine(s) per policy, "
         f"{args.max_batch_size} slots each, max_tokens x{args.max_tokens_scale:g}"
+        + (" (interrupted: completed phases only)" if interrupted else "")
     )
     meta = {
         "model": args.model,
@@ -230,7 +236,8 @@ def main(argv: list[str]) -> int:
         "max_batch_size": args.max_batch_size,
         "max_tokens_scale": args.max_tokens_scale,
         "max_queue_size": args.max_queue_size,
-        "admission_backend": redis.mode,
+        "admission_backend": redis_mode,
+        "interrupted": interrupted,
         "num_cpus": os.cpu_count(),
         "started_utc": stamp,
         "duration_seconds": round(time.monotonic() - started, 1),
@@ -242,6 +249,8 @@ def main(argv: list[str]) -> int:
     console.print(f"\nResults (run {run_id}) in [bold]{results_dir}[/]:")
     for path in paths.values():
         console.print(f"  {path}")
+    if interrupted:
+        return 130
     failed = [error for phase in phases for error in phase.errors]
     if failed:
         console.print(f"[red]{len(failed)} request(s) failed:[/]")

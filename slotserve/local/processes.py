@@ -115,17 +115,26 @@ def _death_signal_setup(parent_pid: int) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def interrupt_on_sigterm() -> Iterator[None]:
-    """Treat SIGTERM like Ctrl-C (KeyboardInterrupt) so ``finally`` blocks stop the children."""
+def interrupt_on_signals() -> Iterator[None]:
+    """Make SIGINT and SIGTERM interrupt like Ctrl-C, so ``finally`` blocks stop the children.
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
+    SIGINT gets Python's default handler back (a shell starts background commands with SIGINT
+    ignored), which ``asyncio.run`` replaces by its own graceful one; SIGTERM re-raises as SIGINT
+    so that both paths are the same.
+    """
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        signal.raise_signal(signal.SIGINT)
+
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, on_sigterm),
+    }
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 class Supervisor:

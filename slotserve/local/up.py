@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slotserve.local.processes import ChildExitedError, Supervisor, interrupt_on_sigterm
+from slotserve.local.processes import ChildExitedError, Supervisor, interrupt_on_signals
 from slotserve.local.stack import (
     DEMO_MODEL,
     EngineOptions,
@@ -161,7 +161,7 @@ def main(argv: list[str]) -> int:
         default_free = port_is_free(DEFAULT_GATEWAY_PORT, args.host)
         port = DEFAULT_GATEWAY_PORT if default_free else free_port()
     run_dir = args.log_dir or default_run_dir("up")
-    with interrupt_on_sigterm():
+    with interrupt_on_signals():
         try:
             with Supervisor(run_dir, console=console) as supervisor:
                 console.print(f"Resolving model [bold]{args.model}[/] ...")
