@@ -180,7 +180,7 @@ class Admission:
         return Lease(request_id, pool, endpoint, time.monotonic() - started)
 
     async def release(self, lease: Lease) -> None:
-        """Give the slot back (safe to call more than once); never raises."""
+        """Give the slot back (on the replica that acquired it; safe to repeat); never raises."""
         self._leased.pop(lease.request_id, None)
         try:
             result = await self._call(

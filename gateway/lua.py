@@ -179,7 +179,7 @@ return result('ok', hold)
 RELEASE = (
     _PRELUDE
     + r"""
-release_lease(ARGV[REST])
+for i = REST, #ARGV do release_lease(ARGV[i]) end
 local hold = dispatch(now_us())
 touch()
 return result('ok', hold)

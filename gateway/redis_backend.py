@@ -13,11 +13,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+from redis.exceptions import BusyLoadingError, ConnectionError, NoScriptError, TimeoutError
 from slotserve.gateway.admission_types import (
     BackendUnavailableError,
     CancelOutcome,
@@ -47,6 +48,26 @@ def make_client(url: str, *, socket_timeout_s: float = 3.0) -> aioredis.Redis:
     )
 
 
+def _unavailable(exc: BaseException) -> BackendUnavailableError:
+    return BackendUnavailableError(f"admission backend (Redis) unavailable: {exc}")
+
+
+@dataclass
+class _Call:
+    name: str
+    keys: list[str]
+    args: list[str | int]
+    future: asyncio.Future[list[object]]
+
+
+@dataclass
+class _ReleaseBatch:
+    pool: PoolPolicy
+    offers: Sequence[EndpointOffer]
+    request_ids: list[str] = field(default_factory=list)
+    futures: list[asyncio.Future[DispatchResult]] = field(default_factory=list)
+
+
 class RedisBackend:
     """One replica's connection to the shared admission state in Redis."""
 
@@ -74,6 +95,9 @@ class RedisBackend:
         self._listener: asyncio.Task[None] | None = None
         self._on_grant: GrantCallback | None = None
         self._closing = False
+        self._release_batches: dict[str, _ReleaseBatch] = {}
+        self._flushes: set[asyncio.Task[None]] = set()
+        self._pending: list[_Call] = []
 
     async def start(self, on_grant: GrantCallback) -> None:
         self._on_grant = on_grant
@@ -116,17 +140,59 @@ class RedisBackend:
         args: list[str | int],
         client: aioredis.Redis | None = None,
     ) -> list[object]:
-        try:
-            if client is not None:
+        """Run a named script. Calls made in the same event-loop turn share one pipeline (one
+        round trip); each script is still atomic on its own."""
+        if client is not None:
+            try:
                 reply = await self.scripts[name](
                     keys=self.keys.pool(pool.name), args=args, client=client
                 )
-            else:
-                async with self._connection_slots:
-                    reply = await self.scripts[name](keys=self.keys.pool(pool.name), args=args)
+            except _UNAVAILABLE as exc:
+                raise _unavailable(exc) from exc
+            return list(reply)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[object]] = loop.create_future()
+        self._pending.append(_Call(name, self.keys.pool(pool.name), args, future))
+        if len(self._pending) == 1:
+            loop.call_soon(self._flush_calls)
+        return await asyncio.shield(future)
+
+    def _flush_calls(self) -> None:
+        calls, self._pending = self._pending, []
+        task = asyncio.get_running_loop().create_task(self._execute(calls))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _execute(self, calls: list[_Call]) -> None:
+        try:
+            async with self._connection_slots:
+                replies = await self._pipeline(calls)
+                missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+                if missing:  # Redis restarted (or flushed its scripts): load them, run again
+                    for script in self.scripts.values():
+                        await self.client.script_load(script.script)
+                    again = await self._pipeline([calls[i] for i in missing])
+                    for i, reply in zip(missing, again, strict=True):
+                        replies[i] = reply
         except _UNAVAILABLE as exc:
-            raise BackendUnavailableError(f"admission backend (Redis) unavailable: {exc}") from exc
-        return list(reply)
+            error = _unavailable(exc)
+            for call in calls:
+                if not call.future.done():
+                    call.future.set_exception(error)
+            return
+        for call, reply in zip(calls, replies, strict=True):
+            if call.future.done():
+                continue
+            if isinstance(reply, Exception):
+                call.future.set_exception(reply)
+            else:
+                call.future.set_result(list(reply))
+
+    async def _pipeline(self, calls: list[_Call]) -> list[object]:
+        pipe = self.client.pipeline(transaction=False)
+        for call in calls:
+            pipe.evalsha(self.scripts[call.name].sha, len(call.keys), *call.keys, *call.args)
+        return list(await pipe.execute(raise_on_error=False))
 
     @staticmethod
     def _result(reply: list[object]) -> DispatchResult:
@@ -158,8 +224,37 @@ class RedisBackend:
     async def release(
         self, pool: PoolPolicy, offers: Sequence[EndpointOffer], request_id: str
     ) -> DispatchResult:
-        reply = await self._run("release", pool, [*self._args(pool, offers), request_id])
-        return self._result(reply)
+        """Releases made in the same event-loop turn go to Redis as one script call."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[DispatchResult] = loop.create_future()
+        batch = self._release_batches.get(pool.name)
+        if batch is None:
+            batch = self._release_batches[pool.name] = _ReleaseBatch(pool, offers)
+            loop.call_soon(self._flush_releases, pool.name)
+        batch.request_ids.append(request_id)
+        batch.futures.append(future)
+        return await asyncio.shield(future)
+
+    def _flush_releases(self, pool_name: str) -> None:
+        batch = self._release_batches.pop(pool_name)
+        task = asyncio.get_running_loop().create_task(self._release_batch(batch))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _release_batch(self, batch: _ReleaseBatch) -> None:
+        args = [*self._args(batch.pool, batch.offers), *batch.request_ids]
+        try:
+            result = self._result(await self._run("release", batch.pool, args))
+        except BackendUnavailableError as exc:
+            for future in batch.futures:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        # The grants go to one caller only; the others learn the queue state.
+        rest = DispatchResult([], result.queue_depth, result.num_dispatched_total, result.hold_us)
+        for i, future in enumerate(batch.futures):
+            if not future.done():
+                future.set_result(result if i == 0 else rest)
 
     async def cancel(self, pool: PoolPolicy, request_id: str) -> CancelOutcome:
         reply = await self._run("cancel", pool, [*self._args(pool, []), request_id])

@@ -116,7 +116,7 @@ async def test_fifo_within_priority_and_priorities_first_across_replicas(cluster
         tasks.append(asyncio.create_task(waiter(name, replicas[i % 3], prio)))
         await asyncio.sleep(0.02)  # arrival order is the order of this loop
     assert replicas[0].queue_depth("m") >= 1
-    await replicas[2].release(blocker)
+    await replicas[0].release(blocker)
     await asyncio.wait_for(asyncio.gather(*tasks), 20)
     expected = sorted(plan, key=lambda item: item[1])  # stable: FIFO within a priority
     assert order == [name for name, _ in expected]
@@ -128,20 +128,21 @@ async def test_queue_limit_is_global_and_429_carries_retry_after(cluster):
     cluster.offers["m"] = offers(("http://a", 1, 0.0))
     replicas = [await cluster.replica() for _ in range(2)]
     holder = await replicas[0].acquire(pool, priority=5, timeout_s=5)
-    waiting = [
-        asyncio.create_task(replicas[i % 2].acquire(pool, priority=5, timeout_s=10))
-        for i in range(4)
-    ]
+
+    async def wait_then_release(replica: Admission) -> str:
+        lease = await replica.acquire(pool, priority=5, timeout_s=10)
+        await replica.release(lease)
+        return lease.endpoint
+
+    waiting = [asyncio.create_task(wait_then_release(replicas[i % 2])) for i in range(4)]
     await asyncio.sleep(0.2)
     for replica in replicas:
         with pytest.raises(QueueFullError) as info:
             await replica.acquire(pool, priority=5, timeout_s=10)
         assert info.value.retry_after_s >= 1
         assert info.value.status == 429
-    await replicas[1].release(holder)
-    for task in waiting:
-        lease = await asyncio.wait_for(task, 10)
-        await replicas[0].release(lease)
+    await replicas[0].release(holder)
+    assert await asyncio.wait_for(asyncio.gather(*waiting), 10) == ["http://a"] * 4
 
 
 async def test_queue_timeout_gives_503_and_frees_the_queue_place(cluster):

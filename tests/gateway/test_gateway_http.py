@@ -217,3 +217,22 @@ async def test_pool_without_ready_engine_is_503_at_once(gw, client):
         assert resp.headers["Retry-After"] == "1"
         assert "no engine" in (await resp.json())["error"]["message"]
     assert time.monotonic() - started < 1
+
+
+async def test_oversized_header_is_rejected_and_api_keys_never_logged(
+    gw, spawn, client, tmp_path, caplog
+):
+    engine = spawn.double()
+    keys = tmp_path / "keys"
+    keys.write_text("top-secret-key\n")
+    url = await gw([pool("m", [engine.url])], api_keys_file=keys)
+    caplog.set_level("DEBUG")
+    headers = {"Authorization": "Bearer top-secret-key", "x-filler": "y" * 20_000}
+    async with client.post(f"{url}/v1/completions", json=completion(), headers=headers) as resp:
+        assert 400 <= resp.status < 500
+        assert (await resp.text()).strip()
+    for auth in ("Bearer top-secret-key", "Bearer top-secret-kez"):
+        headers = {"Authorization": auth}
+        async with client.post(f"{url}/v1/completions", json=completion(), headers=headers) as r:
+            assert r.status in (200, 401)
+    assert "top-secret-ke" not in caplog.text
