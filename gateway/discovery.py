@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -78,16 +79,15 @@ def _stream_events(namespace: str) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        # $KUBECONFIG read now, not when the kubernetes package was imported.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     api = client.CustomObjectsApi()
     call: Callable[..., Any] = api.list_cluster_custom_object
-    kwargs: dict[str, Any] = {}
+    args: tuple[str, ...] = (GROUP, VERSION, PLURAL)
     if namespace:
-        call, kwargs = api.list_namespaced_custom_object, {"namespace": namespace}
+        call, args = api.list_namespaced_custom_object, (GROUP, VERSION, namespace, PLURAL)
     while True:
-        for event in watch.Watch().stream(
-            call, GROUP, VERSION, PLURAL, timeout_seconds=300, **kwargs
-        ):
+        for event in watch.Watch().stream(call, *args, timeout_seconds=300):
             yield event["type"], event["object"]
 
 
