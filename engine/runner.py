@@ -109,6 +109,14 @@ class ModelRunner:
         model.set_attn_implementation(register_slot_attention())
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        self._lm_weight: torch.Tensor | None = None
+        self._lm_weight_t: torch.Tensor | None = None
+        if self.device.type == "cpu" and getattr(self.lm_head, "bias", None) is None:
+            # On this CPU's BLAS, F.linear with the 49152-row output matrix runs 1.5-3x slower
+            # than the same product written as W @ x.T (several rows) or x @ W.T stored
+            # contiguous (one row). The transposed copy costs one more output matrix of RAM.
+            self._lm_weight = self.lm_head.weight.detach()
+            self._lm_weight_t = self._lm_weight.t().contiguous()
         cache_shape = (num_slots, self.shape.num_kv_heads, max_model_len, self.shape.head_dim)
         # torch.empty: on a CPU, pages are only committed as positions get written.
         self.k_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
@@ -151,7 +159,7 @@ class ModelRunner:
         if not sample_index:
             return []
         index = torch.tensor(sample_index, device=self.device)
-        logits = self.lm_head(hidden.index_select(0, index))
+        logits = self._logits(hidden.index_select(0, index))
         sampling = [chunk for chunk in chunks if chunk.samples]
         params = [chunk.seq.params for chunk in sampling]
         generators = []
@@ -161,6 +169,13 @@ class ModelRunner:
                 seq.generator = self.make_generator(seq.params)
             generators.append(seq.generator)
         return sample_tokens(logits, params, generators)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._lm_weight is None or self._lm_weight_t is None:
+            return self.lm_head(hidden)
+        if hidden.shape[0] == 1:
+            return hidden @ self._lm_weight_t
+        return torch.mm(self._lm_weight, hidden.t()).t()
 
     def _prepare(
         self, chunks: Seq[ScheduledChunk]
