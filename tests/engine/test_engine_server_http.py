@@ -160,6 +160,26 @@ async def post(engine, path: str, body, headers=None):
     [
         (b'{"model": "tiny", "prompt": "x",', 400, None, "invalid_json"),
         (b"[1, 2, 3]", 400, None, "invalid_json"),
+        (b"\xff\xfe\x00 not text", 400, None, "invalid_json"),
+        (b"[" * 5000 + b"]" * 5000, 400, None, "invalid_json"),
+        (
+            b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
+            400,
+            "temperature",
+            "invalid_value",
+        ),
+        (
+            b'{"model": "tiny", "prompt": "x", "max_tokens": 1e309}',
+            400,
+            "max_tokens",
+            "invalid_value",
+        ),
+        (
+            {"model": "tiny", "prompt": "x", "stop_token_ids": [-1]},
+            400,
+            "stop_token_ids",
+            "invalid_value",
+        ),
         (
             {"model": "tiny", "prompt": "x", "temperature": "hot"},
             400,
@@ -185,6 +205,19 @@ async def test_completion_errors_in_openai_shape(engine, body, status, param, co
     assert error["type"]
     assert error["param"] == param
     assert error["code"] == code
+
+
+async def test_chunked_body_beyond_the_limit_is_413(engine):
+    async def chunks():
+        for _ in range(100):
+            yield b"x" * 1024  # 100 KiB without a Content-Length
+
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(engine.url + "/v1/completions", data=chunks()) as resp,
+    ):
+        assert resp.status == 413
+        assert (await resp.json())["error"]["code"] == "request_too_large"
 
 
 @pytest.mark.parametrize(
