@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slotserve.local.phases import primer_tokens, run_phase, warm_up
+from slotserve.local.phases import primer_tokens, run_phase, sample_interval, warm_up
 from slotserve.local.processes import ChildExitedError, Supervisor, interrupt_on_signals
 from slotserve.local.report import PhaseResult, build_table, write_results
 from slotserve.local.stack import (
@@ -122,6 +122,7 @@ async def run_demo(
     """Run every phase, appending each result to ``phases`` as soon as it is complete."""
     console.print("Warming up every engine ...")
     step_seconds = await warm_up(stack)
+    interval = sample_interval(step_seconds)
     workload = seed_workload(args.max_tokens_scale)
     console.print(
         f"\n[bold]1. The same workload under each policy[/]: {len(workload)} requests "
@@ -132,7 +133,15 @@ async def run_demo(
         policy = pool.engine.batching.policy
         primer = primer_tokens(step_seconds) if policy == "static" else 0
         phases.append(
-            await run_phase(console, stack, pool, policy, workload, num_primer_tokens=primer)
+            await run_phase(
+                console,
+                stack,
+                pool,
+                policy,
+                workload,
+                num_primer_tokens=primer,
+                sample_interval_seconds=interval,
+            )
         )
     if not args.no_burst:
         pool = next((p for p in stack.pools if p.engine.batching.policy == "continuous"), None)
@@ -144,7 +153,17 @@ async def run_demo(
             f"{num_slots} slots and a gateway queue of {pool.admission.max_queue_size}"
         )
         burst = burst_workload(num_burst, args.max_tokens_scale)
-        phases.append(await run_phase(console, stack, pool, "burst", burst, stagger_seconds=0.002))
+        phases.append(
+            await run_phase(
+                console,
+                stack,
+                pool,
+                "burst",
+                burst,
+                stagger_seconds=0.002,
+                sample_interval_seconds=interval,
+            )
+        )
 
 
 def print_story(console: Console, phases: list[PhaseResult]) -> None:

@@ -20,7 +20,10 @@ from slotserve.local.workload import RequestResult, RequestSpec, run_workload
 
 PRIMER_SECONDS = 0.25
 PRIMER_MIN_TOKENS = 4
-SAMPLE_INTERVAL_SECONDS = 0.05
+# Engine sampling: about once per step (the step clock of the occupancy plot), not more often,
+# because every scrape takes a little of the engine's interpreter time.
+MIN_SAMPLE_INTERVAL_SECONDS = 0.05
+MAX_SAMPLE_INTERVAL_SECONDS = 0.25
 
 
 async def warm_up(stack: RunningStack) -> float:
@@ -35,6 +38,11 @@ async def warm_up(stack: RunningStack) -> float:
             raise RuntimeError(f"warm-up request to {pool.model} failed: {failed[0].error}")
         step_seconds = max([step_seconds, *(r.tpot or 0.0 for r in results)])
     return step_seconds
+
+
+def sample_interval(step_seconds: float) -> float:
+    """Seconds between engine scrapes: one step, within sensible bounds."""
+    return min(MAX_SAMPLE_INTERVAL_SECONDS, max(MIN_SAMPLE_INTERVAL_SECONDS, step_seconds))
 
 
 def primer_tokens(step_seconds: float) -> int:
@@ -97,6 +105,7 @@ async def run_phase(
     specs: list[RequestSpec],
     stagger_seconds: float = 0.0,
     num_primer_tokens: int = 0,
+    sample_interval_seconds: float = MIN_SAMPLE_INTERVAL_SECONDS,
 ) -> PhaseResult:
     """Run one workload against one pool while sampling its engines; return its table row.
 
@@ -109,7 +118,7 @@ async def run_phase(
         primers, before = await start_primers(pool, stack_host(stack), num_primer_tokens)
     else:
         before = await enginestats.scrape_all(engine_urls)
-    sampler = enginestats.OccupancySampler(engine_urls, interval_seconds=SAMPLE_INTERVAL_SECONDS)
+    sampler = enginestats.OccupancySampler(engine_urls, interval_seconds=sample_interval_seconds)
     total_tokens = sum(spec.max_tokens for spec in specs)
     columns = (
         TextColumn(f"{name:<10} [dim]{pool.model:<22}"),
