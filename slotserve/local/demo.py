@@ -169,6 +169,10 @@ async def run_demo(
 def print_story(console: Console, phases: list[PhaseResult]) -> None:
     """Two or three sentences that say what the table shows."""
     by_name = {phase.name: phase for phase in phases}
+    seed_phases = [by_name[name] for name in POLICIES if name in by_name]
+    if len(seed_phases) > 1:
+        steps = " / ".join(f"{p.num_steps} ({p.name})" for p in seed_phases)
+        console.print(f"Engine steps for the same tokens: {steps}.")
     static, continuous = by_name.get("static"), by_name.get("continuous")
     if static and continuous and static.wall_seconds > 0 and static.tokens_per_second > 0:
         late_static = _late_ttft(static)
