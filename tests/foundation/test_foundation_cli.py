@@ -83,8 +83,18 @@ def test_wheel_maps_folders_under_slotserve(tmp_path: Path) -> None:
     )
     (wheel,) = tmp_path.glob("slotserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "slotserve/engine/__init__.py" in names
-    assert "slotserve/gateway/__init__.py" in names
+    for module in (
+        "slotserve/cli.py",
+        "slotserve/models/pull.py",
+        "slotserve/local/up.py",
+        "slotserve/engine/__init__.py",
+        "slotserve/engine/runner.py",
+        "slotserve/gateway/__init__.py",
+        "slotserve/gateway/app.py",
+        "slotserve/operator/handlers.py",
+    ):
+        assert module in names, module
+    assert "slotserve/operator/__init__.py" not in names
     assert not any(n.startswith(("operator/", "engine/", "gateway/")) for n in names)
 
 
