@@ -180,6 +180,12 @@ def module_file(name: str) -> Path | None:
 
 def third_party_imports(entry_modules: list[str]) -> set[str]:
     """Top-level third-party modules imported anywhere (lazy imports too) from the entries."""
+    return import_closure(entry_modules)[1]
+
+
+def import_closure(entry_modules: list[str]) -> tuple[set[Path], set[str]]:
+    """(slotserve source files reached, top-level third-party modules) from the entries."""
+    files: set[Path] = set()
     seen: set[str] = set()
     found: set[str] = set()
     todo = list(entry_modules)
@@ -191,6 +197,7 @@ def third_party_imports(entry_modules: list[str]) -> set[str]:
         path = module_file(name)
         if path is None:
             continue
+        files.add(path)
         for node in ast.walk(ast.parse(path.read_text())):
             names: list[str] = []
             if isinstance(node, ast.Import):
@@ -203,7 +210,25 @@ def third_party_imports(entry_modules: list[str]) -> set[str]:
                     todo.append(imported)
                 elif top not in sys.stdlib_module_names:
                     found.add(top)
-    return found
+    return files, found
+
+
+def wheel_path(source: Path) -> str:
+    """Where a source file of the checkout lands inside the wheel."""
+    relative = source.relative_to(ROOT)
+    part = relative.parts[0]
+    prefix = ("slotserve",) if part == "slotserve" else ("slotserve", part)
+    return "/".join(prefix + relative.parts[1:])
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_wheel_holds_every_module_the_image_runs(wheel_from_copied_files, image):
+    """A module left out of pyproject's package list would be an ImportError in the image."""
+    files, _ = import_closure(IMAGE_ENTRY_MODULES[image])
+    with zipfile.ZipFile(wheel_from_copied_files) as wheel:
+        names = set(wheel.namelist())
+    missing = sorted(wheel_path(f) for f in files if wheel_path(f) not in names)
+    assert not missing, f"the {image} image would miss: {missing}"
 
 
 def requirement_name(requirement: str) -> str:
