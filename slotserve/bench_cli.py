@@ -13,7 +13,12 @@ def available() -> list[str]:
     """Benchmark names (script stems) found in bench/."""
     if not BENCH_DIR.is_dir():
         return []
-    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.name.startswith("_"))
+    # Helper modules (plotting, shared code) sit beside the scripts; only runnable ones count.
+    return sorted(
+        p.stem
+        for p in BENCH_DIR.glob("*.py")
+        if not p.name.startswith("_") and '__name__ == "__main__"' in p.read_text()
+    )
 
 
 def main(argv: list[str]) -> int:

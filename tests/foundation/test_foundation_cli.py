@@ -108,3 +108,13 @@ def test_console_script_runs() -> None:
         check=True,
     )
     assert proc.stdout.strip() == "0.1.0"
+
+
+def test_bench_lists_runnable_scripts_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--help"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("engine_bench", "engine_http_bench", "gateway_bench"):
+        assert f"  {name}\n" in listed
+    assert "engine_plots" not in listed  # a helper module, not a benchmark
+    assert main(["bench", "nope"]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().out
