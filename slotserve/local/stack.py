@@ -6,10 +6,14 @@ and tested; ``start_stack`` is the thin part that hands it to a Supervisor.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -240,7 +244,10 @@ def start_stack(
     gateway_spec = ChildSpec(
         "gateway",
         gateway_argv(host, gateway_port, pool_file, redis.url),
-        http_ready(f"http://{host}:{gateway_port}/ready"),
+        gateway_ready(
+            f"http://{host}:{gateway_port}/ready",
+            {pool.model: pool.num_engines for pool in pools},
+        ),
     )
     children.append(supervisor.start(gateway_spec))
     supervisor.wait_ready(children, timeout_seconds=ready_timeout_seconds)
@@ -251,6 +258,29 @@ def start_stack(
         children=children,
         pool_file=pool_file,
     )
+
+
+def gateway_ready(url: str, num_engines: dict[str, int]) -> Callable[[], bool]:
+    """A probe that is true once the gateway is ready and sees every engine of every pool.
+
+    The gateway answers /ready after its first round of engine checks, which may come before
+    the engines finished loading; a request sent then would get "no engine is ready".
+    """
+
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if not 200 <= resp.status < 300:
+                    return False
+                pools = json.loads(resp.read()).get("pools", {})
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        return all(
+            pools.get(model, {}).get("usable_endpoints", 0) >= count
+            for model, count in num_engines.items()
+        )
+
+    return probe
 
 
 def describe_redis(redis: RedisPlan) -> str:
