@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 from engine_plots import plot_decode, plot_occupancy, plot_poisson
+from transformers import AutoModelForCausalLM
+
 from slotserve.engine.engine import LLMEngine
 from slotserve.engine.params import SamplingParams
 from slotserve.engine.runner import ModelRunner, load_model, pick_device, pick_dtype
 from slotserve.engine.settings import EngineSettings
-from transformers import AutoModelForCausalLM
-
 from slotserve.models.resolve import resolve_model
 
 SEED_LENGTHS = (20, 50, 100, 500)

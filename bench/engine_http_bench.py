@@ -28,10 +28,10 @@ from pathlib import Path
 import aiohttp
 from rich.console import Console
 from rich.table import Table
+
 from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.params import SamplingParams
 from slotserve.engine.settings import EngineSettings
-
 from slotserve.models.resolve import resolve_model
 
 LLAMA_CPP_SERVER_C8 = 33.5  # tok/s aggregate, llama-cpp-python's server, 8 clients (FACTS.md)

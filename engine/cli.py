@@ -16,8 +16,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
-from slotserve.engine.settings import EngineSettings
 
+from slotserve.engine.settings import EngineSettings
 from slotserve.settings import settings_from_args
 
 ENV_PREFIX = "SLOTSERVE_ENGINE_"

@@ -93,7 +93,6 @@ class LLMEngine:
     def load(cls, settings: EngineSettings, **kwargs: Any) -> LLMEngine:
         """Load the model named in ``settings`` and size the KV cache (blocking, seconds)."""
         from slotserve.engine.runner import build_runner
-
         from slotserve.models.resolve import default_served_name, resolve_model
 
         source = resolve_model(settings.model)

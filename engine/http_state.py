@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+
 from slotserve.engine.metrics import EngineMetrics
 from slotserve.engine.openai_api import (
     ErrorBody,

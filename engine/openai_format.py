@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from pydantic import BaseModel
+
 from slotserve.engine.openai_api import (
     ChatChoice,
     ChatChunkChoice,

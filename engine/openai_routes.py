@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
+
 from slotserve.engine.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
 from slotserve.engine.http_state import (
     STATE,

@@ -22,6 +22,7 @@ if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
+
 from slotserve.engine.attention import PrefillChunkInput, SlotStep, register_slot_attention
 from slotserve.engine.sampling import make_generator, sample_tokens
 from slotserve.engine.scheduler import ScheduledChunk

@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 
 import torch
+
 from slotserve.engine.params import SamplingParams
 
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
+
 from slotserve.engine.http_state import (
     STATE,
     ApiError,
@@ -28,7 +29,6 @@ from slotserve.engine.http_state import (
 )
 from slotserve.engine.openai_routes import chat_completions, completions, models
 from slotserve.engine.settings import EngineSettings
-
 from slotserve.models.resolve import resolve_model
 
 if TYPE_CHECKING:

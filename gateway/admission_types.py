@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from slotserve.gateway.routing import EndpointOffer
-
 from slotserve.pools import AdmissionSpec, BatchingSpec
 
 # Internal priority for a request retried after its engine failed: ahead of every client level.

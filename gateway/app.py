@@ -22,6 +22,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from slotserve.gateway.admission import Admission
 from slotserve.gateway.admission_types import (
     MAX_PRIORITY_LEVEL,

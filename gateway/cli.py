@@ -8,9 +8,9 @@ import sys
 
 from aiohttp import web
 from pydantic import ValidationError
+
 from slotserve.gateway.config import PoolConfigError
 from slotserve.gateway.settings import GatewaySettings
-
 from slotserve.settings import settings_from_args
 
 

@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import Field, ValidationError, field_validator
-from slotserve.gateway.admission_types import PoolPolicy
 
+from slotserve.gateway.admission_types import PoolPolicy
 from slotserve.pools import AdmissionSpec, BatchingSpec, WireModel
 
 log = logging.getLogger(__name__)

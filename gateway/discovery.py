@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import ValidationError
-from slotserve.gateway.config import Pool, PoolRegistry
 
+from slotserve.gateway.config import Pool, PoolRegistry
 from slotserve.pools import AdmissionSpec, BatchingSpec
 
 log = logging.getLogger(__name__)

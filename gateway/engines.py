@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
+
 from slotserve.gateway.config import PoolRegistry
 from slotserve.gateway.routing import EndpointOffer, load_score
 

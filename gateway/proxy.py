@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+
 from slotserve.gateway.admission import Admission, Lease
 from slotserve.gateway.admission_types import RETRY_PRIORITY, AdmissionError, PoolPolicy
 from slotserve.gateway.engines import EngineMonitor

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import BusyLoadingError, ConnectionError, NoScriptError, TimeoutError
+
 from slotserve.gateway.admission_types import (
     BackendUnavailableError,
     CancelOutcome,

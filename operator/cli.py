@@ -16,10 +16,10 @@ import threading
 from typing import Any
 
 import kopf
+
 from slotserve.operator.builders import MANAGED_BY, POOL_LABEL
 from slotserve.operator.handlers import DEPLOYMENTS, PODS, SERVICES, PoolOperator
 from slotserve.operator.settings import OperatorSettings
-
 from slotserve.settings import settings_from_args
 
 

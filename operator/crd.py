@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema
+
 from slotserve.operator import models
 
 HEADER = (

@@ -24,6 +24,7 @@ import kopf
 import kubernetes.client
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
+
 from slotserve.operator import builders, kube
 from slotserve.operator.models import GROUP, PLURAL, VERSION, InferencePool
 from slotserve.operator.settings import OperatorSettings

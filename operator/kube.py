@@ -22,6 +22,7 @@ import kopf
 import kubernetes.client
 import kubernetes.config
 from kubernetes.client.exceptions import ApiException
+
 from slotserve.operator.models import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"

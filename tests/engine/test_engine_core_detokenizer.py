@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from slotserve.engine.detokenizer import IncrementalDetokenizer
 from transformers import AutoTokenizer
+
+from slotserve.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = "Héllo wörld! 日本語のテキスト and emoji 🎉 done. The END is near; stop here."
 

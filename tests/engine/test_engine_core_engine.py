@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from engine_core_support import build_sharp_tiny_model, make_engine
+
 from slotserve.engine.errors import InvalidRequestError, QueueFullError
 from slotserve.engine.params import SamplingParams
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_core_support import build_sharp_tiny_model, make_engine
-from slotserve.engine.params import SamplingParams
 from transformers import AutoModelForCausalLM
+
+from slotserve.engine.params import SamplingParams
 
 NUM_NEW = 24
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_core_support import make_engine
-from slotserve.engine.params import SamplingParams
 from transformers import AutoModelForCausalLM
+
+from slotserve.engine.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -6,6 +6,7 @@ import math
 import sys
 
 import pytest
+
 from slotserve.engine.kv_cache import KVCacheManager
 from slotserve.engine.params import SamplingParams
 from slotserve.engine.scheduler import Scheduler, SchedulerConfig, StepPlan

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from pydantic import ValidationError
+
 from slotserve.engine.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp.test_utils import TestClient, TestServer
+
 from slotserve.engine.server import STATE, create_app
 from slotserve.engine.settings import EngineSettings
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from slotserve.engine.cli import build_parser, flag_name, main
 from slotserve.engine.settings import EngineSettings
-
 from slotserve.settings import settings_from_args
 
 

@@ -12,6 +12,7 @@ import uuid
 from collections import Counter
 
 import pytest
+
 from slotserve.gateway.admission import Admission
 from slotserve.gateway.admission_types import PoolPolicy, QueueFullError, QueueTimeoutError
 from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub

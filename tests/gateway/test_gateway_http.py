@@ -11,9 +11,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 from gateway_support import pool, write_pools
+from support import free_port
+
 from slotserve.gateway.app import create_app
 from slotserve.gateway.settings import GatewaySettings
-from support import free_port
 
 
 async def start_gateway(settings: GatewaySettings):

@@ -6,6 +6,7 @@ import subprocess
 
 import pytest
 from gateway_support import SLOTSERVE
+
 from slotserve.gateway.admission import DrainRate
 from slotserve.gateway.config import PoolConfigError, PoolRegistry, parse_pools
 from slotserve.gateway.discovery import (

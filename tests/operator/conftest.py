@@ -23,9 +23,10 @@ from operator_harness import (  # noqa: E402
     OperatorThread,
     assert_rbac_covers,
 )
+from support import free_port  # noqa: E402
+
 from slotserve.operator import crd  # noqa: E402
 from slotserve.operator.settings import OperatorSettings  # noqa: E402
-from support import free_port  # noqa: E402
 
 ENGINE_IMAGE = "registry.test/slotserve/engine:test"
 

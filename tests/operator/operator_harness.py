@@ -23,11 +23,12 @@ import kmock
 import kubernetes.client
 from kubernetes.client.exceptions import ApiException
 from operator_apiserver import ApiServer
+from support import http_ok
+
 from slotserve.operator import cli, kube
 from slotserve.operator.models import GROUP, PLURAL, VERSION
 from slotserve.operator.rbac import REQUIRED_RULES
 from slotserve.operator.settings import OperatorSettings
-from support import http_ok
 
 WATCH_TIMEOUT_SECONDS = 1
 

@@ -8,6 +8,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+
 from slotserve.operator import builders
 from slotserve.operator.models import InferencePool
 
@@ -237,7 +238,6 @@ def test_engine_cli_accepts_the_built_arguments(pool: InferencePool):
     """The contract check: the real `slotserve engine` parser and settings take our args."""
     engine_cli = pytest.importorskip("slotserve.engine.cli")
     from slotserve.engine.settings import EngineSettings
-
     from slotserve.settings import settings_from_args
 
     args = container(builders.build_deployment(pool, engine_image=IMAGE))["args"]

@@ -9,6 +9,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
 from slotserve.operator import crd, models
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -47,6 +47,7 @@ def api() -> Any:
 def _apply_crd(api: Any) -> None:
     import kubernetes.client
     from kubernetes.client.exceptions import ApiException
+
     from slotserve.operator.crd import build_crd
 
     extensions = kubernetes.client.ApiextensionsV1Api(api)
@@ -94,6 +95,7 @@ def _proxy(api: Any, method: str, namespace: str, service: str, path: str, body:
 
 def test_pool_becomes_ready_and_serves_a_completion(api: Any, tmp_path: Path):
     import kubernetes.client
+
     from slotserve.operator.models import GROUP, PLURAL, VERSION
 
     _apply_crd(api)

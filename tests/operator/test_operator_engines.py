@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 from operator_harness import Kube, LocalKubelet, free_loopback_ips
-from slotserve.operator.models import API_VERSION, KIND
 from support import free_port, wait_until
+
+from slotserve.operator.models import API_VERSION, KIND
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,10 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 from operator_harness import Kube, OperatorThread, assert_rbac_covers
+from support import free_port, http_ok, wait_until
+
 from slotserve.operator.models import API_VERSION, KIND
 from slotserve.operator.settings import OperatorSettings
-from support import free_port, http_ok, wait_until
 
 WAIT = 15
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

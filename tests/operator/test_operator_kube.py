@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kmock._internal.dicts import merge_patch_dict
+
 from slotserve.operator import cli, rbac
 from slotserve.operator.kube import is_subset, replacing_patch
 from slotserve.operator.settings import OperatorSettings

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+
 from slotserve.operator.models import InferencePool, InferencePoolSpec, is_quantity
 from slotserve.operator.settings import OperatorSettings
 
