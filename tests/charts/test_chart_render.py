@@ -14,8 +14,25 @@ KUBE_VERSIONS = ["1.29.0", "1.35.0"]
 
 # Kinds that are not built into Kubernetes: kubernetes-validate has no schema for them, so each
 # is checked against the minimal shape the chart relies on (the real CRDs are far larger).
-CUSTOM_KIND_SHAPES = {
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): {
+MONITOR_ENDPOINTS = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["port"],
+        "properties": {
+            "port": {"type": "string"},
+            "path": {"type": "string"},
+            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+        },
+    },
+}
+
+
+def _monitor_shape(endpoints_key: str, namespace_selector: dict) -> dict:
+    """A ServiceMonitor or PodMonitor: the same spec, with its endpoints under another key."""
+    return {
         "type": "object",
         "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
@@ -23,63 +40,33 @@ CUSTOM_KIND_SHAPES = {
             "spec": {
                 "type": "object",
                 "additionalProperties": False,
-                "required": ["selector", "endpoints"],
+                "required": ["selector", endpoints_key],
                 "properties": {
                     "selector": {
                         "type": "object",
                         "properties": {"matchLabels": {"type": "object"}},
                     },
-                    "namespaceSelector": {
-                        "type": "object",
-                        "properties": {
-                            "matchNames": {"type": "array", "items": {"type": "string"}}
-                        },
-                    },
-                    "endpoints": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
-                            "type": "object",
-                            "additionalProperties": False,
-                            "required": ["port"],
-                            "properties": {
-                                "port": {"type": "string"},
-                                "path": {"type": "string"},
-                                "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
-                            },
-                        },
-                    },
+                    "namespaceSelector": namespace_selector,
+                    endpoints_key: MONITOR_ENDPOINTS,
                 },
             },
         },
-    },
-}
+    }
 
-CUSTOM_KIND_SHAPES[("monitoring.coreos.com/v1", "PodMonitor")] = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "metadata": {"type": "object", "required": ["name", "namespace"]},
-        "spec": {
+
+MATCH_NAMES = {"type": "array", "items": {"type": "string"}}
+CUSTOM_KIND_SHAPES = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): _monitor_shape(
+        "endpoints", {"type": "object", "properties": {"matchNames": MATCH_NAMES}}
+    ),
+    ("monitoring.coreos.com/v1", "PodMonitor"): _monitor_shape(
+        "podMetricsEndpoints",
+        {
             "type": "object",
             "additionalProperties": False,
-            "required": ["selector", "podMetricsEndpoints"],
-            "properties": {
-                "selector": {"type": "object", "properties": {"matchLabels": {"type": "object"}}},
-                "namespaceSelector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "any": {"type": "boolean"},
-                        "matchNames": {"type": "array", "items": {"type": "string"}},
-                    },
-                },
-                "podMetricsEndpoints": CUSTOM_KIND_SHAPES[
-                    ("monitoring.coreos.com/v1", "ServiceMonitor")
-                ]["properties"]["spec"]["properties"]["endpoints"],
-            },
+            "properties": {"any": {"type": "boolean"}, "matchNames": MATCH_NAMES},
         },
-    },
+    ),
 }
 
 ALL_RENDERS = [(), *((name,) for name in GOOD_VALUES)]
