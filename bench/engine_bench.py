@@ -16,9 +16,9 @@ import random
 import sys
 import time
 
-# Threads that spin at OpenMP barriers collapse when other processes share the cores (a step
-# 10x slower); sleeping waiters cost little. Must be set before torch starts OpenMP.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from slotserve.engine.openmp import openmp_environment
+
+os.environ.update(openmp_environment())  # libgomp reads it when torch loads
 from dataclasses import asdict, dataclass
 from pathlib import Path
 

@@ -47,7 +47,9 @@ class SlotStep:
     decode_slots: torch.Tensor | None  # [Bd]
     num_decode_rows: int
     decode_kv_len: int
-    decode_mask: torch.Tensor | None  # [rows, 1, 1, decode_kv_len] bool, True = attend
+    # [rows, 1, 1, decode_kv_len]: bool (True = attend) for SDPA, or an additive float mask
+    # (0 / -inf) for the CPU path.
+    decode_mask: torch.Tensor | None
     prefills: tuple[PrefillChunkInput, ...]
 
 
@@ -84,12 +86,12 @@ def slot_attention(
         q_rows = q.new_zeros(rows, num_kv_heads, group, head_dim)
         q_dec = q[:, slot_step.decode_token_index, :].transpose(0, 1)  # [Bd, H, D]
         q_rows[slot_step.decode_slots] = q_dec.reshape(-1, num_kv_heads, group, head_dim)
-        attn = F.scaled_dot_product_attention(
+        attn = _decode_attention(
             q_rows,
             k_cache[:rows, :, :kv_len],
             v_cache[:rows, :, :kv_len],
-            attn_mask=slot_step.decode_mask,
-            scale=scaling,
+            slot_step.decode_mask,
+            scaling if scaling is not None else head_dim**-0.5,
         )
         out[slot_step.decode_token_index] = attn[slot_step.decode_slots].reshape(
             -1, num_heads, head_dim
@@ -113,6 +115,19 @@ def slot_attention(
         out[chunk.token_start : chunk.token_start + n] = attn.transpose(0, 1)
 
     return out.unsqueeze(0), None
+
+
+def _decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """One query row per (slot, kv head, head in group) against that slot's cache row."""
+    if mask is None or mask.dtype == torch.bool:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # CPU: SDPA's flash kernel handles a few query rows per head poorly (1.3 ms a layer at 32
+    # sequences and 300 positions, against 0.75 ms for these three plain products).
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    scores.mul_(scale).add_(mask)
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
 def register_slot_attention() -> str:

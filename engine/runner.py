@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-if "torch" not in sys.modules:
-    # OpenMP threads that spin at every barrier collapse when other processes share the cores
-    # (measured here: a step 5-10x slower than one thread); sleeping waiters cost a little
-    # latency. libgomp reads this once, when torch loads; OMP_WAIT_POLICY=ACTIVE overrides.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from slotserve.engine.openmp import openmp_environment
+
+os.environ.update(openmp_environment())  # libgomp reads it when torch loads
 
 import torch
 
 from slotserve.engine.attention import PrefillChunkInput, SlotStep, register_slot_attention
+from slotserve.engine.linear import LinearBackend, pack_linears
 from slotserve.engine.sampling import make_generator, sample_tokens
 from slotserve.engine.scheduler import ScheduledChunk
 
@@ -100,7 +98,14 @@ def available_memory_bytes(device: torch.device) -> int:
 class ModelRunner:
     """Runs steps of packed chunks against a pre-allocated per-slot KV cache."""
 
-    def __init__(self, model: Any, *, num_slots: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_slots: int,
+        max_model_len: int,
+        linear_backend: LinearBackend = "auto",
+    ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -112,8 +117,13 @@ class ModelRunner:
         self.lm_head = model.get_output_embeddings()
         self._lm_weight: torch.Tensor | None = None
         self._lm_weight_t: torch.Tensor | None = None
-        if self.device.type == "cpu" and getattr(self.lm_head, "bias", None) is None:
-            # On this CPU's BLAS, F.linear with the 49152-row output matrix runs 1.5-3x slower
+        self._packed_lm_head = pack_linears(model, linear_backend, max_rows=num_slots)
+        if (
+            self._packed_lm_head is None
+            and self.device.type == "cpu"
+            and getattr(self.lm_head, "bias", None) is None
+        ):
+            # Without oneDNN, MKL's F.linear with the 49152-row output matrix runs 1.5-3x slower
             # than the same product written as W @ x.T (several rows) or x @ W.T stored
             # contiguous (one row). The transposed copy costs one more output matrix of RAM.
             self._lm_weight = self.lm_head.weight.detach()
@@ -172,6 +182,8 @@ class ModelRunner:
         return sample_tokens(logits, params, generators)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._packed_lm_head is not None:
+            return self._packed_lm_head(hidden)
         if self._lm_weight is None or self._lm_weight_t is None:
             return self.lm_head(hidden)
         if hidden.shape[0] == 1:
@@ -224,6 +236,10 @@ class ModelRunner:
                 decode_lens, device=device
             )
             decode_mask = (self._arange[:kv_len].unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            if device.type == "cpu":
+                decode_mask = torch.zeros(
+                    decode_mask.shape, dtype=self.dtype, device=device
+                ).masked_fill_(~decode_mask, float("-inf"))
 
         group = self.model.config.num_attention_heads // self.shape.num_kv_heads
         prefills = []
@@ -284,7 +300,12 @@ def build_runner(settings: Any, source: str) -> tuple[ModelRunner, Any, int]:
         kv_cache_tokens = min(int(budget // shape.kv_bytes_per_token(dtype)), slot_capacity)
     if kv_cache_tokens < 2:
         raise ValueError("not enough memory for a KV cache; set kv_cache_tokens explicitly")
-    runner = ModelRunner(model, num_slots=settings.max_batch_size, max_model_len=max_model_len)
+    runner = ModelRunner(
+        model,
+        num_slots=settings.max_batch_size,
+        max_model_len=max_model_len,
+        linear_backend=settings.linear_backend,
+    )
     logger.info(
         "loaded %s on %s/%s: %d slots x %d positions, KV budget %d tokens",
         source,

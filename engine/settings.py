@@ -11,6 +11,7 @@ from slotserve.pools import BatchingSpec
 
 Policy = Literal["static", "dynamic", "continuous"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+LinearBackend = Literal["auto", "onednn", "aten"]
 
 
 class EngineSettings(BaseSettings):
@@ -32,6 +33,9 @@ class EngineSettings(BaseSettings):
     kv_cache_memory_fraction: float = Field(0.5, gt=0.0, le=1.0)
     max_waiting: int = Field(1024, ge=0, description="Waiting requests beyond: QueueFullError.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
+    linear_backend: LinearBackend = Field(
+        "auto", description="CPU matrix products: auto (measured at start), onednn, aten."
+    )
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
     drain_timeout_seconds: float = Field(30, ge=0)

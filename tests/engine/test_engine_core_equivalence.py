@@ -48,14 +48,24 @@ def test_outputs_vary_so_equivalence_means_something(reference_model):
     assert len(set(out)) > 6
 
 
+# aten: PyTorch's own products; onednn: packed weights and fused MLPs (engine/linear.py),
+# which "auto" picks for larger models; tiny test models would otherwise never exercise them.
+LINEAR_BACKENDS = ["aten", "onednn"]
+
+
+@pytest.mark.parametrize("linear_backend", LINEAR_BACKENDS)
 def test_continuous_batching_equals_generate_with_staggered_arrivals_and_preemption(
-    sharp_model_dir, reference_model
+    sharp_model_dir, reference_model, linear_backend
 ):
     prompts = make_prompts(18)
     # 6 slots, a KV budget that cannot hold 6 growing sequences, 32 tokens per step: long
     # prompts are chunked, decodes grow past the budget and the newest get preempted.
     engine = make_engine(
-        sharp_model_dir, max_batch_size=6, max_batched_tokens=32, kv_cache_tokens=260
+        sharp_model_dir,
+        max_batch_size=6,
+        max_batched_tokens=32,
+        kv_cache_tokens=260,
+        linear_backend=linear_backend,
     )
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     seqs = []
@@ -92,15 +102,18 @@ def test_static_and_dynamic_policies_equal_generate(sharp_model_dir, reference_m
         assert result.token_ids == hf_greedy(reference_model, prompt, 10)
 
 
+@pytest.mark.parametrize("linear_backend", LINEAR_BACKENDS)
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "gemma", "phi3"])
-def test_other_decoder_families_equal_generate(tmp_path_factory, smollm2_dir, arch):
+def test_other_decoder_families_equal_generate(tmp_path_factory, smollm2_dir, arch, linear_backend):
     model_dir = build_sharp_tiny_model(
         tmp_path_factory.getbasetemp() / f"sharp-{arch}", smollm2_dir, arch=arch
     )
     reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     reference.generation_config.eos_token_id = None
     prompts = make_prompts(5, seed=2)
-    engine = make_engine(model_dir, max_batch_size=3, max_batched_tokens=24)
+    engine = make_engine(
+        model_dir, max_batch_size=3, max_batched_tokens=24, linear_backend=linear_backend
+    )
     results = engine.generate(
         prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     )
