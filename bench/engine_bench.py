@@ -327,6 +327,10 @@ def main() -> None:
     parser.add_argument("--poisson-requests", type=int, help="requests per rate")
     parser.add_argument("--poisson-max-tokens", type=int, help="longest output (log-uniform)")
     parser.add_argument("--decode-tokens", type=int, help="new tokens in the decode test")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--decode-repeats", type=int, help="best of N per side (default 2, or 1 with --quick)"
+    )
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
     if args.threads:
@@ -365,9 +369,9 @@ def main() -> None:
         report["poisson"] = poisson_workload(bench, rates, num, high, args.out)
     if "decode" in sections:
         new_tokens = args.decode_tokens or (16 if args.quick else 64)
-        repeats = 1 if args.quick else 2
+        repeats = args.decode_repeats or (1 if args.quick else 2)
         print(f"3. decode speed: 128-token prompts, {new_tokens} new tokens, best of {repeats}")
-        report["decode"] = decode_speed(bench, [1, 8, 32], new_tokens, repeats, args.out)
+        report["decode"] = decode_speed(bench, args.decode_batches, new_tokens, repeats, args.out)
     report["total_s"] = time.perf_counter() - started
     report["load_average_at_end"] = os.getloadavg()
     (args.out / "results.json").write_text(json.dumps(report, indent=2, default=asdict))
