@@ -244,8 +244,15 @@ def pack_linears(
     linears = _first_layer_linears(decoder)
     if not linears and not any(isinstance(m, PackedLinear) for m in decoder.modules()):
         return None
-    if backend == "auto" and linears and not onednn_is_faster(linears, max(2, max_rows)):
-        return None
+    if backend == "auto" and linears:
+        try:
+            faster = onednn_is_faster(linears, max(2, max_rows))
+        except RuntimeError:
+            # A oneDNN build that cannot serve this CPU or layout: the stock products still can.
+            logger.warning("oneDNN linear failed in calibration; using aten", exc_info=True)
+            faster = False
+        if not faster:
+            return None
     fuse_gated_mlps(decoder)
     fuse_qkv(decoder)
     count = 0

@@ -132,3 +132,13 @@ def test_auto_backend_decides_by_measurement(tiny_llama):
     packed = isinstance(tiny_llama.model.layers[0].self_attn.o_proj, PackedLinear)
     # Either choice is valid on some machine; they must agree with each other.
     assert packed == (logits is not None)
+
+
+def test_auto_backend_falls_back_when_onednn_fails(tiny_llama, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("could not create a primitive")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
+    assert pack_linears(tiny_llama, "auto", max_rows=8) is None
+    assert type(tiny_llama.model.layers[0].self_attn.o_proj) is nn.Linear
+    assert "oneDNN linear failed in calibration" in caplog.text
