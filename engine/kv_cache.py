@@ -8,6 +8,8 @@ slots x max_model_len (a memory budget), so admission and decode growth are chec
 
 from __future__ import annotations
 
+import heapq
+
 from slotserve.engine.sequence import Sequence
 
 
@@ -20,7 +22,7 @@ class KVCacheManager:
         self.num_slots = num_slots
         self.num_tokens_total = num_tokens_total
         self.num_tokens_used = 0
-        # Lowest free slot first: a freed slot is the next one taken, which keeps live rows packed.
+        # A heap, lowest free slot first: live rows stay packed at the front of the cache.
         self._free_slots: list[int] = list(range(num_slots))
 
     @property
@@ -42,8 +44,7 @@ class KVCacheManager:
     def allocate(self, seq: Sequence) -> None:
         if not self.can_allocate(seq):
             raise RuntimeError(f"cannot allocate KV for {seq.request_id}")
-        self._free_slots.sort()
-        seq.slot = self._free_slots.pop(0)
+        seq.slot = heapq.heappop(self._free_slots)
         seq.num_kv_tokens = seq.num_tokens
         self.num_tokens_used += seq.num_tokens
 
@@ -62,6 +63,6 @@ class KVCacheManager:
         if seq.slot is None:
             return
         self.num_tokens_used -= seq.num_kv_tokens
-        self._free_slots.append(seq.slot)
+        heapq.heappush(self._free_slots, seq.slot)
         seq.slot = None
         seq.num_kv_tokens = 0

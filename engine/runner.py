@@ -21,7 +21,7 @@ os.environ.update(openmp_environment())  # libgomp reads it when torch loads
 import torch
 
 from slotserve.engine.attention import PrefillChunkInput, SlotStep, register_slot_attention
-from slotserve.engine.linear import LinearBackend, pack_linears
+from slotserve.engine.linear import LinearBackend, aten_logits, pack_linears
 from slotserve.engine.sampling import make_generator, sample_tokens
 from slotserve.engine.scheduler import ScheduledChunk
 
@@ -114,20 +114,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         model.set_attn_implementation(register_slot_attention())
         self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
-        self._lm_weight: torch.Tensor | None = None
-        self._lm_weight_t: torch.Tensor | None = None
-        self._packed_lm_head = pack_linears(model, linear_backend, max_rows=num_slots)
-        if (
-            self._packed_lm_head is None
-            and self.device.type == "cpu"
-            and getattr(self.lm_head, "bias", None) is None
-        ):
-            # Without oneDNN, MKL's F.linear with the 49152-row output matrix runs 1.5-3x slower
-            # than the same product written as W @ x.T (several rows) or x @ W.T stored
-            # contiguous (one row). The transposed copy costs one more output matrix of RAM.
-            self._lm_weight = self.lm_head.weight.detach()
-            self._lm_weight_t = self._lm_weight.t().contiguous()
+        # Logits for the sampling rows only: oneDNN-packed when that pays, else the stock layer.
+        self.logits = pack_linears(model, linear_backend, max_rows=num_slots) or aten_logits(
+            model.get_output_embeddings()
+        )
         cache_shape = (num_slots, self.shape.num_kv_heads, max_model_len, self.shape.head_dim)
         # torch.empty: on a CPU, pages are only committed as positions get written.
         self.k_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
@@ -152,9 +142,6 @@ class ModelRunner:
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
-    def make_generator(self, params: Any) -> torch.Generator:
-        return make_generator(params, self.device)
-
     @torch.inference_mode()
     def execute(self, chunks: Seq[ScheduledChunk]) -> list[int]:
         """Run one step; returns one sampled token per chunk that samples, in chunk order."""
@@ -170,25 +157,16 @@ class ModelRunner:
         if not sample_index:
             return []
         index = torch.tensor(sample_index, device=self.device)
-        logits = self._logits(hidden.index_select(0, index))
+        logits = self.logits(hidden.index_select(0, index))
         sampling = [chunk for chunk in chunks if chunk.samples]
         params = [chunk.seq.params for chunk in sampling]
         generators = []
         for chunk in sampling:
             seq = chunk.seq
             if not seq.params.is_greedy and seq.generator is None:
-                seq.generator = self.make_generator(seq.params)
+                seq.generator = make_generator(seq.params, self.device)
             generators.append(seq.generator)
         return sample_tokens(logits, params, generators)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._packed_lm_head is not None:
-            return self._packed_lm_head(hidden)
-        if self._lm_weight is None or self._lm_weight_t is None:
-            return self.lm_head(hidden)
-        if hidden.shape[0] == 1:
-            return hidden @ self._lm_weight_t
-        return torch.mm(self._lm_weight, hidden.t()).t()
 
     def _prepare(
         self, chunks: Seq[ScheduledChunk]

@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 from slotserve.engine.engine import LLMEngine
+from slotserve.engine.params import SamplingParams
+from slotserve.engine.sequence import Sequence
 from slotserve.engine.settings import EngineSettings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -78,3 +80,27 @@ def make_engine(model_dir: Path, **settings) -> LLMEngine:
     # spin at every barrier make each step up to 10x slower than a single thread.
     settings.setdefault("num_threads", 1)
     return LLMEngine.load(EngineSettings(model=str(model_dir), **settings))
+
+
+def run_staggered(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    every: int,
+    per: int,
+    max_steps: int = 2000,
+) -> list[Sequence]:
+    """Step the engine to the end, adding ``per`` new requests every ``every`` steps."""
+    seqs: list[Sequence] = []
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished():
+        if step % every == 0:
+            for i, prompt in pending[:per]:
+                seqs.append(engine.add_request(f"r{i}", prompt, params))
+            pending = pending[per:]
+        engine.step()
+        step += 1
+        assert step < max_steps, "the engine did not finish"
+    return seqs

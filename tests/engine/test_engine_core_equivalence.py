@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_core_support import build_sharp_tiny_model, make_engine
+from engine_core_support import build_sharp_tiny_model, make_engine, run_staggered
 from transformers import AutoModelForCausalLM
 
 from slotserve.engine.params import SamplingParams
@@ -68,18 +68,7 @@ def test_continuous_batching_equals_generate_with_staggered_arrivals_and_preempt
         linear_backend=linear_backend,
     )
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    seqs = []
-    step = 0
-    pending = list(enumerate(prompts))
-    while pending or engine.has_unfinished():
-        # Three new requests every 5 steps.
-        if step % 5 == 0:
-            for i, prompt in pending[:3]:
-                seqs.append(engine.add_request(f"r{i}", prompt, params))
-            pending = pending[3:]
-        engine.step()
-        step += 1
-        assert step < 2000
+    seqs = run_staggered(engine, prompts, params, every=5, per=3)
     assert engine.stats().num_preemptions > 0
     assert any(seq.num_preemptions for seq in seqs)
     for seq, prompt in zip(seqs, prompts, strict=True):

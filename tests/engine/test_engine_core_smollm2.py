@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_core_support import make_engine
+from engine_core_support import make_engine, run_staggered
 from transformers import AutoModelForCausalLM
 
 from slotserve.engine.params import SamplingParams
@@ -56,14 +56,7 @@ def test_batched_outputs_close_to_generate_alone(engine, reference):
     prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS]
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     # Staggered: two requests join every 3 steps; 4 slots, 64 tokens a step (chunked prefill).
-    seqs, pending, step = [], list(enumerate(prompts)), 0
-    while pending or engine.has_unfinished():
-        if step % 3 == 0:
-            for i, prompt in pending[:2]:
-                seqs.append(engine.add_request(f"q{i}", prompt, params))
-            pending = pending[2:]
-        engine.step()
-        step += 1
+    seqs = run_staggered(engine, prompts, params, every=3, per=2)
     num_identical = 0
     for question, seq, prompt in zip(QUESTIONS, seqs, prompts, strict=True):
         ours = seq.generated_token_ids
