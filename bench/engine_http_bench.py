@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from rich.table import Table
 from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.params import SamplingParams
 from slotserve.engine.settings import EngineSettings
+from slotserve.local.stack import free_port
 from slotserve.models.resolve import resolve_model
 
 LLAMA_CPP_SERVER_C8 = 33.5  # tok/s aggregate, llama-cpp-python's server, 8 clients (FACTS.md)
@@ -141,12 +141,6 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
 
     return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_server(args, model_path: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -151,7 +152,7 @@ class AsyncEngine:
         stats = self._stats
         if not self._num_pending_adds:
             return stats
-        return EngineStats(**{**stats.__dict__, "num_waiting": self._expected_waiting()})
+        return dataclasses.replace(stats, num_waiting=self._expected_waiting())
 
     # -- the loop (engine thread) -----------------------------------------------------------
 

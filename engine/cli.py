@@ -20,7 +20,7 @@ from pydantic.fields import FieldInfo
 from slotserve.engine.settings import EngineSettings
 from slotserve.settings import settings_from_args
 
-ENV_PREFIX = "SLOTSERVE_ENGINE_"
+ENV_PREFIX = EngineSettings.model_config["env_prefix"]
 
 
 def flag_name(field: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -11,17 +10,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from slotserve.engine.metrics import EngineMetrics
-from slotserve.engine.openai_api import (
-    ErrorBody,
-    ErrorDetail,
-)
+from slotserve.engine.openai_api import ErrorBody, ErrorDetail
 from slotserve.engine.settings import EngineSettings
 
 if TYPE_CHECKING:
     from slotserve.engine.async_engine import AsyncEngine
     from slotserve.engine.stats import EngineStats
-
-log = logging.getLogger(__name__)
 
 SLOTS_FREE_HEADER = "x-slotserve-slots-free"
 SLOTS_TOTAL_HEADER = "x-slotserve-slots-total"

@@ -170,14 +170,12 @@ class EngineMetrics:
         self.success.labels(name, finish_reason).inc()
         if metrics is None:
             return
-        if metrics.time_to_first_token is not None:
-            self.ttft.labels(name).observe(metrics.time_to_first_token)
+        self.ttft.labels(name).observe(metrics.time_to_first_token)
         itl = self.itl.labels(name)
         for latency in metrics.inter_token_latencies:
             itl.observe(latency)
         self.e2e.labels(name).observe(metrics.e2e_latency)
-        if metrics.queue_time is not None:
-            self.queue_time.labels(name).observe(metrics.queue_time)
+        self.queue_time.labels(name).observe(metrics.queue_time)
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason).inc()

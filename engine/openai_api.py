@@ -20,7 +20,7 @@ from pydantic import (
     field_validator,
 )
 
-FinishReason = Literal["stop", "length", "abort"]
+from slotserve.engine.sequence import FinishReason
 
 # Limits from the engine core's SamplingParams; repeated here so the 400 names the OpenAI field.
 MAX_STOP_STRINGS = 16

@@ -62,7 +62,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _parse_body(request, CompletionRequest, state)
     _check_model(engine, body.model, state)
     prompt = body.single_prompt
-    max_tokens = body.max_tokens
+    max_tokens = body.requested_max_tokens()
     if max_tokens is None:  # explicit null: as many tokens as fit
         # Counted the way the engine tokenizes a text prompt.
         num_prompt_tokens = (
@@ -180,7 +180,7 @@ async def _generate(
             f"the engine's waiting queue is full ({state.settings.max_waiting}); retry later",
             type_="rate_limit_error",
             code="queue_full",
-            headers={"Retry-After": "1", **slot_headers(engine.stats())},
+            headers={"Retry-After": "1"},  # the error middleware adds the slot headers
         ) from error
     except EngineNotRunningError as error:
         raise ApiError(

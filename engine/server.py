@@ -32,9 +32,7 @@ from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
 
 if TYPE_CHECKING:
-    from slotserve.engine.async_engine import (
-        AsyncEngine,
-    )
+    from slotserve.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

@@ -106,5 +106,17 @@ class EngineProcess:
             self.proc.wait(timeout=10)
 
 
+def completion_body(max_tokens: int, *, stream: bool) -> dict:
+    """A greedy completion that runs exactly ``max_tokens`` steps (EOS ignored) on "tiny"."""
+    return {
+        "model": "tiny",
+        "prompt": "a",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
 def sample(metrics: dict, name: str, **labels: str) -> float:
     return metrics.get((name, tuple(sorted(labels.items()))), 0.0)

@@ -6,7 +6,7 @@ import asyncio
 import json
 
 import aiohttp
-from engine_server_support import EngineProcess
+from engine_server_support import EngineProcess, completion_body
 
 
 async def read_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
@@ -21,12 +21,7 @@ async def read_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
 
 def stream_body(max_tokens: int) -> dict:
     return {
-        "model": "tiny",
-        "prompt": "a",
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
+        **completion_body(max_tokens, stream=True),
         "stream_options": {"include_usage": True},
     }
 

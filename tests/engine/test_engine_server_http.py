@@ -8,7 +8,7 @@ import json
 import aiohttp
 import openai
 import pytest
-from engine_server_support import EngineProcess, sample
+from engine_server_support import EngineProcess, completion_body, sample
 from support import wait_until
 from transformers import AutoTokenizer
 
@@ -278,22 +278,13 @@ async def wait_load(session, engine, timeout: float, **expected) -> dict:
         await asyncio.sleep(0.02)
 
 
-def long_request(stream: bool) -> dict:
-    return {
-        "model": "tiny",
-        "prompt": "a",
-        "max_tokens": LONG,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": stream,
-    }
-
-
 async def test_disconnected_stream_is_aborted(engine):
     wait_until(lambda: idle(engine), timeout=10)
     before = engine.metrics()
     async with aiohttp.ClientSession() as session:
-        resp = await session.post(engine.url + "/v1/completions", json=long_request(True))
+        resp = await session.post(
+            engine.url + "/v1/completions", json=completion_body(LONG, stream=True)
+        )
         assert resp.status == 200
         assert resp.headers["x-slotserve-slots-total"] == "2"
         first = await resp.content.readline()
@@ -316,7 +307,7 @@ async def test_disconnected_plain_request_is_aborted(engine):
     wait_until(lambda: idle(engine), timeout=10)
     async with aiohttp.ClientSession() as session:
         pending = asyncio.create_task(
-            session.post(engine.url + "/v1/completions", json=long_request(False))
+            session.post(engine.url + "/v1/completions", json=completion_body(LONG, stream=False))
         )
         await wait_load(session, engine, 5, running=1)
         pending.cancel()  # closes the connection before any answer
@@ -332,7 +323,9 @@ async def test_full_waiting_queue_is_429_with_retry_after(engine):
         for expected in ({"running": 1}, {"running": 2}, {"running": 2, "waiting": 1}):
             blockers.append(
                 asyncio.create_task(
-                    session.post(engine.url + "/v1/completions", json=long_request(False))
+                    session.post(
+                        engine.url + "/v1/completions", json=completion_body(LONG, stream=False)
+                    )
                 )
             )
             await wait_load(session, engine, 5, **expected)
