@@ -84,6 +84,9 @@ class AsyncEngine:
         """Load model and tokenizer (blocking: call it in a thread from async code)."""
         return cls(LLMEngine.load(settings))
 
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.encode(text, add_special_tokens=add_special_tokens)
+
     @property
     def is_running(self) -> bool:
         return self._accepting

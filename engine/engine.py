@@ -111,8 +111,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
-            with self.tokenizer_lock:
-                token_ids = list(self.tokenizer.encode(prompt))
+            token_ids = self.encode(prompt)
         else:
             token_ids = list(prompt)
             if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in token_ids):
@@ -135,6 +134,11 @@ class LLMEngine:
                 param="max_tokens",
             )
         return Sequence(request_id, token_ids, params, arrival_time=self.clock())
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize on any thread: the loop thread detokenizes at the same time."""
+        with self.tokenizer_lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams

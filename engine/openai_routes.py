@@ -65,9 +65,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:  # explicit null: as many tokens as fit
         # Counted the way the engine tokenizes a text prompt.
-        num_prompt_tokens = (
-            len(prompt) if isinstance(prompt, list) else len(engine.tokenizer.encode(prompt))
-        )
+        num_prompt_tokens = len(prompt) if isinstance(prompt, list) else len(engine.encode(prompt))
         max_tokens = _room_after(engine, num_prompt_tokens)
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", engine.model_name)
     return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
@@ -106,7 +104,7 @@ def _admit(state: ServerState) -> AsyncEngine:
 
 def _encode(engine: AsyncEngine, text: str) -> list[int]:
     # The chat template already holds the special tokens; never add a second BOS.
-    return list(engine.tokenizer.encode(text, add_special_tokens=False))
+    return engine.encode(text, add_special_tokens=False)
 
 
 async def _parse_body(request: web.Request, model: type[RequestT], state: ServerState) -> RequestT:
