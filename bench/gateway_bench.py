@@ -34,7 +34,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "gateway"))
 from support import RedisServer, free_port, http_ok, wait_until  # noqa: E402
 
 DOUBLE = ROOT / "tests" / "gateway" / "gateway_engine_double.py"

@@ -129,9 +129,6 @@ class Admission:
     def queue_depth(self, pool_name: str) -> int:
         return self._queue_depth.get(pool_name, 0)
 
-    def num_local_waiting(self) -> int:
-        return len(self._waiters)
-
     def retry_after(self, pool_name: str, queue_depth: int | None = None) -> int:
         depth = self.queue_depth(pool_name) if queue_depth is None else queue_depth
         rate = self._drain.get(pool_name)
@@ -190,6 +187,10 @@ class Admission:
             return  # the lease expires by itself after the lease TTL
         self._apply(lease.pool, result)
 
+    def release_soon(self, lease: Lease) -> None:
+        """``release`` in its own task, so that a cancelled caller still gives the slot back."""
+        self._spawn(self.release(lease))
+
     # -- internals ----------------------------------------------------------------------------
 
     async def _cancel(self, pool: PoolPolicy, request_id: str, future: asyncio.Future[str]) -> str:
@@ -226,7 +227,7 @@ class Admission:
         # Nobody here waits for it any more (timed out, client gone): give it back at once.
         policy = next((p for p in self.pools() if p.name == pool_name), None)
         if policy is not None:
-            self._spawn(self.release(Lease(request_id, policy, endpoint, 0.0)))
+            self.release_soon(Lease(request_id, policy, endpoint, 0.0))
 
     def _apply(self, pool: PoolPolicy, result: DispatchResult) -> None:
         for grant in result.grants:

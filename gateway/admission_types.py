@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -140,14 +140,12 @@ class AdmissionBackend(Protocol):
         """Sweep expired leases and dead replicas' queue entries, then dispatch."""
         ...
 
-    async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> None:
+    async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> bool:
         """Mark this replica alive and extend its leases ({pool: [(request_id, endpoint)]}).
 
         With ``restore``, leases missing from the backend (it restarted) are written back.
+        Returns whether the replica was still alive (its heartbeat had not lapsed).
         """
         ...
 
     async def inflight(self, pool: PoolPolicy) -> dict[str, int]: ...
-
-
-Sleep = Callable[[float], Awaitable[None]]

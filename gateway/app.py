@@ -256,12 +256,10 @@ def create_app(settings: GatewaySettings) -> web.Application:
         middlewares=[auth_middleware], client_max_size=settings.max_request_body_bytes
     )
     app[SETTINGS] = settings
-    app[REGISTRY] = PoolRegistry()
+    registry = app[REGISTRY] = PoolRegistry()
     app[METRICS] = GatewayMetrics()
     app[API_KEYS] = load_api_keys(settings.api_keys_file) if settings.api_keys_file else frozenset()
-    monitor = EngineMonitor(app[REGISTRY], settings.load_poll_interval_seconds)
-    app[MONITOR] = monitor
-    registry = app[REGISTRY]
+    monitor = app[MONITOR] = EngineMonitor(registry, settings.load_poll_interval_seconds)
     app[ADMISSION] = Admission(
         make_backend(settings),
         offers=monitor.offers,

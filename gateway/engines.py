@@ -28,14 +28,12 @@ class EngineLoad:
 
     url: str
     slots_total: int = 0
-    slots_free: int = 0
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0
     draining: bool = False
     num_failures: int = FAILURES_BEFORE_DOWN  # unknown until the first good report
     failed_by_proxy: bool = False
-    updated_at: float = 0.0
 
     @property
     def usable(self) -> bool:
@@ -113,7 +111,6 @@ class EngineMonitor:
                 resp.raise_for_status()
                 body = await resp.json()
             load.slots_total = int(body["slots_total"])
-            load.slots_free = int(body.get("slots_free", 0))
             load.running = int(body.get("running", 0))
             load.waiting = int(body.get("waiting", 0))
             load.kv_cache_usage = float(body.get("kv_cache_usage", 0.0))
@@ -127,4 +124,3 @@ class EngineMonitor:
             log.info("engine %s is up: %d slots", url, load.slots_total)
         load.num_failures = 0
         load.failed_by_proxy = False
-        load.updated_at = time.monotonic()

@@ -39,7 +39,11 @@ class Keys:
 
     def pool(self, pool_name: str) -> list[str]:
         """The pool's keys in the order the Lua scripts expect them (KEYS[1..7])."""
-        return [f"{self.prefix}:{{{pool_name}}}:{name}" for name in POOL_KEY_NAMES]
+        return [self.pool_key(pool_name, name) for name in POOL_KEY_NAMES]
+
+    def pool_key(self, pool_name: str, name: str) -> str:
+        """One of the pool's keys, by its name in ``POOL_KEY_NAMES``."""
+        return f"{self.prefix}:{{{pool_name}}}:{name}"
 
     def replica(self, replica_id: str) -> str:
         return f"{self.prefix}:replica:{replica_id}"

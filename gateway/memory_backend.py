@@ -102,9 +102,9 @@ class InProcessHub:
             elif entry.replica in self.listeners:
                 self.listeners[entry.replica](policy.name, request_id, endpoint)
 
+        idle_only = policy.policy != "continuous"
         while (head := state.head(now_us)) is not None:
             request_id, entry = head
-            idle_only = policy.policy != "continuous"
             ranked = rank_endpoints(offers, state.inflight, idle_only=idle_only)
             if not ranked:
                 break

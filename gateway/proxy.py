@@ -9,7 +9,6 @@ and the slot is released in a task that the cancellation cannot interrupt.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -51,16 +50,6 @@ class _UpstreamFailedError(Exception):
     """The engine failed before the first byte; the request may go elsewhere."""
 
 
-def _release_soon(ctx: ProxyContext, lease: Lease) -> None:
-    """Release in its own task so that a cancelled handler still gives the slot back."""
-    task = asyncio.get_running_loop().create_task(ctx.admission.release(lease))
-    _pending.add(task)
-    task.add_done_callback(_pending.discard)
-
-
-_pending: set[asyncio.Task[None]] = set()
-
-
 async def _reacquire(ctx: ProxyContext, pool: PoolPolicy, deadline: float) -> Lease:
     remaining = max(0.05, deadline - time.monotonic())
     return await ctx.admission.acquire(pool, RETRY_PRIORITY, remaining)
@@ -90,7 +79,7 @@ async def proxy_request(
                 )
         finally:
             ctx.metrics.inflight.labels(pool.name, lease.endpoint).dec()
-            _release_soon(ctx, lease)
+            ctx.admission.release_soon(lease)
         attempt += 1
         try:
             lease = await _reacquire(ctx, pool, deadline)

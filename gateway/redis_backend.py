@@ -270,7 +270,7 @@ class RedisBackend:
                 self.keys.replica(self.replica_id), "1", px=self.lease_ttl_us // 1000, get=True
             )
         except _UNAVAILABLE as exc:
-            raise BackendUnavailableError(f"admission backend (Redis) unavailable: {exc}") from exc
+            raise _unavailable(exc) from exc
         for pool_name, held in leases.items():
             pool = PoolPolicy(name=pool_name)
             args = [*self._args(pool, []), "1" if restore else "0"]
@@ -281,9 +281,9 @@ class RedisBackend:
 
     async def inflight(self, pool: PoolPolicy) -> dict[str, int]:
         try:
-            raw = await self.client.hgetall(self.keys.pool(pool.name)[5])
+            raw = await self.client.hgetall(self.keys.pool_key(pool.name, "inflight"))
         except _UNAVAILABLE as exc:
-            raise BackendUnavailableError(f"admission backend (Redis) unavailable: {exc}") from exc
+            raise _unavailable(exc) from exc
         return {endpoint: int(count) for endpoint, count in raw.items()}
 
     # -- wake-ups -----------------------------------------------------------------------------

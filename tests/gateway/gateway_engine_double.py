@@ -28,10 +28,19 @@ def _prompt_of(payload: dict) -> str:
     return str(payload.get("prompt", ""))
 
 
+def _envelope(s: dict, kind: str, choice: dict) -> dict:
+    """The OpenAI response (or stream chunk) around one choice."""
+    return {
+        "id": "cmpl-double",
+        "object": kind,
+        "created": int(time.time()),
+        "model": s["model"],
+        "choices": [choice],
+    }
+
+
 async def load(request: web.Request) -> web.Response:
     s = request.app[STATE]
-    if s["fail"] == "load":
-        return web.Response(status=500)
     running = min(s["inflight"], s["slots"])
     return web.json_response(
         {
@@ -68,23 +77,15 @@ async def completion(request: web.Request) -> web.StreamResponse:
             if delay:
                 await asyncio.sleep(delay)
             text = "ok " * num_chunks
-            choice = (
-                {"index": 0, "message": {"role": "assistant", "content": text}}
-                if chat
-                else {"index": 0, "text": text}
+            choice = {"index": 0, "finish_reason": "length"}
+            choice.update(
+                {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
             )
-            choice["finish_reason"] = "length"
-            body = {
-                "id": "cmpl-double",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": s["model"],
-                "choices": [choice],
-                "usage": {
-                    "prompt_tokens": 1,
-                    "completion_tokens": num_chunks,
-                    "total_tokens": 1 + num_chunks,
-                },
+            body = _envelope(s, "chat.completion" if chat else "text_completion", choice)
+            body["usage"] = {
+                "prompt_tokens": 1,
+                "completion_tokens": num_chunks,
+                "total_tokens": 1 + num_chunks,
             }
             return web.json_response(body, headers=headers)
         resp = web.StreamResponse(
@@ -93,19 +94,10 @@ async def completion(request: web.Request) -> web.StreamResponse:
         await resp.prepare(request)
         for i in range(num_chunks):
             await asyncio.sleep(delay / max(num_chunks, 1))
-            delta = {"content": f"t{i} "} if chat else None
+            piece = f"t{i} "
             choice = {"index": 0, "finish_reason": None}
-            if chat:
-                choice["delta"] = delta
-            else:
-                choice["text"] = f"t{i} "
-            chunk = {
-                "id": "cmpl-double",
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": s["model"],
-                "choices": [choice],
-            }
+            choice.update({"delta": {"content": piece}} if chat else {"text": piece})
+            chunk = _envelope(s, "chat.completion.chunk" if chat else "text_completion", choice)
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -119,7 +111,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
 
 async def stats(request: web.Request) -> web.Response:
     s = request.app[STATE]
-    return web.json_response({k: v for k, v in s.items()})
+    return web.json_response(dict(s))
 
 
 async def control(request: web.Request) -> web.Response:

@@ -34,6 +34,12 @@ class Cluster:
         self.pools: dict[str, PoolPolicy] = {}
         self.replicas: list[Admission] = []
 
+    def serve(self, pool: PoolPolicy, *endpoints: tuple[str, int, float]) -> PoolPolicy:
+        """Serve ``pool`` on endpoints given as (url, slots, engine load score)."""
+        self.pools[pool.name] = pool
+        self.offers[pool.name] = [EndpointOffer(url, slots, load) for url, slots, load in endpoints]
+        return pool
+
     async def replica(self) -> Admission:
         replica_id = f"r{len(self.replicas)}-{uuid.uuid4().hex[:4]}"
         if self.kind == "memory":
@@ -70,14 +76,12 @@ async def cluster(request):
         await cl.close()
 
 
-def offers(*specs: tuple[str, int, float]) -> list[EndpointOffer]:
-    return [EndpointOffer(url, slots, load) for url, slots, load in specs]
-
-
 async def test_slots_never_exceeded_across_replicas(cluster):
-    pool = PoolPolicy("m", max_queue_size=500, queue_timeout_s=20)
-    cluster.pools["m"] = pool
-    cluster.offers["m"] = offers(("http://a", 2, 0.0), ("http://b", 2, 0.0))
+    pool = cluster.serve(
+        PoolPolicy("m", max_queue_size=500, queue_timeout_s=20),
+        ("http://a", 2, 0.0),
+        ("http://b", 2, 0.0),
+    )
     replicas = [await cluster.replica() for _ in range(3)]
     current: Counter[str] = Counter()
     peak: Counter[str] = Counter()
@@ -98,9 +102,9 @@ async def test_slots_never_exceeded_across_replicas(cluster):
 
 
 async def test_fifo_within_priority_and_priorities_first_across_replicas(cluster):
-    pool = PoolPolicy("m", max_queue_size=100, queue_timeout_s=20)
-    cluster.pools["m"] = pool
-    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    pool = cluster.serve(
+        PoolPolicy("m", max_queue_size=100, queue_timeout_s=20), ("http://a", 1, 0.0)
+    )
     replicas = [await cluster.replica() for _ in range(3)]
     blocker = await replicas[0].acquire(pool, priority=5, timeout_s=5)
     order: list[str] = []
@@ -124,9 +128,9 @@ async def test_fifo_within_priority_and_priorities_first_across_replicas(cluster
 
 
 async def test_queue_limit_is_global_and_429_carries_retry_after(cluster):
-    pool = PoolPolicy("m", max_queue_size=4, queue_timeout_s=10)
-    cluster.pools["m"] = pool
-    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    pool = cluster.serve(
+        PoolPolicy("m", max_queue_size=4, queue_timeout_s=10), ("http://a", 1, 0.0)
+    )
     replicas = [await cluster.replica() for _ in range(2)]
     holder = await replicas[0].acquire(pool, priority=5, timeout_s=5)
 
@@ -147,9 +151,9 @@ async def test_queue_limit_is_global_and_429_carries_retry_after(cluster):
 
 
 async def test_queue_timeout_gives_503_and_frees_the_queue_place(cluster):
-    pool = PoolPolicy("m", max_queue_size=1, queue_timeout_s=0.3)
-    cluster.pools["m"] = pool
-    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    pool = cluster.serve(
+        PoolPolicy("m", max_queue_size=1, queue_timeout_s=0.3), ("http://a", 1, 0.0)
+    )
     a, b = await cluster.replica(), await cluster.replica()
     holder = await a.acquire(pool, priority=5, timeout_s=5)
     started = time.monotonic()
@@ -165,9 +169,9 @@ async def test_queue_timeout_gives_503_and_frees_the_queue_place(cluster):
 
 
 async def test_dead_replica_leases_and_queue_entries_come_back_within_ttl(cluster):
-    pool = PoolPolicy("m", max_queue_size=3, queue_timeout_s=30)
-    cluster.pools["m"] = pool
-    cluster.offers["m"] = offers(("http://a", 2, 0.0))
+    pool = cluster.serve(
+        PoolPolicy("m", max_queue_size=3, queue_timeout_s=30), ("http://a", 2, 0.0)
+    )
     dead, alive = await cluster.replica(), await cluster.replica()
     await dead.acquire(pool, priority=5, timeout_s=5)
     await dead.acquire(pool, priority=5, timeout_s=5)
@@ -206,9 +210,9 @@ async def test_dead_replica_leases_and_queue_entries_come_back_within_ttl(cluste
 
 
 async def test_cancelled_waiter_does_not_leak_a_slot(cluster):
-    pool = PoolPolicy("m", max_queue_size=10, queue_timeout_s=10)
-    cluster.pools["m"] = pool
-    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    pool = cluster.serve(
+        PoolPolicy("m", max_queue_size=10, queue_timeout_s=10), ("http://a", 1, 0.0)
+    )
     a = await cluster.replica()
     holder = await a.acquire(pool, priority=5, timeout_s=5)
     gone = asyncio.create_task(a.acquire(pool, priority=5, timeout_s=10))
@@ -224,9 +228,11 @@ async def test_cancelled_waiter_does_not_leak_a_slot(cluster):
 
 
 async def test_least_loaded_endpoint_first(cluster):
-    pool = PoolPolicy("m", max_queue_size=10, queue_timeout_s=5)
-    cluster.pools["m"] = pool
-    cluster.offers["m"] = offers(("http://busy", 4, 0.9), ("http://idle", 4, 0.1))
+    pool = cluster.serve(
+        PoolPolicy("m", max_queue_size=10, queue_timeout_s=5),
+        ("http://busy", 4, 0.9),
+        ("http://idle", 4, 0.1),
+    )
     a = await cluster.replica()
     first = await a.acquire(pool, priority=5, timeout_s=5)
     second = await a.acquire(pool, priority=5, timeout_s=5)
@@ -237,11 +243,12 @@ async def test_least_loaded_endpoint_first(cluster):
 
 
 async def test_dynamic_pool_releases_groups_after_the_queue_delay(cluster):
-    pool = PoolPolicy(
-        "m", policy="dynamic", max_queue_size=20, queue_timeout_s=5, max_queue_delay_us=300_000
+    pool = cluster.serve(
+        PoolPolicy(
+            "m", policy="dynamic", max_queue_size=20, queue_timeout_s=5, max_queue_delay_us=300_000
+        ),
+        ("http://a", 4, 0.0),
     )
-    cluster.pools["m"] = pool
-    cluster.offers["m"] = offers(("http://a", 4, 0.0))
     a = await cluster.replica()
     started = time.monotonic()
     pair = await asyncio.gather(*(a.acquire(pool, priority=5, timeout_s=5) for _ in range(2)))
@@ -262,9 +269,9 @@ async def test_dynamic_pool_releases_groups_after_the_queue_delay(cluster):
 
 
 async def test_live_replica_keeps_its_lease_beyond_the_ttl(cluster):
-    pool = PoolPolicy("m", max_queue_size=10, queue_timeout_s=10)
-    cluster.pools["m"] = pool
-    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    pool = cluster.serve(
+        PoolPolicy("m", max_queue_size=10, queue_timeout_s=10), ("http://a", 1, 0.0)
+    )
     a, b = await cluster.replica(), await cluster.replica()
     holder = await a.acquire(pool, priority=5, timeout_s=5)
     # Held for 2.5 lease TTLs: the heartbeat renews it, so nobody else gets the only slot.
@@ -276,9 +283,9 @@ async def test_live_replica_keeps_its_lease_beyond_the_ttl(cluster):
 
 
 async def test_replica_presumed_dead_after_a_stall_requeues_its_waiters(cluster):
-    pool = PoolPolicy("m", max_queue_size=10, queue_timeout_s=10)
-    cluster.pools["m"] = pool
-    cluster.offers["m"] = offers(("http://a", 1, 0.0))
+    pool = cluster.serve(
+        PoolPolicy("m", max_queue_size=10, queue_timeout_s=10), ("http://a", 1, 0.0)
+    )
     stalled, other = await cluster.replica(), await cluster.replica()
     holder = await other.acquire(pool, priority=5, timeout_s=5)
     waiter = asyncio.create_task(stalled.acquire(pool, priority=5, timeout_s=10))

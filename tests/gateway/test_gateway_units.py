@@ -163,22 +163,17 @@ def test_settings_namespaces_comma_list(monkeypatch):
     assert settings.lease_ttl_seconds == 3
 
 
+def run_gateway_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    argv = [str(SLOTSERVE), "gateway", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+
 def test_cli_reports_bad_configuration(tmp_path):
-    run = subprocess.run([str(SLOTSERVE), "gateway"], capture_output=True, text=True, timeout=30)
+    run = run_gateway_cli()
     assert run.returncode == 2 and "--config is required" in run.stderr
     bad = tmp_path / "pools.yaml"
     bad.write_text("pools: [{model: m, endpoints: [nope]}]")
-    run = subprocess.run(
-        [str(SLOTSERVE), "gateway", "--config", str(bad), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    run = run_gateway_cli("--config", str(bad), "--port", "0")
     assert run.returncode == 2 and "http(s)://" in run.stderr
-    run = subprocess.run(
-        [str(SLOTSERVE), "gateway", "--config", str(bad), "--lease-ttl-seconds", "-1"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    run = run_gateway_cli("--config", str(bad), "--lease-ttl-seconds", "-1")
     assert run.returncode == 2 and "lease_ttl_seconds" in run.stderr
