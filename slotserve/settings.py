@@ -22,10 +22,6 @@ class CommonSettings(BaseSettings):
         description="Cache folder for pulled models and downloaded tools.",
     )
 
-    @property
-    def models_dir(self) -> Path:
-        return self.home / "models"
-
 
 def settings_from_args(cls: type[SettingsT], args: argparse.Namespace) -> SettingsT:
     """Build ``cls`` from the environment, overridden by every flag the user actually gave.

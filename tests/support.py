@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+from slotserve.local.processes import http_ready, redis_ready
+from slotserve.local.stack import RedisPlan, free_port, redis_argv
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["RedisServer", "free_port", "http_ok", "wait_until"]
 
 
 def wait_until(predicate: object, timeout: float, interval: float = 0.05, what: str = "") -> None:
@@ -29,11 +24,8 @@ def wait_until(predicate: object, timeout: float, interval: float = 0.05, what: 
 
 
 def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
+    """Whether ``GET url`` answers 2xx right now."""
+    return http_ready(url)()
 
 
 class RedisServer:
@@ -54,32 +46,13 @@ class RedisServer:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        plan = RedisPlan(mode="spawn", port=self.port, binary=self.binary)
         self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
+            redis_argv(plan, self.workdir),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        wait_until(self._ping, timeout=10, what=f"redis-server on port {self.port}")
-
-    def _ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        wait_until(redis_ready(self.port), timeout=10, what=f"redis-server on port {self.port}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

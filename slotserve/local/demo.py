@@ -36,13 +36,13 @@ from slotserve.local.stack import (
     free_port,
     plan_redis,
     resolve_model_once,
-    served_name_for,
     start_stack,
 )
 from slotserve.local.workload import (
     burst_workload,
     seed_workload,
 )
+from slotserve.models.resolve import default_served_name
 from slotserve.pools import AdmissionSpec, BatchingSpec
 
 POLICIES = ("static", "dynamic", "continuous")
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan_pools(args: argparse.Namespace, model_source: str, policies: list[str]) -> list[PoolPlan]:
     """One pool per policy: same model, same slots, a distinct OpenAI model name."""
-    base = served_name_for(args.model)
+    base = default_served_name(args.model)
     longest = max(1, round(500 * args.max_tokens_scale))
     max_model_len = 256 * (1 + (longest + 200) // 256)  # the prompt plus the longest answer
     pools = []
@@ -249,7 +249,7 @@ def main(argv: list[str]) -> int:
             console.print(str(exc), markup=False)
             return 1
     title = (
-        f"slotserve demo: {served_name_for(args.model)}, {args.engines} engine(s) per policy, "
+        f"slotserve demo: {default_served_name(args.model)}, {args.engines} engine(s) per policy, "
         f"{args.max_batch_size} slots each, max_tokens x{args.max_tokens_scale:g}"
         + (" (interrupted: completed phases only)" if interrupted else "")
     )

@@ -21,7 +21,6 @@ UTILISATION = "slotserve_slot_utilisation"
 SLOTS_TOTAL = "slotserve_slots_total"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
-GENERATION_TOKENS = "vllm:generation_tokens_total"
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,6 @@ class EngineCounters:
     slots_total: float
     running: float
     waiting: float
-    generation_tokens: float
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,6 @@ def parse_counters(text: str) -> EngineCounters:
         slots_total=slots,
         running=values.get(RUNNING, 0.0),
         waiting=values.get(WAITING, 0.0),
-        generation_tokens=values.get(GENERATION_TOKENS, 0.0),
     )
 
 

@@ -112,10 +112,10 @@ async def run_phase(
     With ``num_primer_tokens``, each engine first gets a primer (see ``start_primers``); its
     steps are left out of the phase's counters.
     """
-    engine_urls = pool.endpoints(stack_host(stack))
+    engine_urls = pool.endpoints(stack.host)
     primers = None
     if num_primer_tokens:
-        primers, before = await start_primers(pool, stack_host(stack), num_primer_tokens)
+        primers, before = await start_primers(pool, stack.host, num_primer_tokens)
     else:
         before = await enginestats.scrape_all(engine_urls)
     sampler = enginestats.OccupancySampler(engine_urls, interval_seconds=sample_interval_seconds)
@@ -158,7 +158,3 @@ async def run_phase(
         num_slots=pool.engine.batching.max_batch_size * pool.num_engines,
         occupancy=samples,
     )
-
-
-def stack_host(stack: RunningStack) -> str:
-    return stack.gateway_url.split("://", 1)[1].rsplit(":", 1)[0]

@@ -72,11 +72,11 @@ class RedisPlan:
 
 @dataclass
 class RunningStack:
+    host: str
     gateway_url: str
     redis: RedisPlan
     pools: list[PoolPlan]
     children: list[Child]
-    pool_file: Path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -93,13 +93,6 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
         return True
-
-
-def served_name_for(model: str) -> str:
-    """The name clients send: "smollm2" for the demo model, else the folder or hub name."""
-    if model == DEMO_MODEL:
-        return DEMO_MODEL
-    return Path(model.rstrip("/")).name or model
 
 
 def resolve_model_once(model: str) -> str:
@@ -252,11 +245,11 @@ def start_stack(
     children.append(supervisor.start(gateway_spec))
     supervisor.wait_ready(children, timeout_seconds=ready_timeout_seconds)
     return RunningStack(
+        host=host,
         gateway_url=f"http://{host}:{gateway_port}",
         redis=redis,
         pools=pools,
         children=children,
-        pool_file=pool_file,
     )
 
 

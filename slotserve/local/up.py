@@ -29,9 +29,9 @@ from slotserve.local.stack import (
     port_is_free,
     print_children,
     resolve_model_once,
-    served_name_for,
     start_stack,
 )
+from slotserve.models.resolve import default_served_name
 from slotserve.pools import AdmissionSpec, BatchingSpec
 from slotserve.settings import CommonSettings
 
@@ -95,7 +95,7 @@ def plan_pool(args: argparse.Namespace, model_source: str) -> PoolPlan:
     )
     engine = EngineOptions(
         model=model_source,
-        served_model_name=args.served_model_name or served_name_for(args.model),
+        served_model_name=args.served_model_name or default_served_name(args.model),
         batching=batching,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens or args.max_batch_size * args.max_model_len,

@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 
 import httpx
 
@@ -55,7 +55,6 @@ class RequestResult:
     finish_reason: str | None = None
     retry_after: str | None = None
     error: str | None = None
-    chunk_times: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -76,21 +75,7 @@ class RequestResult:
         return (self.finished_at - self.first_token_at) / (self.num_tokens - 1)
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "request_id": self.request_id,
-            "group": self.group,
-            "max_tokens": self.max_tokens,
-            "status": self.status,
-            "sent_at": self.sent_at,
-            "first_token_at": self.first_token_at,
-            "finished_at": self.finished_at,
-            "num_tokens": self.num_tokens,
-            "finish_reason": self.finish_reason,
-            "retry_after": self.retry_after,
-            "error": self.error,
-            "ttft": self.ttft,
-            "tpot": self.tpot,
-        }
+        return {**asdict(self), "ttft": self.ttft, "tpot": self.tpot}
 
 
 def _scaled(value: int, scale: float) -> int:
@@ -201,7 +186,6 @@ async def _stream_one(
                     now = time.monotonic() - t0
                     if choice.get("delta", {}).get("content"):
                         num_chunks += 1
-                        result.chunk_times.append(now)
                         if result.first_token_at is None:
                             result.first_token_at = now
                         result.finished_at = now
@@ -235,7 +219,6 @@ async def run_workload(
     *,
     stagger_seconds: float = 0.0,
     timeout_seconds: float = 900.0,
-    on_result: Callable[[RequestResult], None] | None = None,
     on_token: Callable[[str], None] | None = None,
     t0: float | None = None,
 ) -> tuple[list[RequestResult], float]:
@@ -257,10 +240,7 @@ async def run_workload(
                 await progress.wait_for(spec.trigger_id, spec.after_tokens).wait()
             elif stagger_seconds:
                 await asyncio.sleep(index * stagger_seconds)
-            result = await _stream_one(client, gateway_url, model, spec, t0, progress, on_token)
-            if on_result is not None:
-                on_result(result)
-            return result
+            return await _stream_one(client, gateway_url, model, spec, t0, progress, on_token)
 
         results = await asyncio.gather(*(send(i, spec) for i, spec in enumerate(specs)))
     wall = max((r.finished_at for r in results), default=0.0) - min(

@@ -36,4 +36,4 @@ def default_served_name(source: str) -> str:
     """The name clients send in the OpenAI ``model`` field when none is configured."""
     if source in KNOWN_MODELS:
         return source
-    return Path(source.rstrip("/")).name
+    return Path(source.rstrip("/")).name or source

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import time
+
+import psutil
 
 
 def stack_missing() -> str | None:
@@ -15,3 +18,19 @@ def stack_missing() -> str | None:
         if importlib.util.find_spec(module) is None:
             return f"{module} does not exist yet: the engine and gateway must land first"
     return None
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie awaiting its parent counts as exited)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def still_running(pids: list[int], grace_seconds: float = 10.0) -> list[int]:
+    """The ``pids`` still running after up to ``grace_seconds``; empty once all have exited."""
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline and not all(gone(pid) for pid in pids):
+        time.sleep(0.1)
+    return [pid for pid in pids if not gone(pid)]

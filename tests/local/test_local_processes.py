@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+from local_support import gone
 from support import free_port, wait_until
 
 from slotserve.local.processes import ChildExitedError, ChildSpec, Supervisor, http_ready
@@ -18,13 +19,6 @@ from slotserve.local.processes import ChildExitedError, ChildSpec, Supervisor, h
 
 def _http_server(port: int) -> list[str]:
     return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_children_become_ready_then_all_stop_in_their_own_groups(tmp_path):
@@ -42,7 +36,7 @@ def test_children_become_ready_then_all_stop_in_their_own_groups(tmp_path):
         # Own process group: a Ctrl-C typed in the terminal reaches only the parent.
         assert all(os.getpgid(pid) == pid != os.getpgid(0) for pid in pids)
         supervisor.check_alive()
-    assert all(_gone(pid) for pid in pids)
+    assert all(gone(pid) for pid in pids)
 
 
 def test_a_child_that_dies_while_starting_is_reported_with_its_log(tmp_path):
@@ -59,7 +53,7 @@ def test_a_child_that_never_gets_ready_times_out(tmp_path):
         child = supervisor.start(ChildSpec("slow", argv, lambda: False))
         with pytest.raises(TimeoutError, match="slow"):
             supervisor.wait_ready([child], timeout_seconds=1)
-    assert _gone(child.pid)
+    assert gone(child.pid)
 
 
 def test_a_child_ignoring_sigterm_is_killed_after_its_grace_period(tmp_path):
@@ -71,7 +65,7 @@ def test_a_child_ignoring_sigterm_is_killed_after_its_grace_period(tmp_path):
             )
         )
         time.sleep(0.5)
-    assert _gone(child.pid)
+    assert gone(child.pid)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
@@ -95,7 +89,7 @@ def test_children_die_with_a_parent_killed_by_sigkill(tmp_path):
         assert psutil.pid_exists(child_pid)
         parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=10)
-        wait_until(lambda: _gone(child_pid), timeout=10, what="orphaned child to die")
+        wait_until(lambda: gone(child_pid), timeout=10, what="orphaned child to die")
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -12,6 +12,7 @@ from slotserve.local import stack
 from slotserve.local.enginestats import OccupancySample, parse_counters, phase_utilisation
 from slotserve.local.report import percentile, summarise, write_results
 from slotserve.local.workload import RequestResult, burst_workload, seed_workload
+from slotserve.models.resolve import default_served_name
 from slotserve.pools import AdmissionSpec, BatchingSpec
 
 
@@ -90,8 +91,8 @@ def test_redis_plan_prefers_a_given_url_then_a_local_binary():
 
 
 def test_served_name_follows_the_model_source():
-    assert stack.served_name_for("smollm2") == "smollm2"
-    assert stack.served_name_for("/tmp/models/tiny-llama/") == "tiny-llama"
+    assert default_served_name("smollm2") == "smollm2"
+    assert default_served_name("/tmp/models/tiny-llama/") == "tiny-llama"
 
 
 METRICS_TEXT = """\
