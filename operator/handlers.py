@@ -26,7 +26,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from slotserve.operator import builders, kube
-from slotserve.operator.models import GROUP, PLURAL, VERSION, InferencePool
+from slotserve.operator.models import API_VERSION, GROUP, PLURAL, VERSION, InferencePool
 from slotserve.operator.settings import OperatorSettings
 from slotserve.operator.status import DeploymentView, PodView, Problem, compute_status
 
@@ -97,7 +97,7 @@ class PoolView:
             generation=int(metadata.get("generation", 1)),
             desired_replicas=replicas if isinstance(replicas, int) else 1,
             owner={
-                "apiVersion": body.get("apiVersion", f"{GROUP}/{VERSION}"),
+                "apiVersion": body.get("apiVersion", API_VERSION),
                 "kind": body.get("kind", "InferencePool"),
                 "metadata": {
                     "name": metadata["name"],

@@ -55,8 +55,9 @@ def connection_info(configuration: kubernetes.client.Configuration) -> kopf.Conn
     header = configuration.get_api_key_with_prefix(
         "BearerToken"
     ) or configuration.get_api_key_with_prefix("authorization")
-    parts = header.split(" ", 1) if header else []
-    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else parts
+    # "Bearer TOKEN", or a bare token.
+    parts = (header or "").split(" ", 1)
+    scheme, token = parts if len(parts) == 2 else (None, parts[0] or None)
     return kopf.ConnectionInfo(
         server=configuration.host,
         ca_path=configuration.ssl_ca_cert,

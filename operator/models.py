@@ -35,7 +35,6 @@ QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
     r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
-_QUANTITY_RE = re.compile(QUANTITY_PATTERN)
 Quantity = Annotated[
     int | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)],
     WithJsonSchema(
@@ -306,8 +305,3 @@ class InferencePool(WireModel):
     def from_body(cls, body: Any) -> InferencePool:
         """Parse an API object (a dict or kopf's Body); raises pydantic.ValidationError."""
         return cls.model_validate({"metadata": dict(body["metadata"]), "spec": dict(body["spec"])})
-
-
-def is_quantity(value: object) -> bool:
-    """Whether ``value`` is a valid Kubernetes resource quantity."""
-    return isinstance(value, int) or (isinstance(value, str) and bool(_QUANTITY_RE.match(value)))

@@ -21,7 +21,6 @@ from typing import Any
 
 import kmock
 import kubernetes.client
-from kubernetes.client.exceptions import ApiException
 from operator_apiserver import ApiServer
 from support import http_ok
 
@@ -118,6 +117,12 @@ class Kube:
     def _json(response: Any) -> Any:
         return json.loads(response.data)
 
+    def _merge_patch(self, patch_method: Any, *args: Any) -> Any:
+        """Call a ``patch_*`` method of the client with a JSON merge patch; the result as JSON."""
+        return self._json(
+            patch_method(*args, _content_type=kube.MERGE_PATCH, _preload_content=False)
+        )
+
     # pools
     def create_pool(self, body: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
         return self._json(
@@ -134,32 +139,26 @@ class Kube:
         )
 
     def patch_pool(self, name: str, patch: dict[str, Any], namespace: str = "default") -> Any:
-        return self._json(
-            self.custom.patch_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                namespace,
-                PLURAL,
-                name,
-                patch,
-                _content_type=kube.MERGE_PATCH,
-                _preload_content=False,
-            )
+        return self._merge_patch(
+            self.custom.patch_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            patch,
         )
 
     def scale_pool(self, name: str, replicas: int, namespace: str = "default") -> Any:
         """What `kubectl scale ipool NAME --replicas N` (or an HPA) does: the scale subresource."""
-        return self._json(
-            self.custom.patch_namespaced_custom_object_scale(
-                GROUP,
-                VERSION,
-                namespace,
-                PLURAL,
-                name,
-                {"spec": {"replicas": replicas}},
-                _content_type=kube.MERGE_PATCH,
-                _preload_content=False,
-            )
+        return self._merge_patch(
+            self.custom.patch_namespaced_custom_object_scale,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            {"spec": {"replicas": replicas}},
         )
 
     def delete_pool(self, name: str, namespace: str = "default") -> None:
@@ -190,15 +189,6 @@ class Kube:
         return self._json(self.core.list_namespaced_event(namespace, _preload_content=False))[
             "items"
         ]
-
-    def exists(self, read: Any, *args: Any) -> bool:
-        try:
-            read(*args, _preload_content=False)
-        except ApiException as error:
-            if error.status == 404:
-                return False
-            raise
-        return True
 
     # --- what the kubelet and the ReplicaSet controller would do (kmock has neither) ---------
 
@@ -238,12 +228,8 @@ class Kube:
                 {"type": "Ready", "status": "True" if ready else "False"},
             ],
         }
-        self.core.patch_namespaced_pod_status(
-            name,
-            namespace,
-            {"status": status},
-            _content_type=kube.MERGE_PATCH,
-            _preload_content=False,
+        self._merge_patch(
+            self.core.patch_namespaced_pod_status, name, namespace, {"status": status}
         )
 
     def set_pod_waiting(self, name: str, namespace: str, reason: str, message: str) -> None:
@@ -259,12 +245,8 @@ class Kube:
                 }
             ]
         }
-        self.core.patch_namespaced_pod_status(
-            name,
-            namespace,
-            {"status": status},
-            _content_type=kube.MERGE_PATCH,
-            _preload_content=False,
+        self._merge_patch(
+            self.core.patch_namespaced_pod_status, name, namespace, {"status": status}
         )
 
     def finish_rollout(self, name: str, namespace: str = "default") -> None:
@@ -278,12 +260,8 @@ class Kube:
             "readyReplicas": replicas,
             "availableReplicas": replicas,
         }
-        self.apps.patch_namespaced_deployment_status(
-            name,
-            namespace,
-            {"status": status},
-            _content_type=kube.MERGE_PATCH,
-            _preload_content=False,
+        self._merge_patch(
+            self.apps.patch_namespaced_deployment_status, name, namespace, {"status": status}
         )
 
 

@@ -332,16 +332,13 @@ def test_watch_reconnects_resume_without_replaying_creation(kube: Kube, apiserve
     )
     before = list(apiserver.server.writes)
     # Several server-side watch timeouts pass: kopf reconnects with ?resourceVersion=...
-    watches_before = num_watches(apiserver)
-    wait_until(lambda: num_watches(apiserver) >= watches_before + 8, WAIT, what="reconnects")
+    server = apiserver.server
+    resumed_before = server.num_resumed_watches
+    wait_until(lambda: server.num_resumed_watches >= resumed_before + 8, WAIT, what="reconnects")
     time.sleep(1)
     assert apiserver.server.writes == before, "a resumed watch re-ran the reconcile"
     creates = [w for w in apiserver.server.writes if w[0] == "CREATE" and w[1] != "events"]
     assert sorted(w[1] for w in creates) == ["deployments", "inferencepools", "services"]
-
-
-def num_watches(apiserver: Any) -> int:
-    return apiserver.server.num_resumed_watches
 
 
 def test_the_cli_process_reconciles_and_stops_on_sigterm(kube: Kube, apiserver: Any):

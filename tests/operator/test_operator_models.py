@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from slotserve.operator.models import InferencePool, InferencePoolSpec, is_quantity
+from slotserve.operator.models import InferencePool, InferencePoolSpec
 from slotserve.operator.settings import OperatorSettings
 
 
@@ -58,9 +58,18 @@ def test_unknown_fields_are_rejected():
         InferencePoolSpec.model_validate(spec(engine={"gpus": 1}))
 
 
-def test_quantities():
-    assert is_quantity("500m") and is_quantity("2Gi") and is_quantity(3) and is_quantity("1e3")
-    assert not is_quantity("two") and not is_quantity("1 Gi")
+@pytest.mark.parametrize("quantity", ["500m", "2Gi", 3, "1e3"])
+def test_resource_quantities_are_accepted(quantity: Any):
+    parsed = InferencePoolSpec.model_validate(
+        spec(engine={"resources": {"limits": {"cpu": quantity}}})
+    )
+    assert parsed.engine.resources.limits == {"cpu": quantity}
+
+
+@pytest.mark.parametrize("quantity", ["two", "1 Gi", 1.5])
+def test_resource_quantities_are_checked(quantity: Any):
+    with pytest.raises(ValidationError, match="limits"):
+        InferencePoolSpec.model_validate(spec(engine={"resources": {"limits": {"cpu": quantity}}}))
 
 
 def test_pool_from_api_body_ignores_server_metadata():
