@@ -14,11 +14,10 @@ import sys
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from slotserve.engine.settings import EngineSettings
-from slotserve.settings import settings_from_args
+from slotserve.settings import cli_settings, configure_logging
 
 ENV_PREFIX = EngineSettings.model_config["env_prefix"]
 
@@ -80,15 +79,10 @@ def main(argv: list[str]) -> int:
     """Parse flags, build ``EngineSettings`` and serve until SIGTERM, then exit the process."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        settings = settings_from_args(EngineSettings, args)
-    except ValidationError as error:
-        print(f"slotserve engine: invalid settings:\n{error}", file=sys.stderr)
+    settings = cli_settings(EngineSettings, args, "slotserve engine")
+    if settings is None:
         return 2
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level)
     from slotserve.engine.server import serve  # imports torch: only once flags are valid
 
     exit_code = asyncio.run(serve(settings))

@@ -7,11 +7,10 @@ import logging
 import sys
 
 from aiohttp import web
-from pydantic import ValidationError
 
 from slotserve.gateway.config import PoolConfigError
 from slotserve.gateway.settings import GatewaySettings
-from slotserve.settings import settings_from_args
+from slotserve.settings import cli_settings, configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,13 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        settings = settings_from_args(GatewaySettings, args)
-    except ValidationError as exc:
-        print(f"slotserve gateway: invalid settings:\n{exc}", file=sys.stderr)
+    configure_logging(args.log_level)
+    settings = cli_settings(GatewaySettings, args, "slotserve gateway")
+    if settings is None:
         return 2
     if settings.discovery == "file" and settings.config is None:
         print("slotserve gateway: --config is required with file discovery", file=sys.stderr)

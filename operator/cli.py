@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import logging
 import random
-import sys
 import threading
 from typing import Any
 
@@ -20,7 +19,7 @@ import kopf
 from slotserve.operator.builders import MANAGED_BY, POOL_LABEL
 from slotserve.operator.handlers import DEPLOYMENTS, PODS, SERVICES, PoolOperator
 from slotserve.operator.settings import OperatorSettings
-from slotserve.settings import settings_from_args
+from slotserve.settings import cli_settings, configure_logging
 
 
 def kopf_settings() -> kopf.OperatorSettings:
@@ -108,13 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """Parse flags, then run the operator; returns the exit status."""
     args = build_parser().parse_args(argv)
-    try:
-        settings = settings_from_args(OperatorSettings, args)
-    except ValueError as error:
-        print(f"slotserve operator: {error}", file=sys.stderr)
+    settings = cli_settings(OperatorSettings, args, "slotserve operator")
+    if settings is None:
         return 2
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     asyncio.run(run(settings))
     return 0

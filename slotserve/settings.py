@@ -1,12 +1,15 @@
-"""Typed settings shared by every part, and the rule that flags override the environment."""
+"""Typed settings shared by every part, the rule that flags override the environment, and the
+start of every command: settings from flags, one log format."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
@@ -35,3 +38,20 @@ def settings_from_args(cls: type[SettingsT], args: argparse.Namespace) -> Settin
         if value is not None and name in cls.model_fields
     }
     return cls(**given)
+
+
+def cli_settings(cls: type[SettingsT], args: argparse.Namespace, prog: str) -> SettingsT | None:
+    """:func:`settings_from_args` for a command's ``main``: on invalid values, print why to
+    stderr (prefixed with ``prog``) and return None, for the command to exit with status 2."""
+    try:
+        return settings_from_args(cls, args)
+    except ValidationError as error:
+        print(f"{prog}: invalid settings:\n{error}", file=sys.stderr)
+        return None
+
+
+def configure_logging(level: str) -> None:
+    """One log format for every slotserve process."""
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
