@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -17,7 +16,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -29,6 +28,7 @@ from slotserve.gateway.admission_types import (
     AdmissionBackend,
     AdmissionError,
 )
+from slotserve.gateway.api_keys import ApiKeys
 from slotserve.gateway.config import PoolRegistry, load_pools, watch_pool_file
 from slotserve.gateway.discovery import start_kubernetes_watch
 from slotserve.gateway.engines import EngineMonitor
@@ -46,16 +46,11 @@ METRICS = web.AppKey("metrics", GatewayMetrics)
 MONITOR = web.AppKey("monitor", EngineMonitor)
 ADMISSION = web.AppKey("admission", Admission)
 PROXY = web.AppKey("proxy", ProxyContext)
-API_KEYS = web.AppKey("api_keys", frozenset)
+API_KEYS = web.AppKey("api_keys", ApiKeys)
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
-
-
-def load_api_keys(path: Path) -> frozenset[str]:
-    """One key per line; blank lines and lines starting with # are ignored."""
-    lines = path.read_text().splitlines()
-    return frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+# Probes never carry credentials; /metrics joins them unless metrics_require_api_key is set.
+PROBE_PATHS = frozenset({"/health", "/ready"})
 
 
 def _replica_id(settings: GatewaySettings) -> str:
@@ -69,24 +64,29 @@ def _replica_id(settings: GatewaySettings) -> str:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _needs_api_key(request: web.Request) -> bool:
+    if request.path in PROBE_PATHS:
+        return False
+    return request.path != "/metrics" or request.app[SETTINGS].metrics_require_api_key
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     keys = request.app[API_KEYS]
-    if keys and request.path not in PUBLIC_PATHS:
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        token = token.strip()
-        valid = scheme.lower() == "bearer" and any(
-            hmac.compare_digest(token.encode(), key.encode()) for key in keys
+    authorization = request.headers.get("Authorization", "")
+    if keys.enabled and _needs_api_key(request) and not keys.accepts(authorization):
+        return error_response(
+            401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key"
         )
-        if not valid:
-            return error_response(
-                401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key"
-            )
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(413, f"request body too large: {exc.text}", "body_too_large")
+    except web.HTTPException as exc:
+        # aiohttp's own 404/405 (unknown path, wrong method) in OpenAI's shape, not plain text.
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, exc.reason, exc.reason.lower().replace(" ", "_"))
 
 
 # -- handlers ------------------------------------------------------------------------------------
@@ -139,16 +139,35 @@ def _header_int(request: web.Request, name: str, low: int, high: int) -> int | N
     return value
 
 
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or ValueError with a message for the client.
+
+    Hostile bodies end here as 400s: nesting deep enough to exhaust the parser's recursion,
+    NaN/Infinity (not JSON; an engine would choke on them later), bytes that are not UTF-8.
+    """
+    try:
+        payload = json.loads(body, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("request body is not valid JSON: nested too deeply") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise ValueError("request body must be a JSON object")
+    return payload
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     m = request.app[METRICS]
     body = await request.read()
     try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return error_response(400, f"request body is not valid JSON: {exc}", "invalid_json")
-    if not isinstance(payload, dict):
-        return error_response(400, "request body must be a JSON object", "invalid_json")
+        payload = parse_json_object(body)
+    except ValueError as exc:
+        return error_response(400, str(exc), "invalid_json")
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         return error_response(400, "'model' (a string) is required", "missing_model", param="model")
@@ -187,6 +206,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 # -- resources (cleanup contexts) ----------------------------------------------------------------
+
+
+async def api_keys_ctx(app: web.Application) -> AsyncIterator[None]:
+    keys = app[API_KEYS]
+    watcher = None
+    if keys.enabled:
+        interval_s = app[SETTINGS].api_keys_poll_interval_seconds
+        watcher = asyncio.create_task(keys.watch(interval_s), name="api-keys-watch")
+    yield
+    if watcher is not None:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
 
 
 async def pools_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -237,9 +269,12 @@ async def admission_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
+    # No total: a long generation streams for as long as it needs. What is bounded is silence:
+    # each read (the answer's headers, then every chunk) must come within the read timeout.
     timeout = aiohttp.ClientTimeout(
-        total=settings.upstream_timeout_seconds,
+        total=None,
         sock_connect=settings.upstream_connect_timeout_seconds,
+        sock_read=settings.upstream_read_timeout_seconds,
     )
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
@@ -258,7 +293,11 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app[SETTINGS] = settings
     registry = app[REGISTRY] = PoolRegistry()
     app[METRICS] = GatewayMetrics()
-    app[API_KEYS] = load_api_keys(settings.api_keys_file) if settings.api_keys_file else frozenset()
+    app[API_KEYS] = ApiKeys(settings.api_keys_file)  # ApiKeysError: the CLI exits with 2
+    if not app[API_KEYS].enabled:
+        log.warning(
+            "no API keys file: every caller is accepted (set --api-keys-file to require keys)"
+        )
     monitor = app[MONITOR] = EngineMonitor(registry, settings.load_poll_interval_seconds)
     app[ADMISSION] = Admission(
         make_backend(settings),
@@ -266,7 +305,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
         pools=registry.policies,
         lease_ttl_s=settings.lease_ttl_seconds,
     )
-    app.cleanup_ctx.extend([pools_ctx, monitor_ctx, admission_ctx, upstream_ctx])
+    app.cleanup_ctx.extend([api_keys_ctx, pools_ctx, monitor_ctx, admission_ctx, upstream_ctx])
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -8,6 +8,7 @@ import sys
 
 from aiohttp import web
 
+from slotserve.gateway.api_keys import ApiKeysError
 from slotserve.gateway.config import PoolConfigError
 from slotserve.gateway.settings import GatewaySettings
 from slotserve.settings import cli_settings, configure_logging
@@ -25,7 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=None, help="Redis URL; unset = in-process admission")
     p.add_argument("--discovery", choices=["file", "kubernetes"], default=None)
     p.add_argument("--namespaces", default=None, help="comma list (kubernetes discovery)")
-    p.add_argument("--api-keys-file", default=None, help="one API key per line")
+    p.add_argument(
+        "--api-keys-file", default=None, help="one API key per line, reloaded when it changes"
+    )
+    p.add_argument(
+        "--metrics-require-api-key",
+        action="store_const",
+        const=True,
+        default=None,
+        help="serve /metrics only with a valid API key",
+    )
     p.add_argument("--redis-prefix", default=None, help="prefix of every Redis key")
     p.add_argument("--lease-ttl-seconds", type=float, default=None)
     p.add_argument("--default-priority", type=int, default=None, help="1 (highest) .. 9")
@@ -57,7 +67,7 @@ def main(argv: list[str]) -> int:
                 "gateway listening on %s:%d", settings.host, settings.port
             ),
         )
-    except PoolConfigError as exc:
+    except (PoolConfigError, ApiKeysError) as exc:
         print(f"slotserve gateway: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

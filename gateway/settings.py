@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -25,7 +25,15 @@ class GatewaySettings(BaseSettings):
         default_factory=list, description="Namespaces to watch (comma list); empty = all."
     )
     api_keys_file: Path | None = Field(
-        None, description="File with one API key per line; unset = no authentication."
+        None,
+        description="File with one API key per line (reloaded when it changes); unset = no "
+        "authentication. A file without any key is refused at start-up.",
+    )
+    api_keys_poll_interval_seconds: float = Field(
+        2.0, gt=0, le=300, description="How often the API keys file is checked for changes."
+    )
+    metrics_require_api_key: bool = Field(
+        False, description="Serve /metrics only with a valid API key (needs api_keys_file)."
     )
     redis_prefix: str = Field("slotserve", min_length=1, description="Prefix of every Redis key.")
     lease_ttl_seconds: float = Field(
@@ -37,9 +45,20 @@ class GatewaySettings(BaseSettings):
     )
     max_request_body_bytes: int = Field(1_048_576, ge=1024, description="Larger bodies get 413.")
     upstream_connect_timeout_seconds: float = Field(2.0, gt=0)
-    upstream_timeout_seconds: float = Field(600.0, gt=0, description="Whole upstream request.")
+    upstream_read_timeout_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="Longest silence from an engine: before its answer (non-streaming) or "
+        "between two stream chunks. Not a total, so long generations are never cut.",
+    )
     max_attempts: int = Field(3, ge=1, le=10, description="Engines tried before the first byte.")
     replica_id: str | None = Field(None, description="Name in Redis; default host-pid-random.")
+
+    @model_validator(mode="after")
+    def _metrics_auth_needs_keys(self) -> GatewaySettings:
+        if self.metrics_require_api_key and self.api_keys_file is None:
+            raise ValueError("metrics_require_api_key needs api_keys_file")
+        return self
 
     @field_validator("namespaces", mode="before")
     @classmethod

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import aiohttp
 import pytest
-from gateway_support import Spawner
+from aiohttp import web
+from gateway_support import Spawner, write_pools
+from support import free_port
+
+from slotserve.gateway.app import create_app
+from slotserve.gateway.settings import GatewaySettings
 
 
 @pytest.fixture
@@ -15,3 +21,33 @@ def spawn(tmp_path: Path):
         yield spawner
     finally:
         spawner.stop_all()
+
+
+async def start_gateway(settings: GatewaySettings):
+    runner = web.AppRunner(create_app(settings), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", settings.port).start()
+    return runner
+
+
+@pytest.fixture
+async def gw(tmp_path: Path, spawn):
+    """Factory: gw(pools, **settings) -> base URL; stops every gateway at teardown."""
+    runners = []
+
+    async def make(pools: list[dict], **overrides) -> str:
+        port = free_port()
+        pool_file = write_pools(tmp_path / f"pools-{port}.yaml", pools)
+        settings = GatewaySettings(host="127.0.0.1", port=port, config=pool_file, **overrides)
+        runners.append(await start_gateway(settings))
+        return f"http://127.0.0.1:{port}"
+
+    yield make
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def client():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session

@@ -1,50 +1,15 @@
-"""One gateway (in-process admission, run in the test's event loop) in front of engine doubles."""
+"""One gateway (in-process admission, run in the test's event loop, fixtures ``gw`` and
+``client`` in conftest.py) in front of engine doubles."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from pathlib import Path
 
-import aiohttp
 import pytest
-from aiohttp import web
 from gateway_support import pool, write_pools
 from support import free_port
-
-from slotserve.gateway.app import create_app
-from slotserve.gateway.settings import GatewaySettings
-
-
-async def start_gateway(settings: GatewaySettings):
-    runner = web.AppRunner(create_app(settings), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", settings.port).start()
-    return runner
-
-
-@pytest.fixture
-async def gw(tmp_path: Path, spawn):
-    """Factory: gw(pools, **settings) -> base URL; stops every gateway at teardown."""
-    runners = []
-
-    async def make(pools: list[dict], **overrides) -> str:
-        port = free_port()
-        pool_file = write_pools(tmp_path / f"pools-{port}.yaml", pools)
-        settings = GatewaySettings(host="127.0.0.1", port=port, config=pool_file, **overrides)
-        runners.append(await start_gateway(settings))
-        return f"http://127.0.0.1:{port}"
-
-    yield make
-    for runner in runners:
-        await runner.cleanup()
-
-
-@pytest.fixture
-async def client():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
 
 
 def completion(model: str = "m", prompt: str = "hi", **extra) -> dict:
