@@ -2,14 +2,19 @@
 
 An engine that cannot be reached, or answers 503 (draining), before the first byte is marked
 failed and the request is retried on another endpoint, ahead of every waiting request. Once
-bytes flow to the client there is no retry. When the client goes away, the handler is cancelled:
-leaving the ``async with`` closes the upstream connection, which aborts the request at the engine,
-and the slot is released in a task that the cancellation cannot interrupt.
+bytes flow to the client there is no retry: a stream that fails after its first byte ends with an
+SSE error event in OpenAI's shape and no ``data: [DONE]`` (the engine's own event passed through,
+or the gateway's when the engine went away, fell silent past the read timeout, or stopped without
+``[DONE]``); a non-streaming answer is read whole first, so its failure is an error status.
+When the client goes away, the handler is cancelled: closing the upstream connection aborts the
+request at the engine, and the slot is released in a task that the cancellation cannot
+interrupt.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 
@@ -19,7 +24,7 @@ from aiohttp import web
 from slotserve.gateway.admission import Admission, Lease
 from slotserve.gateway.admission_types import RETRY_PRIORITY, AdmissionError, PoolPolicy
 from slotserve.gateway.engines import EngineMonitor
-from slotserve.gateway.errors import error_response
+from slotserve.gateway.errors import error_response, sse_error_event
 from slotserve.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -35,6 +40,42 @@ FORWARD_RESPONSE_HEADERS = (
     "x-slotserve-slots-total",
 )
 RETRYABLE_STATUSES = frozenset({502, 503})
+SSE_CONTENT_TYPE = "text/event-stream"
+SSE_TAIL_BYTES = 8192  # enough to hold the engine's last event, error message included
+SSE_MAX_PENDING_BYTES = 1 << 20  # an "event" this long without a blank line is passed on anyway
+_SSE_DONE = re.compile(rb"\Adata: ?\[DONE\]\Z")
+_SSE_ERROR = re.compile(rb'\Adata: ?\{\s*"error"\s*:')
+
+
+def _last_event_end(data: bytes) -> int:
+    """Offset just past the last complete SSE event in ``data`` (0: none complete yet)."""
+    if len(data) > SSE_MAX_PENDING_BYTES:
+        return len(data)
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+class SseEnding:
+    """Remembers the tail of a stream to tell how it ended: ``[DONE]``, an error event, or
+    neither (cut short)."""
+
+    def __init__(self) -> None:
+        self.tail = b""
+
+    def feed(self, data: bytes) -> None:
+        self.tail = (self.tail + data)[-SSE_TAIL_BYTES:]
+
+    def _last_event(self) -> bytes:
+        events = self.tail.replace(b"\r\n", b"\n").strip().rsplit(b"\n\n", 1)
+        return events[-1].strip()
+
+    @property
+    def done(self) -> bool:
+        return bool(_SSE_DONE.match(self._last_event()))
+
+    @property
+    def errored(self) -> bool:
+        return bool(_SSE_ERROR.match(self._last_event()))
 
 
 @dataclass
@@ -99,6 +140,11 @@ async def _forward_once(
     url = f"{lease.endpoint}{request.path}"
     try:
         upstream = await ctx.session.post(url, data=body, headers=headers)
+    except aiohttp.SocketTimeoutError:
+        # The engine took the request and stayed silent: retrying it elsewhere would cost
+        # another engine as long, and a request that hangs engines would hang them all.
+        ctx.metrics.upstream_errors.labels(lease.endpoint, "timeout").inc()
+        return error_response(504, _silence_message(ctx, lease), "upstream_timeout")
     except (aiohttp.ClientError, TimeoutError) as exc:
         ctx.metrics.upstream_errors.labels(lease.endpoint, "connect").inc()
         raise _UpstreamFailedError(str(exc) or type(exc).__name__) from exc
@@ -107,27 +153,106 @@ async def _forward_once(
         if upstream.status in RETRYABLE_STATUSES:
             ctx.metrics.upstream_errors.labels(lease.endpoint, "status").inc()
             raise _UpstreamFailedError(f"HTTP {upstream.status}")
+        if upstream.content_type != SSE_CONTENT_TYPE:
+            return await _forward_whole(ctx, lease, upstream)
         response = web.StreamResponse(status=upstream.status)
-        for name in FORWARD_RESPONSE_HEADERS:
-            if name in upstream.headers:
-                response.headers[name] = upstream.headers[name]
-        response.headers["x-slotserve-queue-wait-ms"] = f"{lease.queue_wait_s * 1000:.1f}"
-        if upstream.content_length is not None:
-            response.content_length = upstream.content_length
+        _copy_headers(upstream, response, lease)
         await response.prepare(request)
-        try:
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
-            # Bytes already reached the client: no retry, just end the stream.
-            ctx.metrics.upstream_errors.labels(lease.endpoint, "stream").inc()
-            log.warning("engine %s failed mid-response: %s", lease.endpoint, exc)
-            return response
+        finished = await _forward_stream(ctx, lease, upstream, response)
         await response.write_eof()
-        finished = True
         return response
     finally:
         if finished:
             upstream.release()
         else:
             upstream.close()  # drops the connection: the engine aborts the request
+
+
+def _copy_headers(
+    upstream: aiohttp.ClientResponse, response: web.StreamResponse, lease: Lease
+) -> None:
+    for name in FORWARD_RESPONSE_HEADERS:
+        if name in upstream.headers:
+            response.headers[name] = upstream.headers[name]
+    response.headers["x-slotserve-queue-wait-ms"] = f"{lease.queue_wait_s * 1000:.1f}"
+
+
+def _silence_message(ctx: ProxyContext, lease: Lease) -> str:
+    timeout_s = ctx.session.timeout.sock_read
+    return f"engine {lease.endpoint} sent nothing for {timeout_s:g} s"
+
+
+async def _forward_whole(
+    ctx: ProxyContext, lease: Lease, upstream: aiohttp.ClientResponse
+) -> web.StreamResponse:
+    """A non-streaming answer, read whole before anything is sent: the engine sends it at once
+    anyway, and a failure half-way can still become a proper error status instead of a
+    truncated body behind a 200."""
+    try:
+        data = await upstream.read()
+    except aiohttp.SocketTimeoutError:
+        ctx.metrics.upstream_errors.labels(lease.endpoint, "timeout").inc()
+        return error_response(504, _silence_message(ctx, lease), "upstream_timeout")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        ctx.metrics.upstream_errors.labels(lease.endpoint, "body").inc()
+        log.warning("engine %s failed mid-answer: %s", lease.endpoint, exc)
+        message = f"engine {lease.endpoint} failed before its answer was complete"
+        return error_response(502, message, "upstream_failed")
+    response = web.Response(status=upstream.status, body=data)
+    _copy_headers(upstream, response, lease)
+    return response
+
+
+async def _forward_stream(
+    ctx: ProxyContext,
+    lease: Lease,
+    upstream: aiohttp.ClientResponse,
+    response: web.StreamResponse,
+) -> bool:
+    """Pass an SSE stream through, event by event, as it arrives. Returns whether it ended with
+    ``[DONE]``; otherwise the client's stream ends with an error event (the engine's own when it
+    sent one, else the gateway's) and never with a ``[DONE]`` that would claim success.
+
+    Only whole events are written, so when the engine goes away mid-event the client never
+    sees half an event glued to the error event.
+    """
+    ending = SseEnding()
+    pending = b""
+    failure: str | None = None
+    while True:
+        try:
+            chunk = await upstream.content.readany()
+        except aiohttp.SocketTimeoutError:
+            failure, code = _silence_message(ctx, lease), "upstream_timeout"
+            ctx.metrics.upstream_errors.labels(lease.endpoint, "timeout").inc()
+            break
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            failure, code = f"engine {lease.endpoint} went away mid-stream", "upstream_failed"
+            ctx.metrics.upstream_errors.labels(lease.endpoint, "stream").inc()
+            log.warning("engine %s failed mid-stream: %s", lease.endpoint, exc)
+            break
+        if not chunk:  # the engine ended the stream
+            if pending:  # a last event without its blank line: pass it on as it is
+                ending.feed(pending)
+                await response.write(pending if pending.endswith(b"\n") else pending + b"\n")
+                await response.write(b"\n")
+            break
+        pending += chunk
+        cut = _last_event_end(pending)
+        if cut:
+            ending.feed(pending[:cut])
+            await response.write(pending[:cut])
+            pending = pending[cut:]
+    if failure is None:
+        if ending.done:
+            return True
+        if ending.errored:
+            ctx.metrics.upstream_errors.labels(lease.endpoint, "engine_error_event").inc()
+            return False  # the engine's own error event is already the last thing sent
+        failure, code = (
+            f"engine {lease.endpoint} ended the stream without [DONE]",
+            "upstream_incomplete",
+        )
+        ctx.metrics.upstream_errors.labels(lease.endpoint, "incomplete").inc()
+    await response.write(sse_error_event(502, failure, code))
+    return False

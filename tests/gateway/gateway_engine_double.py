@@ -4,7 +4,9 @@ It speaks the engine's HTTP surface the gateway relies on (``GET /load``, ``POST
 /v1/completions``, ``POST /v1/chat/completions`` with SSE streaming, the slot headers) and
 RECORDS what a real engine would feel: the peak number of requests in flight at once, the order
 in which prompts arrived, and how many requests were aborted by a closed connection. It never
-pretends to generate text: answers are fixed strings. Run it as a process:
+pretends to generate text: answers are fixed strings. A request can ask it to fail the way a
+broken engine does (``x_fail``, after ``x_fail_after`` stream chunks; see ``FAILURES``). Run it
+as a process:
 
     python tests/gateway/gateway_engine_double.py --port 9001 --slots 2 --delay 0.05
 """
@@ -19,6 +21,16 @@ import time
 from aiohttp import web
 
 STATE = web.AppKey("state", dict)
+
+# x_fail: how to fail. Streams: "error_event" (the engine's OpenAI-shaped error event, then the
+# end without [DONE], as the real engine does), "drop" (connection cut after whole events),
+# "partial" (cut in the middle of an event), "eof" (a clean end without [DONE]), "stall" (silent
+# for x_stall seconds, then carry on). Non-streaming: "drop" (half the body, then cut), "stall"
+# (silent before answering), "error_500" (an error status with an OpenAI body).
+FAILURES = ("error_event", "drop", "partial", "eof", "stall", "error_500")
+ENGINE_ERROR = {
+    "error": {"message": "NaN in logits", "type": "server_error", "code": "engine_failed"}
+}
 
 
 def _prompt_of(payload: dict) -> str:
@@ -72,8 +84,14 @@ async def completion(request: web.Request) -> web.StreamResponse:
         "x-slotserve-slots-total": str(s["slots"]),
         "x-slotserve-slots-free": str(max(0, s["slots"] - s["inflight"])),
     }
+    fail = payload.get("x_fail")
+    fail_after = int(payload.get("x_fail_after", 2))
     try:
         if not payload.get("stream"):
+            if fail == "error_500":
+                return web.json_response(ENGINE_ERROR, status=500, headers=headers)
+            if fail == "stall":
+                await asyncio.sleep(float(payload.get("x_stall", 60)))
             if delay:
                 await asyncio.sleep(delay)
             text = "ok " * num_chunks
@@ -87,12 +105,22 @@ async def completion(request: web.Request) -> web.StreamResponse:
                 "completion_tokens": num_chunks,
                 "total_tokens": 1 + num_chunks,
             }
+            if fail == "drop":
+                data = json.dumps(body).encode()
+                resp = web.StreamResponse(headers={**headers, "Content-Type": "application/json"})
+                resp.content_length = len(data)
+                await resp.prepare(request)
+                await resp.write(data[: len(data) // 2])
+                request.transport.abort()
+                return resp
             return web.json_response(body, headers=headers)
         resp = web.StreamResponse(
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
         for i in range(num_chunks):
+            if fail and i == fail_after:
+                return await _fail_stream(request, resp, fail, payload)
             await asyncio.sleep(delay / max(num_chunks, 1))
             piece = f"t{i} "
             choice = {"index": 0, "finish_reason": None}
@@ -107,6 +135,27 @@ async def completion(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         s["inflight"] -= 1
+
+
+async def _fail_stream(
+    request: web.Request, resp: web.StreamResponse, fail: str, payload: dict
+) -> web.StreamResponse:
+    if fail == "error_event":
+        await resp.write(f"data: {json.dumps(ENGINE_ERROR)}\n\n".encode())
+    elif fail == "stall":
+        await asyncio.sleep(float(payload.get("x_stall", 60)))
+        await resp.write(b"data: [DONE]\n\n")
+    elif fail == "partial":
+        await resp.write(b'data: {"id": "cmpl-double", "choi')
+        await asyncio.sleep(0.05)  # let the half event leave before the cut
+        request.transport.abort()
+        return resp
+    elif fail == "drop":
+        await asyncio.sleep(0.05)
+        request.transport.abort()
+        return resp
+    await resp.write_eof()  # error_event and eof: a clean end, but no [DONE]
+    return resp
 
 
 async def stats(request: web.Request) -> web.Response:
