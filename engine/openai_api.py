@@ -20,10 +20,8 @@ from pydantic import (
     field_validator,
 )
 
+from slotserve.engine.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from slotserve.engine.sequence import FinishReason
-
-# Limits from the engine core's SamplingParams; repeated here so the 400 names the OpenAI field.
-MAX_STOP_STRINGS = 16
 
 
 class RequestModel(BaseModel):
@@ -57,7 +55,7 @@ class SamplingRequest(RequestModel):
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -94,6 +92,8 @@ class SamplingRequest(RequestModel):
             raise ValueError(f"'stop' allows at most {MAX_STOP_STRINGS} strings")
         if any(not s for s in stops):
             raise ValueError("'stop' strings must not be empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"'stop' strings must be at most {MAX_STOP_STRING_CHARS} characters")
         return value
 
     @field_validator("stream_options")

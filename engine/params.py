@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# Bounds on what a request may ask the step loop to check at every token (docs/engine.md). The
+# stop-string matcher costs O(number x longest) characters per token, and stop token ids are
+# looked up per token too: without bounds one request's body could slow every neighbour.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
 
 class SamplingParams(BaseModel):
     """How one request is decoded; temperature 0 means greedy."""
@@ -15,8 +22,12 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int | None = Field(None, ge=1, description="Sample among the k most likely tokens.")
     seed: int | None = Field(None, description="Per-request seed for reproducible sampling.")
-    stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
+    stop: list[str] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS, description="Stop strings."
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="Extra stop token ids."
+    )
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
 
     @field_validator("stop")
@@ -24,6 +35,8 @@ class SamplingParams(BaseModel):
     def _stops_not_empty(cls, stop: list[str]) -> list[str]:
         if any(not text for text in stop):
             raise ValueError("stop strings must not be empty")
+        if any(len(text) > MAX_STOP_STRING_CHARS for text in stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
         return stop
 
     @field_validator("stop_token_ids")
