@@ -4,6 +4,11 @@ Handoff: ``add_request``/``abort`` (event-loop thread) put commands into a threa
 wake the loop thread; the loop thread applies them between steps, runs a step, and hands that
 step's outputs to the event loop with one ``loop.call_soon_threadsafe`` call, where they are
 pushed into each request's ``asyncio.Queue``. The event loop never waits on the model.
+
+Faults: a sequence's own failure ends that sequence (``LLMEngine.step`` handles it). A step that
+raises means the runner is broken (a device error, a forward that throws): every request ends
+with an ``engine_failure`` error, the loop stops, ``failure`` says why, and the server's probes
+fail so that the pod is restarted.
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ from typing import Any
 from slotserve.engine.engine import LLMEngine
 from slotserve.engine.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
 from slotserve.engine.params import SamplingParams
-from slotserve.engine.sequence import Sequence
+from slotserve.engine.sequence import Sequence, SequenceError
 from slotserve.engine.settings import EngineSettings
 from slotserve.engine.stats import EngineStats, RequestOutput
 
 logger = logging.getLogger(__name__)
+
+ENGINE_FAILURE = SequenceError(
+    "engine_failure", "the engine failed while serving this request; retry on another replica"
+)
 
 # Longest the loop thread sleeps while idle before re-checking its stop flag.
 IDLE_WAIT_SECONDS = 0.5
@@ -78,6 +87,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
+        self._num_step_failures = 0
+        self.failure: str | None = None  # set once a step raised: the engine serves no more
 
     @classmethod
     def load(cls, settings: EngineSettings) -> AsyncEngine:
@@ -123,6 +134,10 @@ class AsyncEngine:
             raise EngineNotRunningError("the engine is not running")
         seq: Sequence = self.engine.make_sequence(request_id, prompt, params)
         with self._lock:
+            # Checked again under the lock: a loop thread that has just broken ends every
+            # stream registered before it cleared the flag, and none after.
+            if not self._accepting:
+                raise EngineNotRunningError("the engine is not running")
             if request_id in self._streams:
                 raise InvalidRequestError(
                     f"request id {request_id!r} is in use", param="request_id"
@@ -153,6 +168,8 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The snapshot taken after the loop's last iteration, plus requests not yet handed over."""
         stats = self._stats
+        if self._num_step_failures:
+            stats = dataclasses.replace(stats, num_step_failures=self._num_step_failures)
         if not self._num_pending_adds:
             return stats
         return dataclasses.replace(stats, num_waiting=self._expected_waiting())
@@ -171,9 +188,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
-            except Exception:
-                logger.exception("engine step failed; aborting the requests in flight")
-                outputs = self._abort_all()
+            except Exception as error:
+                self._break(error)
+                return
             self._stats = engine.stats()
             if outputs:
                 self._deliver(outputs)
@@ -189,20 +206,35 @@ class AsyncEngine:
                     self._num_pending_adds -= 1
                 try:
                     self.engine.enqueue(payload)
-                except InvalidRequestError:
-                    self._deliver([_abort_output(payload.request_id)])
+                except Exception as error:  # this request only (a duplicate id, its stop strings)
+                    failure = SequenceError(
+                        "internal", f"the request could not start: {type(error).__name__}"
+                    )
+                    logger.warning(
+                        "request %s could not start: %s", payload.request_id, failure.message
+                    )
+                    self._deliver([_error_output(payload.request_id, failure)])
             else:
                 self.engine.abort(payload)
 
-    def _abort_all(self) -> list[RequestOutput]:
-        for seq in [*self.engine.scheduler.running, *self.engine.scheduler.waiting]:
-            self.engine.abort(seq.request_id)
+    def _break(self, error: Exception) -> None:
+        """The step raised: the runner is broken. End every request and stop for good."""
+        self._num_step_failures += 1
+        self.failure = f"engine step failed: {type(error).__name__}"
+        with self._lock:
+            self._accepting = False
+            request_ids = list(self._streams)  # includes adds still in the inbox
+        # Each request's id is logged as it ends (LLMEngine logs every failed sequence).
+        logger.error("engine step failed; ending all %d requests", len(request_ids), exc_info=error)
         try:
-            return self.engine.step()
-        except Exception:  # the abort step runs no model; if even that fails, end streams here
-            logger.exception("could not abort cleanly")
-            with self._lock:
-                return [_abort_output(request_id) for request_id in self._streams]
+            outputs = self.engine.fail_all(ENGINE_FAILURE)
+            self._stats = self.engine.stats()
+        except Exception:  # nothing more to save: the streams below still end
+            logger.exception("could not end the requests cleanly")
+            outputs = []
+        ended = {output.request_id for output in outputs}
+        outputs += [_error_output(rid, ENGINE_FAILURE) for rid in request_ids if rid not in ended]
+        self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         loop = self._loop
@@ -220,6 +252,10 @@ class AsyncEngine:
                     del self._streams[output.request_id]
             if stream is not None:
                 stream.put(output)
+
+
+def _error_output(request_id: str, error: SequenceError) -> RequestOutput:
+    return dataclasses.replace(_abort_output(request_id), finish_reason="error", error=error)
 
 
 def _abort_output(request_id: str) -> RequestOutput:

@@ -6,8 +6,10 @@ thread for the HTTP server.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,9 +19,11 @@ from slotserve.engine.errors import InvalidRequestError, QueueFullError
 from slotserve.engine.kv_cache import KVCacheManager
 from slotserve.engine.params import SamplingParams
 from slotserve.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from slotserve.engine.sequence import Sequence
+from slotserve.engine.sequence import Sequence, SequenceError
 from slotserve.engine.settings import EngineSettings
 from slotserve.engine.stats import EngineStats, RequestMetrics, RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class FinishedRequest:
 class _Counters:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    sequence_failures: Counter[str] = field(default_factory=Counter)
     records: list[StepRecord] | None = field(default=None)
 
 
@@ -157,10 +162,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"request id {seq.request_id!r} is in use", param="request_id"
             )
-        self._sequences[seq.request_id] = seq
-        self._detokenizers[seq.request_id] = IncrementalDetokenizer(
+        # Built first: if it raises, nothing of the request is left behind.
+        detokenizer = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, stop=list(seq.params.stop)
         )
+        self._sequences[seq.request_id] = seq
+        self._detokenizers[seq.request_id] = detokenizer
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -177,20 +184,50 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that advanced or finished."""
+        """Run one step; returns an output for every request that advanced or finished.
+
+        A failure that belongs to one sequence (its logits, its sampling, its text) ends that
+        sequence with "error" and nothing else; an exception raised here means the step as a
+        whole failed (the runner is broken): see :meth:`fail_all`.
+        """
         plan = self.scheduler.schedule(self.clock())
         outputs = [self._finish_output(seq, [], "") for seq in plan.aborted]
         if not plan.chunks:
             return outputs
-        token_ids = self.runner.execute(plan.chunks)
+        samples = self.runner.execute(plan.chunks)
         now = self.clock()
         if self._counters.records is not None:
             self._record(plan, now)
-        self.scheduler.postprocess(plan, token_ids, now)
+        self.scheduler.postprocess(plan, samples, now)
         with self.tokenizer_lock:
-            for chunk, token_id in zip(plan.sampling_chunks, token_ids, strict=True):
-                outputs.append(self._token_output(chunk.seq, token_id, now))
+            for chunk, sample in zip(plan.sampling_chunks, samples, strict=True):
+                outputs.append(self._sample_output(chunk.seq, sample, now))
         return outputs
+
+    def fail_all(self, error: SequenceError) -> list[RequestOutput]:
+        """End every request the engine holds with ``error``, running nothing (after a step
+        raised: its state is not trusted, so even requests that just finished are errors)."""
+        now = self.clock()
+        outputs = []
+        for seq in list(self._sequences.values()):
+            if seq.finish_reason != "abort":
+                self.scheduler.fail(seq, error, now)
+            outputs.append(self._finish_output(seq, [], ""))
+        return outputs
+
+    def _sample_output(
+        self, seq: Sequence, sample: int | SequenceError, now: float
+    ) -> RequestOutput:
+        if isinstance(sample, SequenceError):
+            return self._finish_output(seq, [], "")  # postprocess has failed the sequence
+        try:
+            return self._token_output(seq, sample, now)
+        except Exception as error:  # the detokenizer or stop strings: this request only
+            failure = SequenceError(
+                "detokenizer", f"decoding the output failed: {type(error).__name__}"
+            )
+            self.scheduler.fail(seq, failure, now)
+            return self._finish_output(seq, [], "")
 
     def _token_output(self, seq: Sequence, token_id: int, now: float) -> RequestOutput:
         counters = self._counters
@@ -220,6 +257,12 @@ class LLMEngine:
     def _finish_output(self, seq: Sequence, token_ids: list[int], text: str) -> RequestOutput:
         self._sequences.pop(seq.request_id, None)
         self._detokenizers.pop(seq.request_id, None)
+        if seq.error is not None:
+            self._counters.sequence_failures[seq.error.reason] += 1
+            # The request id only: prompts and outputs never reach the log.
+            logger.warning(
+                "request %s failed (%s): %s", seq.request_id, seq.error.reason, seq.error.message
+            )
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=token_ids,
@@ -229,6 +272,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_generated_tokens=seq.num_generated_tokens,
             metrics=RequestMetrics.from_sequence(seq),
+            error=seq.error,
         )
 
     def _record(self, plan: StepPlan, now: float) -> None:
@@ -261,6 +305,7 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             prompt_tokens_total=self._counters.prompt_tokens_total,
             generation_tokens_total=self._counters.generation_tokens_total,
+            sequence_failures=dict(self._counters.sequence_failures),
         )
 
     def generate(

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# Temperatures below this are greedy (vLLM's threshold): the distribution is a point mass to
+# within float precision, and dividing logits by e.g. 1e-40 would overflow.
+GREEDY_TEMPERATURE_EPSILON = 1e-5
+
 # Bounds on what a request may ask the step loop to check at every token (docs/engine.md). The
 # stop-string matcher costs O(number x longest) characters per token, and stop token ids are
 # looked up per token too: without bounds one request's body could slow every neighbour.
@@ -13,7 +17,8 @@ MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingParams(BaseModel):
-    """How one request is decoded; temperature 0 means greedy."""
+    """How one request is decoded; temperature 0 (below ``GREEDY_TEMPERATURE_EPSILON``) means
+    greedy."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -48,4 +53,4 @@ class SamplingParams(BaseModel):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPSILON

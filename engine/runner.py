@@ -24,6 +24,7 @@ from slotserve.engine.attention import PrefillChunkInput, SlotStep, register_slo
 from slotserve.engine.linear import LinearBackend, aten_logits, pack_linears
 from slotserve.engine.sampling import make_generator, sample_tokens
 from slotserve.engine.scheduler import ScheduledChunk
+from slotserve.engine.sequence import SequenceError
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +144,9 @@ class ModelRunner:
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, chunks: Seq[ScheduledChunk]) -> list[int]:
-        """Run one step; returns one sampled token per chunk that samples, in chunk order."""
+    def execute(self, chunks: Seq[ScheduledChunk]) -> list[int | SequenceError]:
+        """Run one step; returns, per chunk that samples (in chunk order), the sampled token or
+        why that sequence has none. Raises only when the step as a whole fails."""
         if not chunks:
             return []
         step, input_ids, positions, sample_index = self._prepare(chunks)
@@ -166,7 +168,13 @@ class ModelRunner:
             if not seq.params.is_greedy and seq.generator is None:
                 seq.generator = make_generator(seq.params, self.device)
             generators.append(seq.generator)
-        return sample_tokens(logits, params, generators)
+        samples = sample_tokens(logits, params, generators)
+        for chunk, sample in zip(sampling, samples, strict=True):
+            if isinstance(sample, SequenceError) and chunk.seq.slot is not None:
+                # Its keys and values may hold NaN, which masked attention turns into NaN
+                # (0 * NaN): zero the row again before the slot's next owner reads it.
+                self._num_finite[chunk.seq.slot] = 0
+        return samples
 
     def _prepare(
         self, chunks: Seq[ScheduledChunk]

@@ -29,10 +29,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from slotserve.engine.kv_cache import KVCacheManager
-from slotserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from slotserve.engine.sequence import FinishReason, Sequence, SequenceError, SequenceStatus
 from slotserve.engine.settings import Policy
 
 
@@ -243,22 +244,26 @@ class Scheduler:
     # -- after the step ---------------------------------------------------------------------
 
     def postprocess(
-        self, plan: StepPlan, sampled_token_ids: list[int], now: float
+        self, plan: StepPlan, samples: Seq[int | SequenceError], now: float
     ) -> list[Sequence]:
-        """Record the step's results: one sampled token per sampling chunk, in plan order.
+        """Record the step's results: per sampling chunk, in plan order, the sampled token or
+        why that sequence could not get one (it alone ends with "error").
 
-        Returns the sequences that finished (stop token or max_tokens); their slots are free.
+        Returns the sequences that finished (stop token, max_tokens, error); their slots are free.
         """
         sampling = plan.sampling_chunks
-        if len(sampled_token_ids) != len(sampling):
-            raise ValueError(
-                f"expected {len(sampling)} sampled tokens, got {len(sampled_token_ids)}"
-            )
+        if len(samples) != len(sampling):
+            raise ValueError(f"expected {len(sampling)} sampled tokens, got {len(samples)}")
         for chunk in plan.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         finished = []
-        for chunk, token_id in zip(sampling, sampled_token_ids, strict=True):
+        for chunk, token_id in zip(sampling, samples, strict=True):
             seq = chunk.seq
+            if isinstance(token_id, SequenceError):
+                self.fail(seq, token_id, now)
+                seq.finished_step = plan.step
+                finished.append(seq)
+                continue
             seq.token_ids.append(token_id)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -282,6 +287,13 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._finish(seq, reason, now)
+
+    def fail(self, seq: Sequence, error: SequenceError, now: float) -> None:
+        """End one sequence with "error"; one that has just finished (its last output could
+        not be produced) turns to "error" too. Its slot is free at once."""
+        self.finish(seq, "error", now)
+        seq.finish_reason = "error"
+        seq.error = error
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params

@@ -8,7 +8,25 @@ from typing import Any, Literal
 
 from slotserve.engine.params import SamplingParams
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+# Why a sequence ended with "error" (the label of slotserve_sequence_failures_total).
+FailureReason = Literal[
+    "non_finite_logits", "sampling", "detokenizer", "internal", "engine_failure"
+]
+
+
+@dataclass(frozen=True)
+class SequenceError:
+    """Why one sequence failed. ``engine_failure`` means the runner broke and every sequence
+    ended: not this request's fault, so another replica may serve it (503, not 500)."""
+
+    reason: FailureReason
+    message: str  # for the client; never holds prompt text (it may reach logs)
+
+    @property
+    def is_engine_failure(self) -> bool:
+        return self.reason == "engine_failure"
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +53,7 @@ class Sequence:
     num_prompt_tokens: int = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: SequenceError | None = None  # set with finish_reason "error"
     num_computed_tokens: int = 0
     # KV bookkeeping (owned by KVCacheManager): the slot row and the token positions reserved.
     slot: int | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slotserve.engine.sequence import FinishReason, Sequence
+from slotserve.engine.sequence import FinishReason, Sequence, SequenceError
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated_tokens: int
     metrics: RequestMetrics | None = None
+    error: SequenceError | None = None  # with finish_reason "error": why, for the client
 
 
 @dataclass(frozen=True)
@@ -60,3 +61,6 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Sequences ended with "error", by reason; steps whose runner raised (each ends all work).
+    sequence_failures: dict[str, int] = field(default_factory=dict)
+    num_step_failures: int = 0
