@@ -98,8 +98,10 @@ def loaded_engine(state: ServerState) -> AsyncEngine:
 
 
 def accepting_engine(state: ServerState) -> AsyncEngine:
-    """The engine if it takes new requests: loaded and not draining; else a 503."""
+    """The engine if it takes new requests: loaded, not broken, not draining; else a 503."""
     engine = loaded_engine(state)
+    if engine.failure is not None:
+        raise broken_engine_error(engine.failure)
     if state.draining:
         raise ApiError(
             503,
@@ -109,6 +111,17 @@ def accepting_engine(state: ServerState) -> AsyncEngine:
             headers={"Retry-After": "1", **slot_headers(engine.stats())},
         )
     return engine
+
+
+def broken_engine_error(failure: str) -> ApiError:
+    """The runner broke: this pod serves no more (its probes fail, so it is restarted)."""
+    return ApiError(
+        503,
+        f"the engine is broken ({failure}); send the request to another replica",
+        type_="service_unavailable_error",
+        code="engine_failure",
+        headers={"Retry-After": "1"},
+    )
 
 
 def slot_headers(stats: EngineStats) -> dict[str, str]:

@@ -8,7 +8,7 @@ gets its own ``CollectorRegistry``: several engines in one process (tests) never
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -18,6 +18,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+from slotserve.engine.sequence import FailureReason
 
 if TYPE_CHECKING:
     from slotserve.engine.stats import EngineStats, RequestMetrics
@@ -104,6 +106,19 @@ class EngineStatsCollector(Collector):
             stats.kv_cache_tokens_total,
         )
         yield counter("slotserve_engine_steps", "Engine steps run.", stats.num_steps)
+        failures = CounterMetricFamily(
+            "slotserve_sequence_failures",
+            "Sequences ended with finish_reason error, by reason (others went on).",
+            labels=[MODEL_LABEL, "reason"],
+        )
+        for reason in get_args(FailureReason):
+            failures.add_metric([name, reason], stats.sequence_failures.get(reason, 0))
+        yield failures
+        yield counter(
+            "slotserve_engine_step_failures",
+            "Steps whose runner raised: each ends all work and marks the engine broken.",
+            stats.num_step_failures,
+        )
         info = InfoMetricFamily(
             "slotserve_policy", "Batching policy of this engine.", labels=labels
         )

@@ -217,6 +217,23 @@ def _aborted() -> ApiError:
     )
 
 
+def _ended_early(output: RequestOutput) -> ApiError:
+    """Why a request ended without its answer, saying who is at fault: the engine stopped or
+    broke (503: another replica can serve it), or this request's own sequence failed (500)."""
+    error = output.error
+    if output.finish_reason != "error" or error is None:
+        return _aborted()
+    if error.is_engine_failure:
+        return ApiError(
+            503,
+            error.message,
+            type_="service_unavailable_error",
+            code="engine_failure",
+            headers={"Retry-After": "1"},
+        )
+    return ApiError(500, error.message, type_="server_error", code=error.reason)
+
+
 async def _collect(
     state: ServerState,
     engine: AsyncEngine,
@@ -229,8 +246,8 @@ async def _collect(
         text.append(output.text)
         if output.finished:
             outcome.record(state, output)
-            if output.finish_reason == "abort":
-                raise _aborted()
+            if output.finish_reason in ("abort", "error"):
+                raise _ended_early(output)
             body = fmt.response(
                 "".join(text),
                 output.finish_reason,
@@ -268,10 +285,12 @@ async def _stream_sse(
                     await response.write(fmt.chunk(output.text, None))
                 continue
             outcome.record(state, output)
-            if output.finish_reason == "abort":
-                # OpenAI clients raise on an "error" event instead of taking a cut answer.
-                await response.write(sse_event(_aborted().body))
-                break
+            if output.finish_reason in ("abort", "error"):
+                # An "error" event (OpenAI clients raise on it) and no [DONE]: nobody may take
+                # a cut answer for a whole one.
+                await response.write(sse_event(_ended_early(output).body))
+                await response.write_eof()
+                return response
             await response.write(fmt.chunk(output.text, output.finish_reason))
             if include_usage:
                 await response.write(
@@ -286,7 +305,7 @@ async def _stream_sse(
         log.exception("stream %s failed", fmt.request_id)
         error = ApiError(500, "internal error while streaming", type_="server_error")
         with contextlib.suppress(Exception):
-            await response.write(sse_event(error.body) + DONE_EVENT)
+            await response.write(sse_event(error.body))
     return response
 
 

@@ -5,6 +5,10 @@ in a background thread and ``/ready`` is 503 until it is loaded and the step loo
 ``/ready`` and new requests turn 503, in-flight requests finish (at most
 ``drain_timeout_seconds``; then they are aborted), the engine shuts down and the process exits 0.
 A second SIGTERM/SIGINT skips the wait. A model that fails to load exits 1.
+
+A broken runner (a step raised: see ``AsyncEngine``) fails ``/health`` and ``/ready`` and
+answers 503 to new requests; the process keeps running so that ``/metrics`` can still be read,
+and Kubernetes' liveness probe restarts it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from slotserve.engine.http_state import (
     ApiError,
     ServerState,
     accepting_engine,
+    broken_engine_error,
     loaded_engine,
     slot_headers,
 )
@@ -188,6 +193,9 @@ async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.load_error is not None:
         raise ApiError(503, f"model failed to load: {state.load_error}", type_="server_error")
+    if state.engine is not None and state.engine.failure is not None:
+        # Not alive: Kubernetes restarts the pod (the process stays up so /metrics is scraped).
+        raise broken_engine_error(state.engine.failure)
     return web.json_response({"status": "ok", "loaded": state.engine is not None})
 
 
