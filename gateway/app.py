@@ -30,7 +30,7 @@ from slotserve.gateway.admission_types import (
 )
 from slotserve.gateway.api_keys import ApiKeys
 from slotserve.gateway.config import PoolRegistry, load_pools, watch_pool_file
-from slotserve.gateway.discovery import start_kubernetes_watch
+from slotserve.gateway.discovery import PoolCatalog, start_kubernetes_watch
 from slotserve.gateway.engines import EngineMonitor
 from slotserve.gateway.errors import error_response
 from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub
@@ -99,12 +99,18 @@ async def health(_: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     admission = request.app[ADMISSION]
     monitor = request.app[MONITOR]
-    pools = request.app[REGISTRY].pools
+    registry = request.app[REGISTRY]
+    # Ready once the first full list of pools is in and all its endpoints were polled once.
+    synced_version = registry.synced_version
+    is_ready = synced_version is not None and monitor.polled_version >= synced_version
     body = {
         "admission_backend": "up" if admission.backend_ok else "down",
-        "pools": {name: {"usable_endpoints": len(monitor.offers(name))} for name in sorted(pools)},
+        "pools_listed": synced_version is not None,
+        "pools": {
+            name: {"usable_endpoints": len(monitor.offers(name))} for name in sorted(registry.pools)
+        },
     }
-    return web.json_response(body, status=200 if monitor.first_round.is_set() else 503)
+    return web.json_response(body, status=200 if is_ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -226,9 +232,13 @@ async def pools_ctx(app: web.Application) -> AsyncIterator[None]:
     registry = app[REGISTRY]
     watcher: asyncio.Task[None] | None = None
     if settings.discovery == "kubernetes":
-        start_kubernetes_watch(registry, settings.namespaces, asyncio.get_running_loop())
+        sources = settings.namespaces or [""]  # "": every namespace
+        conflicts = app[METRICS].pool_conflicts
+        catalog = PoolCatalog(registry, sources, lambda model: conflicts.labels(model).inc())
+        start_kubernetes_watch(catalog, sources, asyncio.get_running_loop())
     elif settings.config is not None:
         registry.replace(load_pools(settings.config))
+        registry.mark_synced()
         watcher = asyncio.create_task(watch_pool_file(settings.config, registry))
     yield
     if watcher is not None:

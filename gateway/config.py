@@ -92,20 +92,26 @@ def load_pools(path: Path) -> list[Pool]:
 
 
 class PoolRegistry:
-    """The pools the gateway serves now, by model name."""
+    """The pools the gateway serves now, by model name.
+
+    ``version`` counts changes; ``synced_version`` is the version once the first full list of
+    pools (the file, or every watched namespace) was in, so readiness can wait for it: a replica
+    that answered before would send 404 for models it simply has not heard of yet.
+    """
 
     def __init__(self, pools: Iterable[Pool] = ()) -> None:
         self.pools: dict[str, Pool] = {}
+        self.version = 0
+        self.synced_version: int | None = None
         self.replace(pools)
 
     def replace(self, pools: Iterable[Pool]) -> None:
         self.pools = {pool.model: pool for pool in pools}
+        self.version += 1
 
-    def upsert(self, pool: Pool) -> None:
-        self.pools = {**self.pools, pool.model: pool}
-
-    def remove(self, model: str) -> None:
-        self.pools = {name: pool for name, pool in self.pools.items() if name != model}
+    def mark_synced(self) -> None:
+        if self.synced_version is None:
+            self.synced_version = self.version
 
     def get(self, model: str) -> Pool | None:
         return self.pools.get(model)

@@ -55,6 +55,7 @@ class EngineMonitor:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self.first_round = asyncio.Event()
+        self.polled_version = -1  # the registry version whose endpoints were all polled
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s * 4))
@@ -90,11 +91,13 @@ class EngineMonitor:
             load.failed_by_proxy = True
 
     async def poll_once(self) -> None:
+        version = self.registry.version
         urls = self.registry.endpoints()
         for url in list(self.loads):
             if url not in urls:
                 del self.loads[url]
         await asyncio.gather(*(self._poll(url) for url in urls))
+        self.polled_version = version
         self.first_round.set()
 
     async def _run(self) -> None:

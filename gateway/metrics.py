@@ -49,6 +49,12 @@ class GatewayMetrics:
             ["endpoint", "kind"],
             registry=r,
         )
+        self.pool_conflicts = Counter(
+            "slotserve_gateway_pool_conflicts",
+            "InferencePools ignored because an older pool serves the same model name.",
+            ["model"],
+            registry=r,
+        )
         self.backend_up = Gauge(
             "slotserve_gateway_admission_backend_up",
             "1 when the admission backend (Redis or in-process) answers.",

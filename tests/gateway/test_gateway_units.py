@@ -8,12 +8,8 @@ import pytest
 from gateway_support import SLOTSERVE
 
 from slotserve.gateway.admission import DrainRate
-from slotserve.gateway.config import PoolConfigError, PoolRegistry, parse_pools
-from slotserve.gateway.discovery import (
-    InvalidPoolObjectError,
-    apply_event,
-    pool_from_inference_pool,
-)
+from slotserve.gateway.config import PoolConfigError, parse_pools
+from slotserve.gateway.discovery import InvalidPoolObjectError, pool_from_inference_pool
 from slotserve.gateway.routing import (
     EndpointOffer,
     group_size,
@@ -140,19 +136,6 @@ def test_inference_pool_becomes_a_pool():
     broken["spec"]["admission"]["maxQueueSize"] = "lots"
     with pytest.raises(InvalidPoolObjectError, match="admission"):
         pool_from_inference_pool(broken)
-
-
-def test_watch_events_update_the_registry():
-    registry, owners = PoolRegistry(), {}
-    apply_event(registry, owners, "ADDED", inference_pool(endpoints=["10.0.0.1:8000"]))
-    assert registry.get("smollm2").endpoints == ("http://10.0.0.1:8000",)
-    apply_event(registry, owners, "MODIFIED", inference_pool(endpoints=["10.0.0.3:8000"]))
-    assert registry.get("smollm2").endpoints == ("http://10.0.0.3:8000",)
-    # Another object claiming the same model name does not hijack it.
-    apply_event(registry, owners, "ADDED", inference_pool(name="other", endpoints=["6.6.6.6:1"]))
-    assert registry.get("smollm2").endpoints == ("http://10.0.0.3:8000",)
-    apply_event(registry, owners, "DELETED", inference_pool())
-    assert registry.get("smollm2") is None
 
 
 def test_settings_namespaces_comma_list(monkeypatch):

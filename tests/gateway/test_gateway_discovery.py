@@ -1,0 +1,81 @@
+"""Discovery you can trust, the pure part: the registry equals each full list, watch events
+(deletes, renames) take effect at once, and a model name's owner is the oldest pool, then
+namespace/name, whatever order the objects arrive in."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from slotserve.gateway.config import PoolRegistry
+from slotserve.gateway.discovery import PoolCatalog
+
+
+def ipool(namespace: str, name: str, model: str, created: str, endpoint: str = "10.0.0.1:8000"):
+    return {
+        "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
+        "spec": {"model": {"name": model}},
+        "status": {"endpoints": [endpoint]},
+    }
+
+
+OLD = ipool("b", "old", "m", "2026-01-01T00:00:00Z", "10.0.0.1:8000")
+NEW = ipool("a", "new", "m", "2026-06-01T00:00:00Z", "10.0.0.2:8000")
+TWIN = ipool("a", "twin", "m", "2026-01-01T00:00:00Z", "10.0.0.3:8000")  # same age as OLD
+
+
+def served(registry: PoolRegistry) -> dict[str, tuple[str, ...]]:
+    return {model: pool.endpoints for model, pool in registry.pools.items()}
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations([OLD, NEW, TWIN])))
+def test_owner_is_the_oldest_then_namespace_name_in_any_order(order):
+    # By list and by events, in every arrival order: the same owner (a/twin: as old as b/old,
+    # and "a/twin" < "b/old"), the same two conflicts counted.
+    for by_events in (False, True):
+        registry, counted = PoolRegistry(), []
+        catalog = PoolCatalog(registry, ["a", "b"], counted.append)
+        for obj in order:
+            source = obj["metadata"]["namespace"]
+            if by_events:
+                catalog.apply_event(source, "ADDED", obj)
+            else:
+                same_source = [o for o in order if o["metadata"]["namespace"] == source]
+                catalog.replace_list(source, same_source)
+        assert served(registry) == {"m": ("http://10.0.0.3:8000",)}
+        assert counted == ["m", "m"]  # b/old and a/new, each once
+
+
+def test_registry_waits_for_every_namespace_and_follows_each_full_list():
+    registry = PoolRegistry()
+    catalog = PoolCatalog(registry, ["a", "b"])
+    catalog.replace_list("a", [NEW])
+    assert registry.synced_version is None  # "b" not listed yet: not ready
+    catalog.replace_list("b", [OLD, ipool("b", "x", "x", "2026-01-01T00:00:00Z")])
+    assert registry.synced_version is not None
+    assert served(registry) == {"m": ("http://10.0.0.1:8000",), "x": ("http://10.0.0.1:8000",)}
+    # A re-list without b/old and b/x (deleted while the watch was down): both drop out, and
+    # the younger a/new takes over "m".
+    catalog.replace_list("b", [])
+    assert served(registry) == {"m": ("http://10.0.0.2:8000",)}
+
+
+def test_watch_events_delete_and_rename_take_effect_at_once():
+    registry, counted = PoolRegistry(), []
+    catalog = PoolCatalog(registry, [""], counted.append)
+    catalog.replace_list("", [OLD, NEW])
+    assert counted == ["m"]
+    renamed = ipool("b", "old", "m2", "2026-01-01T00:00:00Z", "10.0.0.1:8000")
+    catalog.apply_event("", "MODIFIED", renamed)
+    assert served(registry) == {"m": ("http://10.0.0.2:8000",), "m2": ("http://10.0.0.1:8000",)}
+    catalog.apply_event("", "DELETED", NEW)
+    assert served(registry) == {"m2": ("http://10.0.0.1:8000",)}
+    # An object that turns invalid stops serving instead of keeping its last good state.
+    broken = ipool("b", "old", "", "2026-01-01T00:00:00Z")
+    catalog.apply_event("", "MODIFIED", broken)
+    assert served(registry) == {}
+    # The conflict ended when b/old was renamed; a new one is counted again.
+    catalog.apply_event("", "ADDED", OLD)
+    catalog.apply_event("", "ADDED", NEW)
+    assert counted == ["m", "m"]
