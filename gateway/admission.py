@@ -5,6 +5,12 @@ Grants arrive three ways: in the result of this replica's own atomic steps (enqu
 tick), through the backend's wake-up channel for grants made by another replica, and from the
 short periodic tick that also sweeps expired leases and dead replicas' queue entries. No request
 polls the backend on its own.
+
+Ownership: a grant is either delivered to a waiter that is still there or released at once.
+The enqueue step runs in its own task, so a caller cancelled while it is in flight (the client
+went away) does not drop a grant in its reply; a caller that leaves without a lease hands its
+request to ``_abandon``, which takes the entry out or gives the late grant back. Keeping leases
+alive and putting them back after an outage is ``admission_recovery.LeaseKeeper``'s job.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from slotserve.gateway.admission_recovery import LeaseKeeper
 from slotserve.gateway.admission_types import (
     AdmissionBackend,
     BackendUnavailableError,
@@ -25,7 +32,14 @@ from slotserve.gateway.admission_types import (
     QueueFullError,
     QueueTimeoutError,
 )
-from slotserve.gateway.routing import EndpointOffer, retry_after_seconds
+from slotserve.gateway.drain import (
+    DrainRate,
+    HoldTime,
+    promise_gap_us,
+    queue_drain_seconds,
+    service_rate_per_s,
+)
+from slotserve.gateway.routing import EndpointOffer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,9 +47,11 @@ T = TypeVar("T")
 OffersFn = Callable[[str], Sequence[EndpointOffer]]
 PoolsFn = Callable[[], Sequence[PoolPolicy]]
 
+__all__ = ["Admission", "DrainRate", "Lease"]
+
 
 @dataclass
-class _Waiter:
+class Waiter:
     pool: PoolPolicy
     future: asyncio.Future[str]
     priority: int
@@ -50,27 +66,7 @@ class Lease:
     pool: PoolPolicy
     endpoint: str
     queue_wait_s: float
-
-
-class DrainRate:
-    """Requests dispatched per second for one pool, from the backend's shared counter (EWMA)."""
-
-    def __init__(self, half_life_s: float = 5.0) -> None:
-        self.half_life_s = half_life_s
-        self.rate_per_s = 0.0
-        self._last: tuple[float, int] | None = None
-
-    def observe(self, now_s: float, num_dispatched_total: int) -> None:
-        if self._last is None or num_dispatched_total < self._last[1]:
-            self._last = (now_s, num_dispatched_total)
-            return
-        elapsed = now_s - self._last[0]
-        if elapsed < 0.2:
-            return
-        sample = (num_dispatched_total - self._last[1]) / elapsed
-        weight = 1 - 0.5 ** (elapsed / self.half_life_s)
-        self.rate_per_s += weight * (sample - self.rate_per_s)
-        self._last = (now_s, num_dispatched_total)
+    granted_at: float = 0.0  # monotonic; 0 for leases handed back unused
 
 
 class Admission:
@@ -92,28 +88,30 @@ class Admission:
         self.lease_ttl_s = lease_ttl_s
         self.tick_interval_s = tick_interval_s
         self.idle_tick_interval_s = idle_tick_interval_s
-        self._waiters: dict[str, _Waiter] = {}
-        self._leased: dict[str, tuple[str, str]] = {}  # request id -> (pool, endpoint)
+        self.waiters: dict[str, Waiter] = {}
+        self.leased: dict[str, tuple[str, str]] = {}  # request id -> (pool, endpoint)
         self._drain: dict[str, DrainRate] = {}
+        self._hold: dict[str, HoldTime] = {}
         self._queue_depth: dict[str, int] = {}
         self._hold_timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[object]] = set()
-        self._needs_restore = False
         self._closing = False
         self.backend_ok = True
+        self.keeper = LeaseKeeper(self)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.backend.start(self._on_grant)
         self._tasks = [
-            asyncio.create_task(self._heartbeat_loop(), name="admission-heartbeat"),
+            asyncio.create_task(self.keeper.run(), name="admission-heartbeat"),
             asyncio.create_task(self._tick_loop(), name="admission-tick"),
         ]
 
     async def close(self) -> None:
         self._closing = True
+        self.keeper.stop()
         for task in self._tasks:
             task.cancel()
         # Bounded: a client library that turns a cancellation into its own error must not
@@ -129,110 +127,152 @@ class Admission:
     def queue_depth(self, pool_name: str) -> int:
         return self._queue_depth.get(pool_name, 0)
 
+    def service_rate(self, pool_name: str) -> float:
+        """Requests per second the pool drains (measured), else the engines' speed, else 0."""
+        num_slots = sum(offer.slots_total for offer in self.offers(pool_name))
+        return service_rate_per_s(self._drain.get(pool_name), self._hold.get(pool_name), num_slots)
+
     def retry_after(self, pool_name: str, queue_depth: int | None = None) -> int:
         depth = self.queue_depth(pool_name) if queue_depth is None else queue_depth
-        rate = self._drain.get(pool_name)
-        return retry_after_seconds(depth, rate.rate_per_s if rate else 0.0)
+        return queue_drain_seconds(depth, self.service_rate(pool_name))
 
     async def acquire(self, pool: PoolPolicy, priority: int, timeout_s: float) -> Lease:
         """Wait for a slot; raises QueueFullError, QueueTimeoutError or BackendUnavailableError."""
         started = time.monotonic()
-        if self._needs_restore:
-            await self._heartbeat_once()
+        if self.keeper.needs_restore:
+            await self.keeper.restore()  # our leases first: nobody may over-admit into them
         request_id = uuid.uuid4().hex
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiters[request_id] = _Waiter(pool, future, priority, started + timeout_s)
-        in_queue = False  # True while an entry or grant of ours may sit in the backend
+        self.waiters[request_id] = Waiter(pool, future, priority, started + timeout_s)
+        # Its own task: if we are cancelled while the step is in flight, the task still routes
+        # the grants of its reply (to nobody here: so they are released at once).
+        enqueue = asyncio.get_running_loop().create_task(
+            self._enqueue(pool, request_id, priority, timeout_s)
+        )
+        owned = settled = False
         try:
             try:
-                result = await self._call(
-                    self.backend.enqueue(
-                        pool,
-                        self.offers(pool.name),
-                        request_id,
-                        priority,
-                        int(timeout_s * 1_000_000),
-                    )
-                )
-            except QueueFullError as exc:
-                self._observe(pool.name, exc.queue_depth, exc.num_dispatched_total)
-                exc.retry_after_s = self.retry_after(pool.name, exc.queue_depth)
+                await asyncio.shield(enqueue)
+            except QueueFullError:
+                settled = True  # the step took the entry out again
                 raise
-            in_queue = True
-            self._apply(pool, result)
             try:
                 if future.done():  # granted in the enqueue step itself: the common fast path
                     endpoint = future.result()
                 else:
-                    endpoint = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+                    remaining = started + timeout_s - time.monotonic()
+                    endpoint = await asyncio.wait_for(asyncio.shield(future), max(0, remaining))
             except TimeoutError:
-                in_queue = False
-                endpoint = await self._cancel(pool, request_id, future)
-            in_queue = False
+                endpoint = await self._cancel_at_deadline(pool, request_id, future)
+            owned = True
+        except QueueTimeoutError:
+            settled = True
+            raise
         finally:
-            self._waiters.pop(request_id, None)
-            if in_queue:
-                # Cancelled (client gone) or failed: take the entry out, or hand a late grant back.
-                self._spawn(self._abandon(pool, request_id))
-        return Lease(request_id, pool, endpoint, time.monotonic() - started)
+            self.waiters.pop(request_id, None)
+            if not owned and not settled:
+                self.spawn(self._abandon(pool, request_id, enqueue))
+        now = time.monotonic()
+        return Lease(request_id, pool, endpoint, now - started, now)
 
     async def release(self, lease: Lease) -> None:
         """Give the slot back (on the replica that acquired it; safe to repeat); never raises."""
-        self._leased.pop(lease.request_id, None)
+        if self.leased.pop(lease.request_id, None) is not None and lease.granted_at:
+            self._hold.setdefault(lease.pool.name, HoldTime()).observe(
+                time.monotonic() - lease.granted_at
+            )
         try:
-            result = await self._call(
+            result = await self.call(
                 self.backend.release(lease.pool, self.offers(lease.pool.name), lease.request_id)
             )
         except BackendUnavailableError:
-            return  # the lease expires by itself after the lease TTL
-        self._apply(lease.pool, result)
+            return  # not renewed any more: the lease expires by itself after the lease TTL
+        self.apply(lease.pool, result)
 
     def release_soon(self, lease: Lease) -> None:
         """``release`` in its own task, so that a cancelled caller still gives the slot back."""
-        self._spawn(self.release(lease))
+        self.spawn(self.release(lease))
 
     # -- internals ----------------------------------------------------------------------------
 
-    async def _cancel(self, pool: PoolPolicy, request_id: str, future: asyncio.Future[str]) -> str:
+    async def _enqueue(
+        self, pool: PoolPolicy, request_id: str, priority: int, timeout_s: float
+    ) -> None:
+        try:
+            result = await self.call(
+                self.backend.enqueue(
+                    pool,
+                    self.offers(pool.name),
+                    request_id,
+                    priority,
+                    int(timeout_s * 1_000_000),
+                    drain_gap_us=promise_gap_us(self.service_rate(pool.name)),
+                )
+            )
+        except QueueFullError as exc:
+            self._observe(pool.name, exc.queue_depth, exc.num_dispatched_total)
+            raise
+        self.apply(pool, result)
+
+    async def _cancel_at_deadline(
+        self, pool: PoolPolicy, request_id: str, future: asyncio.Future[str]
+    ) -> str:
         if future.done():
             return future.result()
-        outcome = await self._call(self.backend.cancel(pool, request_id))
+        outcome = await self.call(self.backend.cancel(pool, request_id))
         if future.done():
             return future.result()
         if outcome.state == "granted":
-            self._leased[request_id] = (pool.name, outcome.endpoint)
+            self.leased[request_id] = (pool.name, outcome.endpoint)
             return outcome.endpoint
         raise QueueTimeoutError(
             f"request waited longer than its queue timeout in pool {pool.name!r}",
             retry_after_s=self.retry_after(pool.name),
         )
 
-    async def _abandon(self, pool: PoolPolicy, request_id: str) -> None:
-        try:
-            outcome = await self._call(self.backend.cancel(pool, request_id))
-        except BackendUnavailableError:
+    async def _abandon(
+        self, pool: PoolPolicy, request_id: str, enqueue: asyncio.Task[None]
+    ) -> None:
+        """The waiter left without a lease: take its entry out or give its grant back."""
+        # Let the enqueue step finish first: its reply may hold our grant (released by
+        # ``_on_grant``, since the waiter is gone) and the cancel must come after it.
+        await asyncio.wait([enqueue])
+        if not enqueue.cancelled() and isinstance(enqueue.exception(), QueueFullError):
             return
+        delay_s, give_up_at = 0.1, time.monotonic() + self.lease_ttl_s
+        while True:
+            try:
+                outcome = await self.call(self.backend.cancel(pool, request_id))
+                break
+            except BackendUnavailableError:
+                # Retried while it can matter; after a lease TTL the backend forgets it anyway.
+                if self._closing or time.monotonic() + delay_s > give_up_at:
+                    return
+                await asyncio.sleep(delay_s)
+                delay_s = min(1.0, delay_s * 2)
         if outcome.state == "granted":
+            self.leased[request_id] = (pool.name, outcome.endpoint)
             await self.release(Lease(request_id, pool, outcome.endpoint, 0.0))
 
     def _on_grant(self, pool_name: str, request_id: str, endpoint: str) -> None:
-        waiter = self._waiters.get(request_id)
-        if waiter is not None:
-            if not waiter.future.done():
-                self._leased[request_id] = (pool_name, endpoint)
-                waiter.future.set_result(endpoint)
+        waiter = self.waiters.get(request_id)
+        if waiter is not None and not waiter.future.done():
+            self.leased[request_id] = (pool_name, endpoint)
+            waiter.future.set_result(endpoint)
             return
-        if request_id in self._leased:
-            return
+        if request_id in self.leased:
+            return  # already ours (the grant came twice: in a reply and on the grant list)
         # Nobody here waits for it any more (timed out, client gone): give it back at once.
-        policy = next((p for p in self.pools() if p.name == pool_name), None)
-        if policy is not None:
-            self.release_soon(Lease(request_id, policy, endpoint, 0.0))
+        policy = next((p for p in self.pools() if p.name == pool_name), PoolPolicy(pool_name))
+        self.release_soon(Lease(request_id, policy, endpoint, 0.0))
 
-    def _apply(self, pool: PoolPolicy, result: DispatchResult) -> None:
+    def apply(self, pool: PoolPolicy, result: DispatchResult) -> None:
+        """Take in what one backend step did: grants, queue depth, hold-back, lost state."""
         for grant in result.grants:
             self._on_grant(pool.name, grant.request_id, grant.endpoint)
         self._observe(pool.name, result.queue_depth, result.num_dispatched_total)
+        if result.state_lost:
+            self.keeper.request_restore()
         if result.hold_us > 0 and pool.name not in self._hold_timers:
             loop = asyncio.get_running_loop()
             self._hold_timers[pool.name] = loop.call_later(
@@ -241,19 +281,20 @@ class Admission:
 
     def _hold_expired(self, pool: PoolPolicy) -> None:
         self._hold_timers.pop(pool.name, None)
-        self._spawn(self._tick_pool(pool))
+        self.spawn(self.tick_pool(pool))
 
     def _observe(self, pool_name: str, queue_depth: int, num_dispatched_total: int) -> None:
         self._queue_depth[pool_name] = queue_depth
         rate = self._drain.setdefault(pool_name, DrainRate())
         rate.observe(time.monotonic(), num_dispatched_total)
 
-    def _spawn(self, coro: Coroutine[object, object, object]) -> None:
+    def spawn(self, coro: Coroutine[object, object, object]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _call(self, awaitable: Awaitable[T]) -> T:
+    async def call(self, awaitable: Awaitable[T]) -> T:
+        """Await one backend step, keeping ``backend_ok`` (the up gauge) current."""
         try:
             result = await awaitable
         except BackendUnavailableError as exc:
@@ -266,75 +307,22 @@ class Admission:
         if self.backend_ok:
             log.warning("%s; answering 503 until it returns", exc.message)
         self.backend_ok = False
-        self._needs_restore = True
+        self.keeper.request_restore()
 
-    async def _tick_pool(self, pool: PoolPolicy) -> None:
+    async def tick_pool(self, pool: PoolPolicy) -> None:
         try:
-            result = await self._call(self.backend.tick(pool, self.offers(pool.name)))
+            result = await self.call(self.backend.tick(pool, self.offers(pool.name)))
         except BackendUnavailableError:
             return
-        self._apply(pool, result)
+        self.apply(pool, result)
 
     async def _tick_loop(self) -> None:
         while not self._closing:
-            waiting_pools = {waiter.pool.name for waiter in self._waiters.values()}
+            waiting_pools = {waiter.pool.name for waiter in self.waiters.values()}
             for pool in self.pools():
                 try:
-                    await self._tick_pool(pool)
+                    await self.tick_pool(pool)
                 except Exception:  # a bug must not stop the sweeper of every other pool
                     log.exception("admission tick failed for pool %s", pool.name)
             interval = self.tick_interval_s if waiting_pools else self.idle_tick_interval_s
             await asyncio.sleep(interval)
-
-    async def _heartbeat_once(self) -> None:
-        held: dict[str, list[tuple[str, str]]] = {}
-        for request_id, (pool_name, endpoint) in list(self._leased.items()):
-            held.setdefault(pool_name, []).append((request_id, endpoint))
-        restore = self._needs_restore
-        try:
-            was_alive = await self._call(self.backend.heartbeat(held, restore=restore))
-            if was_alive and not restore:
-                return
-            if not was_alive:
-                # Our heartbeat came too late (a stall longer than the lease TTL, or Redis lost
-                # its data): take back the leases we still use before anything else.
-                log.warning("this replica was presumed dead; restoring its leases and queue")
-                await self._call(self.backend.heartbeat(held, restore=True))
-            # Entries of our waiters may have been swept or lost: put back the missing ones.
-            await self._requeue_waiters()
-        except BackendUnavailableError:
-            return
-        self._needs_restore = False
-        if restore:
-            log.info("admission backend is back; restored %d leases", len(self._leased))
-
-    async def _requeue_waiters(self) -> None:
-        now = time.monotonic()
-        for request_id, waiter in list(self._waiters.items()):
-            if waiter.future.done():
-                continue
-            remaining_us = max(1, int((waiter.deadline - now) * 1_000_000))
-            try:
-                result = await self._call(
-                    self.backend.enqueue(
-                        waiter.pool,
-                        self.offers(waiter.pool.name),
-                        request_id,
-                        waiter.priority,
-                        remaining_us,
-                        only_if_absent=True,
-                    )
-                )
-            except QueueFullError as exc:
-                if not waiter.future.done():
-                    waiter.future.set_exception(exc)
-                continue
-            self._apply(waiter.pool, result)
-
-    async def _heartbeat_loop(self) -> None:
-        while not self._closing:
-            try:
-                await self._heartbeat_once()
-            except Exception:  # keep heartbeating: a stopped heartbeat loses every lease
-                log.exception("admission heartbeat failed")
-            await asyncio.sleep(self.lease_ttl_s / 4 if not self._needs_restore else 0.2)

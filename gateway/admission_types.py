@@ -52,8 +52,12 @@ class DispatchResult:
     grants: list[Grant] = field(default_factory=list)
     queue_depth: int = 0
     num_dispatched_total: int = 0
-    # > 0: a dynamic/static group is held back; dispatch again after this many microseconds.
+    # > 0: a dynamic/static group is held back (or the admission epoch is not ready yet);
+    # dispatch again after this many microseconds.
     hold_us: int = 0
+    # The backend lost its state since this replica last wrote its leases (Redis FLUSHALL,
+    # restart or failover): the replica must write them back and requeue its waiters at once.
+    state_lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,10 @@ class QueueFullError(AdmissionError):
     status = 429
     code = "queue_full"
 
-    def __init__(self, message: str, *, queue_depth: int, num_dispatched_total: int) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, *, queue_depth: int, num_dispatched_total: int, retry_after_s: int
+    ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
         self.queue_depth = queue_depth
         self.num_dispatched_total = num_dispatched_total
 
@@ -120,11 +126,15 @@ class AdmissionBackend(Protocol):
         priority: int,
         timeout_us: int,
         *,
+        drain_gap_us: int = 1_000_000,
         only_if_absent: bool = False,
     ) -> DispatchResult:
         """Queue a request (raising QueueFullError beyond maxQueueSize), then dispatch.
 
-        ``only_if_absent``: do nothing if the request is already queued or holds a lease.
+        Places promised to clients rejected earlier count as taken until their Retry-After is
+        over; a rejected client is promised the next place after them, ``drain_gap_us`` (one
+        over the measured drain rate) later. ``only_if_absent``: do nothing if the request is
+        already queued or holds a lease.
         """
         ...
 
@@ -143,8 +153,9 @@ class AdmissionBackend(Protocol):
     async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> bool:
         """Mark this replica alive and extend its leases ({pool: [(request_id, endpoint)]}).
 
-        With ``restore``, leases missing from the backend (it restarted) are written back.
-        Returns whether the replica was still alive (its heartbeat had not lapsed).
+        With ``restore``, leases missing from the backend (it lost them) are written back.
+        Returns whether the backend's view was intact: this replica was still alive (its
+        heartbeat had not lapsed) and the backend kept its state (same admission epoch).
         """
         ...
 

@@ -13,11 +13,17 @@ replica leaves nothing behind for long:
 | ``P:{pool}:leases`` | ZSET | request ids holding a slot; score = lease expiry (us) | STATE |
 | ``P:{pool}:lease_endpoint`` | HASH | request id -> endpoint URL of its slot | STATE |
 | ``P:{pool}:inflight`` | HASH | endpoint URL -> number of leases on it | STATE |
-| ``P:{pool}:stats`` | HASH | ``dispatched`` -> requests granted so far (drain rate) | STATE |
+| ``P:{pool}:stats`` | HASH | ``dispatched`` (granted so far), ``retry_horizon`` (us) | STATE |
+| ``P:{pool}:deadlines`` | ZSET | waiting request ids; score = queue deadline (us) | STATE |
+| ``P:{pool}:replicas`` | SET | replicas that may have requests waiting in the pool | STATE |
+| ``P:{pool}:retries`` | ZSET | places promised to rejected clients; score = return (us) | STATE |
+| ``P:{pool}:waiting:{id}`` | ZSET | replica ``id``'s waiting request ids (dead: swept) | STATE |
+| ``P:epoch`` | HASH | admission epoch: ``id``, ``created``, ``ready`` (us) (2) | STATE |
 | ``P:replica:{id}`` | STRING | present while replica ``id`` heartbeats | lease TTL |
 | ``P:grants:{id}`` | LIST | grants made for replica ``id`` by others (1) | lease TTL |
 
 (1) each item is ``pool``, request id and endpoint joined by ``\\x1f``.
+(2) recreated when Redis lost its data; nobody dispatches before ``ready`` (see ``lua.py``).
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
 write. Times are Redis server time (``TIME``) in microseconds, so replica clocks never matter.
 """
@@ -28,7 +34,18 @@ from dataclasses import dataclass
 
 STATE_TTL_S = 3600
 GRANT_SEPARATOR = "\x1f"
-POOL_KEY_NAMES = ("queue", "entries", "seq", "leases", "lease_endpoint", "inflight", "stats")
+POOL_KEY_NAMES = (
+    "queue",
+    "entries",
+    "seq",
+    "leases",
+    "lease_endpoint",
+    "inflight",
+    "stats",
+    "deadlines",
+    "replicas",
+    "retries",
+)
 
 
 @dataclass(frozen=True)
@@ -38,7 +55,7 @@ class Keys:
     prefix: str = "slotserve"
 
     def pool(self, pool_name: str) -> list[str]:
-        """The pool's keys in the order the Lua scripts expect them (KEYS[1..7])."""
+        """The pool's keys in the order the Lua scripts expect them (KEYS[1..10])."""
         return [self.pool_key(pool_name, name) for name in POOL_KEY_NAMES]
 
     def pool_key(self, pool_name: str, name: str) -> str:

@@ -3,17 +3,70 @@
 They mirror ``memory_backend.InProcessHub`` step for step (same ranking, same group rule, same
 queue-full check), so both backends pass the same test suite. Key order: ``keys.POOL_KEY_NAMES``.
 
+Every script starts with ``#!lua flags=...`` so that Redis refuses it whole, before its first
+command, when it cannot write (OOM under ``noeviction``, READONLY replica): a script stopped
+half-way would leave a lease removed but its endpoint still counted (a slot lost for good).
+
+Every script bounds its own work: expired leases, expired queue entries and dead replicas'
+entries are swept ``SWEEP_BATCH`` at a time, oldest deadline first, so that no call blocks Redis
+for long however many requests wait (the rest goes on the next tick).
+
 Dispatching scripts share one argument layout:
 ARGV[1] prefix, [2] pool, [3] calling replica, [4] lease TTL (us), [5] state TTL (ms),
-[6] batching policy, [7] maxQueueDelay (us), [8] preferred batch sizes ("4,8"), [9] number of
-endpoint offers N, then N triples (url, slots_total, load_score), then the script's own arguments.
+[6] batching policy, [7] maxQueueDelay (us), [8] preferred batch sizes ("4,8"), [9] the admission
+epoch the caller knows ("" if none yet), [10] sweep batch, [11] number of endpoint offers N, then
+N triples (url, slots_total, load_score), then the script's own arguments.
+
+The admission epoch (``P:epoch``): Redis that lost its data (FLUSHALL, restart without
+persistence, failover to an empty replica) also lost the leases of requests still running. The
+first script to find the epoch missing starts a new one whose dispatching waits one lease TTL
+(half of it when the caller knew no epoch: a fresh Redis). Every live replica heartbeats at
+least every lease TTL / 4 and finds the new epoch on its next step, writes its leases back, and
+only then does anyone dispatch; so in-flight never exceeds slots across the loss.
 """
 
 from __future__ import annotations
 
-_PRELUDE = r"""
+# Shared by every script: the epoch check (needs PREFIX, CALLER, LEASE_TTL_US, STATE_TTL_MS,
+# KNOWN_EPOCH).
+_EPOCH = r"""
+local function fmt(n) return string.format('%.0f', n) end
+
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local K_EPOCH = PREFIX .. ':epoch'
+
+-- Returns the epoch id and the time (us) from which dispatching is allowed.
+local function check_epoch(now)
+  local e = redis.call('HMGET', K_EPOCH, 'id', 'created', 'ready')
+  local id, created, ready = e[1], tonumber(e[2]), tonumber(e[3])
+  if not id then
+    id = fmt(now) .. '-' .. CALLER
+    created = now
+    if KNOWN_EPOCH ~= '' then
+      ready = now + LEASE_TTL_US  -- a loss seen by a replica that holds state: wait a full TTL
+    else
+      ready = now + math.floor(LEASE_TTL_US / 2)
+    end
+    redis.call('HSET', K_EPOCH, 'id', id, 'created', fmt(created), 'ready', fmt(ready))
+  elseif KNOWN_EPOCH ~= '' and KNOWN_EPOCH ~= id and ready < created + LEASE_TTL_US then
+    -- The epoch was started by a replica that knew none: the loss is now certain.
+    ready = created + LEASE_TTL_US
+    redis.call('HSET', K_EPOCH, 'ready', fmt(ready))
+  end
+  redis.call('PEXPIRE', K_EPOCH, STATE_TTL_MS)
+  return id, ready
+end
+"""
+
+_PRELUDE = (
+    r"""#!lua flags=allow-cross-slot-keys
 local K_QUEUE, K_ENTRIES, K_SEQ, K_LEASES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_LEASE_EP, K_INFLIGHT, K_STATS = KEYS[5], KEYS[6], KEYS[7]
+local K_LEASE_EP, K_INFLIGHT, K_STATS, K_DEADLINES = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local K_REPLICAS, K_RETRIES = KEYS[9], KEYS[10]
 local PREFIX, POOL, CALLER = ARGV[1], ARGV[2], ARGV[3]
 local LEASE_TTL_US = tonumber(ARGV[4])
 local STATE_TTL_MS = tonumber(ARGV[5])
@@ -21,24 +74,30 @@ local POLICY = ARGV[6]
 local MAX_DELAY_US = tonumber(ARGV[7])
 local PREFERRED = {}
 for size in string.gmatch(ARGV[8], '%d+') do PREFERRED[#PREFERRED + 1] = tonumber(size) end
-local NUM_OFFERS = tonumber(ARGV[9])
+local KNOWN_EPOCH = ARGV[9]
+local SWEEP_BATCH = tonumber(ARGV[10])
+local NUM_OFFERS = tonumber(ARGV[11])
 local OFFERS = {}
 for i = 0, NUM_OFFERS - 1 do
-  local b = 10 + i * 3
+  local b = 12 + i * 3
   OFFERS[#OFFERS + 1] = {url = ARGV[b], slots = tonumber(ARGV[b + 1]), load = tonumber(ARGV[b + 2])}
 end
-local REST = 10 + NUM_OFFERS * 3
+local REST = 12 + NUM_OFFERS * 3
+"""
+    + _EPOCH
+    + r"""
+local EPOCH_ID, READY_AT = '', 0
 
-local function now_us()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+local alive = {[CALLER] = true}
+local function is_alive(replica)
+  if alive[replica] == nil then
+    alive[replica] = redis.call('EXISTS', PREFIX .. ':replica:' .. replica) == 1
+  end
+  return alive[replica]
 end
 
-local function fmt(n) return string.format('%.0f', n) end
-
-local function drop(rid)
-  redis.call('ZREM', K_QUEUE, rid)
-  redis.call('HDEL', K_ENTRIES, rid)
+local function waiting_key(replica)
+  return PREFIX .. ':{' .. POOL .. '}:waiting:' .. replica
 end
 
 local function parse_entry(info)
@@ -46,18 +105,30 @@ local function parse_entry(info)
   return replica, tonumber(deadline), tonumber(enqueued)
 end
 
--- The oldest live entry of the best priority; expired or orphaned heads are dropped on the way.
+local function drop(rid)
+  local info = redis.call('HGET', K_ENTRIES, rid)
+  redis.call('ZREM', K_QUEUE, rid)
+  redis.call('ZREM', K_DEADLINES, rid)
+  if info then
+    redis.call('HDEL', K_ENTRIES, rid)
+    redis.call('ZREM', waiting_key(parse_entry(info)), rid)
+  end
+end
+
+-- The oldest live entry of the best priority; expired, orphaned or dead replicas' heads are
+-- dropped on the way (at most SWEEP_BATCH of them: the tick drops the rest).
 local function head(now)
-  while true do
+  for _ = 1, SWEEP_BATCH do
     local h = redis.call('ZRANGE', K_QUEUE, 0, 0)
     if #h == 0 then return nil end
     local info = redis.call('HGET', K_ENTRIES, h[1])
     if info then
       local replica, deadline, enqueued = parse_entry(info)
-      if deadline > now then return h[1], replica, enqueued end
+      if deadline > now and is_alive(replica) then return h[1], replica, enqueued end
     end
     drop(h[1])
   end
+  return nil
 end
 
 -- routing.rank_endpoints: free slot, lowest held share, then engine load, then URL.
@@ -119,6 +190,8 @@ local function group_size(n, slots, waited)
 end
 
 local function dispatch(now)
+  EPOCH_ID, READY_AT = check_epoch(now)
+  if now < READY_AT then return READY_AT - now end  -- leases may still be coming back
   local idle_only = POLICY ~= 'continuous'
   while true do
     local rid, replica, enqueued = head(now)
@@ -142,35 +215,63 @@ local function dispatch(now)
 end
 
 local function touch()
-  for i = 1, 7 do redis.call('PEXPIRE', KEYS[i], STATE_TTL_MS) end
+  for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], STATE_TTL_MS) end
 end
 
-local function result(status, hold)
+-- {status, queue depth, dispatched so far, hold (us), epoch, retry after (us), grants...}
+local function result(status, hold, retry_us)
   local out = {status, redis.call('ZCARD', K_QUEUE),
-               tonumber(redis.call('HGET', K_STATS, 'dispatched') or '0'), hold}
+               tonumber(redis.call('HGET', K_STATS, 'dispatched') or '0'), hold,
+               EPOCH_ID, retry_us or 0}
   for _, v in ipairs(mine) do out[#out + 1] = v end
   return out
 end
 """
+)
 
+# Script arguments after the shared ones: request id, priority, timeout (us), maxQueueSize,
+# only-if-absent flag, and the expected gap (us) between two places freeing in the queue
+# (1 / measured drain rate), used to hand out return times to rejected clients.
 ENQUEUE = (
     _PRELUDE
     + r"""
 local rid, priority = ARGV[REST], tonumber(ARGV[REST + 1])
 local timeout_us, max_size = tonumber(ARGV[REST + 2]), tonumber(ARGV[REST + 3])
+local drain_gap_us = tonumber(ARGV[REST + 5])
+local now = now_us()
 if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
     or redis.call('ZSCORE', K_LEASES, rid)) then
+  EPOCH_ID = check_epoch(now)
   return result('ok', 0)
 end
-local now = now_us()
+-- Places promised to clients told to come back later (Retry-After) are not for newcomers.
+redis.call('ZREMRANGEBYSCORE', K_RETRIES, '-inf', now)
+local promised = redis.call('ZCARD', K_RETRIES)
 local seq = redis.call('INCR', K_SEQ)
+local deadline = now + timeout_us
 redis.call('ZADD', K_QUEUE, priority * 10000000000000 + seq, rid)
-redis.call('HSET', K_ENTRIES, rid, CALLER .. '|' .. fmt(now + timeout_us) .. '|' .. fmt(now))
+redis.call('HSET', K_ENTRIES, rid, CALLER .. '|' .. fmt(deadline) .. '|' .. fmt(now))
+redis.call('ZADD', K_DEADLINES, deadline, rid)
+redis.call('ZADD', waiting_key(CALLER), deadline, rid)
+redis.call('PEXPIRE', waiting_key(CALLER), STATE_TTL_MS)
+redis.call('SADD', K_REPLICAS, CALLER)
 local hold = dispatch(now)
 touch()
-if redis.call('ZSCORE', K_QUEUE, rid) and redis.call('ZCARD', K_QUEUE) > max_size then
+if redis.call('ZSCORE', K_QUEUE, rid) and redis.call('ZCARD', K_QUEUE) + promised > max_size then
   drop(rid)
-  return result('full', 0)
+  local last = tonumber(redis.call('HGET', K_STATS, 'retry_horizon') or '0')
+  if promised >= max_size then
+    -- At most a queue's worth of promises (a client that ignores Retry-After must not
+    -- reserve the queue for long): come back when the promised ones are due.
+    return result('full', 0, math.ceil((math.max(now, last) - now) / 1000000) * 1000000)
+  end
+  -- The next free place after every place already promised: whole seconds, as the client
+  -- will wait (Retry-After has one-second resolution).
+  local horizon = math.max(now, last) + drain_gap_us
+  redis.call('HSET', K_STATS, 'retry_horizon', fmt(horizon))
+  local retry_us = math.ceil((horizon - now) / 1000000) * 1000000
+  redis.call('ZADD', K_RETRIES, now + retry_us, seq)
+  return result('full', 0, retry_us)
 end
 return result('ok', hold)
 """
@@ -190,11 +291,11 @@ CANCEL = (
     _PRELUDE
     + r"""
 local rid = ARGV[REST]
-if redis.call('ZREM', K_QUEUE, rid) == 1 then
-  redis.call('HDEL', K_ENTRIES, rid)
+if redis.call('ZSCORE', K_QUEUE, rid) then
+  drop(rid)
   return {'cancelled', ''}
 end
-redis.call('HDEL', K_ENTRIES, rid)
+drop(rid)
 local ep = redis.call('HGET', K_LEASE_EP, rid)
 if ep then return {'granted', ep} end
 return {'gone', ''}
@@ -205,15 +306,17 @@ TICK = (
     _PRELUDE
     + r"""
 local now = now_us()
-for _, rid in ipairs(redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now)) do release_lease(rid) end
-local alive = {}
-local entries = redis.call('HGETALL', K_ENTRIES)
-for i = 1, #entries, 2 do
-  local replica, deadline = parse_entry(entries[i + 1])
-  if alive[replica] == nil then
-    alive[replica] = redis.call('EXISTS', PREFIX .. ':replica:' .. replica) == 1
+local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
+for _, rid in ipairs(expired) do release_lease(rid) end
+local late = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
+for _, rid in ipairs(late) do drop(rid) end
+-- Dead replicas' entries, a batch per dead replica (the set holds one member per replica).
+for _, replica in ipairs(redis.call('SMEMBERS', K_REPLICAS)) do
+  local wk = waiting_key(replica)
+  if not is_alive(replica) then
+    for _, rid in ipairs(redis.call('ZRANGE', wk, 0, SWEEP_BATCH - 1)) do drop(rid) end
   end
-  if not alive[replica] or deadline <= now then drop(entries[i]) end
+  if redis.call('EXISTS', wk) == 0 then redis.call('SREM', K_REPLICAS, replica) end
 end
 local hold = dispatch(now)
 touch()
@@ -221,23 +324,43 @@ return result('ok', hold)
 """
 )
 
+# Not pool-bound: ARGV[1] prefix, [2] replica, [3] lease TTL (us), [4] state TTL (ms), [5] the
+# epoch the caller knows, [6] restore flag, then per pool: name, number of leases N, N pairs
+# (request id, endpoint). Renews liveness and leases; with restore, leases missing from Redis
+# (it lost them) are written back. Returns {was alive (0/1), epoch id, us until it dispatches}.
 HEARTBEAT = (
-    _PRELUDE
+    r"""#!lua flags=allow-cross-slot-keys
+local PREFIX, CALLER = ARGV[1], ARGV[2]
+local LEASE_TTL_US, STATE_TTL_MS = tonumber(ARGV[3]), tonumber(ARGV[4])
+local KNOWN_EPOCH, restore = ARGV[5], ARGV[6] == '1'
+"""
+    + _EPOCH
     + r"""
 local now = now_us()
-local restore = ARGV[REST] == '1'
-for i = REST + 1, #ARGV, 2 do
-  local rid, ep = ARGV[i], ARGV[i + 1]
-  if redis.call('ZSCORE', K_LEASES, rid) then
-    redis.call('ZADD', K_LEASES, now + LEASE_TTL_US, rid)
-  elseif restore then
-    redis.call('ZADD', K_LEASES, now + LEASE_TTL_US, rid)
-    redis.call('HSET', K_LEASE_EP, rid, ep)
-    redis.call('HINCRBY', K_INFLIGHT, ep, 1)
+local replica_key = PREFIX .. ':replica:' .. CALLER
+local was_alive = redis.call('EXISTS', replica_key)
+redis.call('SET', replica_key, '1', 'PX', math.floor(LEASE_TTL_US / 1000))
+local epoch, ready = check_epoch(now)
+local i = 7
+while i <= #ARGV do
+  local pool, n = ARGV[i], tonumber(ARGV[i + 1])
+  local k = PREFIX .. ':{' .. pool .. '}:'
+  for j = i + 2, i + 2 * n, 2 do
+    local rid, ep = ARGV[j], ARGV[j + 1]
+    if redis.call('ZSCORE', k .. 'leases', rid) then
+      redis.call('ZADD', k .. 'leases', now + LEASE_TTL_US, rid)
+    elseif restore then
+      redis.call('ZADD', k .. 'leases', now + LEASE_TTL_US, rid)
+      redis.call('HSET', k .. 'lease_endpoint', rid, ep)
+      redis.call('HINCRBY', k .. 'inflight', ep, 1)
+    end
   end
+  for _, name in ipairs({'leases', 'lease_endpoint', 'inflight'}) do
+    redis.call('PEXPIRE', k .. name, STATE_TTL_MS)
+  end
+  i = i + 2 + 2 * n
 end
-touch()
-return {'ok'}
+return {was_alive, epoch, math.max(0, ready - now)}
 """
 )
 

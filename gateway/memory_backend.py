@@ -8,6 +8,8 @@ awaits in the middle, so every step is atomic just like a Lua script.
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from slotserve.gateway.admission_types import (
 from slotserve.gateway.routing import EndpointOffer, group_size, rank_endpoints
 
 PRIORITY_STRIDE = 10**13  # queue score = priority * stride + arrival sequence (as in Redis)
+SWEEP_BATCH = 200  # as in the Redis backend: bounded work per step however long the queue
 
 
 def _monotonic_us() -> int:
@@ -38,26 +41,53 @@ class _Entry:
 
 @dataclass
 class _PoolState:
+    """One pool's shared state. Heaps hold (key, request id) with lazy deletion: an item is
+    live only while the dicts still agree with it."""
+
     queue: dict[str, int] = field(default_factory=dict)  # request id -> score
+    queue_heap: list[tuple[int, str]] = field(default_factory=list)
     entries: dict[str, _Entry] = field(default_factory=dict)
+    deadline_heap: list[tuple[int, str]] = field(default_factory=list)
+    by_replica: dict[str, set[str]] = field(default_factory=dict)
     seq: int = 0
     leases: dict[str, int] = field(default_factory=dict)  # request id -> expiry (us)
+    lease_heap: list[tuple[int, str]] = field(default_factory=list)
     lease_endpoint: dict[str, str] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
     num_dispatched: int = 0
+    retry_horizon_us: int = 0
+    promised: list[int] = field(default_factory=list)  # heap of promised return times (us)
 
-    def head(self, now_us: int) -> tuple[str, _Entry] | None:
-        while self.queue:
-            request_id = min(self.queue, key=self.queue.__getitem__)
+    def add(self, request_id: str, score: int, entry: _Entry) -> None:
+        self.queue[request_id] = score
+        self.entries[request_id] = entry
+        heapq.heappush(self.queue_heap, (score, request_id))
+        heapq.heappush(self.deadline_heap, (entry.deadline_us, request_id))
+        self.by_replica.setdefault(entry.replica, set()).add(request_id)
+
+    def head(self, now_us: int, alive: Callable[[str], bool]) -> tuple[str, _Entry] | None:
+        for _ in range(SWEEP_BATCH):
+            heap = self.queue_heap
+            while heap and self.queue.get(heap[0][1]) != heap[0][0]:
+                heapq.heappop(heap)
+            if not heap:
+                return None
+            request_id = heap[0][1]
             entry = self.entries.get(request_id)
-            if entry is not None and entry.deadline_us > now_us:
+            if entry is not None and entry.deadline_us > now_us and alive(entry.replica):
                 return request_id, entry
             self._drop(request_id)
         return None
 
     def _drop(self, request_id: str) -> None:
         self.queue.pop(request_id, None)
-        self.entries.pop(request_id, None)
+        entry = self.entries.pop(request_id, None)
+        if entry is not None:
+            self.by_replica.get(entry.replica, set()).discard(request_id)
+
+    def set_lease(self, request_id: str, expiry_us: int) -> None:
+        self.leases[request_id] = expiry_us
+        heapq.heappush(self.lease_heap, (expiry_us, request_id))
 
     def free_lease(self, request_id: str) -> bool:
         if self.leases.pop(request_id, None) is None:
@@ -67,6 +97,45 @@ class _PoolState:
         if self.inflight[endpoint] <= 0:
             del self.inflight[endpoint]
         return True
+
+    def sweep(self, now_us: int, alive: Callable[[str], bool]) -> None:
+        """Expired leases and queue entries, oldest first, then dead replicas' entries: each at
+        most SWEEP_BATCH per step."""
+        for _ in range(SWEEP_BATCH):
+            if not self.lease_heap or self.lease_heap[0][0] > now_us:
+                break
+            expiry, request_id = heapq.heappop(self.lease_heap)
+            if self.leases.get(request_id) == expiry:
+                self.free_lease(request_id)
+        for _ in range(SWEEP_BATCH):
+            if not self.deadline_heap or self.deadline_heap[0][0] > now_us:
+                break
+            deadline, request_id = heapq.heappop(self.deadline_heap)
+            entry = self.entries.get(request_id)
+            if entry is not None and entry.deadline_us == deadline:
+                self._drop(request_id)
+        for replica, request_ids in list(self.by_replica.items()):
+            if not alive(replica):
+                for request_id in list(request_ids)[:SWEEP_BATCH]:
+                    self._drop(request_id)
+            if not request_ids:
+                del self.by_replica[replica]
+
+    def num_promised(self, now_us: int) -> int:
+        while self.promised and self.promised[0] <= now_us:
+            heapq.heappop(self.promised)
+        return len(self.promised)
+
+    def promise_place(self, now_us: int, drain_gap_us: int, max_promised: int) -> int:
+        """A rejected client's Retry-After (whole seconds, in us): the next place that frees
+        after every place already promised (at most ``max_promised`` of them)."""
+        if len(self.promised) >= max_promised:
+            horizon_us = max(now_us, self.retry_horizon_us)
+            return math.ceil((horizon_us - now_us) / 1_000_000) * 1_000_000
+        self.retry_horizon_us = max(now_us, self.retry_horizon_us) + drain_gap_us
+        retry_us = math.ceil((self.retry_horizon_us - now_us) / 1_000_000) * 1_000_000
+        heapq.heappush(self.promised, now_us + retry_us)
+        return retry_us
 
 
 class InProcessHub:
@@ -84,6 +153,9 @@ class InProcessHub:
     def pool(self, name: str) -> _PoolState:
         return self.pools.setdefault(name, _PoolState())
 
+    def is_alive(self, replica: str, now_us: int) -> bool:
+        return self.alive_until.get(replica, 0) > now_us
+
     def dispatch(
         self, policy: PoolPolicy, offers: Sequence[EndpointOffer], caller: str, now_us: int
     ) -> DispatchResult:
@@ -91,9 +163,12 @@ class InProcessHub:
         mine: list[Grant] = []
         hold_us = 0
 
+        def alive(replica: str) -> bool:
+            return replica == caller or self.is_alive(replica, now_us)
+
         def grant(request_id: str, entry: _Entry, endpoint: str) -> None:
             state._drop(request_id)
-            state.leases[request_id] = now_us + self.lease_ttl_us
+            state.set_lease(request_id, now_us + self.lease_ttl_us)
             state.lease_endpoint[request_id] = endpoint
             state.inflight[endpoint] = state.inflight.get(endpoint, 0) + 1
             state.num_dispatched += 1
@@ -103,7 +178,7 @@ class InProcessHub:
                 self.listeners[entry.replica](policy.name, request_id, endpoint)
 
         idle_only = policy.policy != "continuous"
-        while (head := state.head(now_us)) is not None:
+        while (head := state.head(now_us, alive)) is not None:
             request_id, entry = head
             ranked = rank_endpoints(offers, state.inflight, idle_only=idle_only)
             if not ranked:
@@ -124,7 +199,7 @@ class InProcessHub:
                 break
             grant(request_id, entry, ranked[0].url)
             for _ in range(size - 1):
-                nxt = state.head(now_us)
+                nxt = state.head(now_us, alive)
                 if nxt is None:
                     break
                 grant(nxt[0], nxt[1], ranked[0].url)
@@ -153,22 +228,26 @@ class InProcessBackend:
         priority: int,
         timeout_us: int,
         *,
+        drain_gap_us: int = 1_000_000,
         only_if_absent: bool = False,
     ) -> DispatchResult:
         now = self.hub.clock_us()
         state = self.hub.pool(pool.name)
         if only_if_absent and (request_id in state.queue or request_id in state.leases):
             return DispatchResult([], len(state.queue), state.num_dispatched, 0)
+        promised = state.num_promised(now)
         state.seq += 1
-        state.queue[request_id] = priority * PRIORITY_STRIDE + state.seq
-        state.entries[request_id] = _Entry(self.replica_id, now + timeout_us, now)
+        entry = _Entry(self.replica_id, now + timeout_us, now)
+        state.add(request_id, priority * PRIORITY_STRIDE + state.seq, entry)
         result = self.hub.dispatch(pool, offers, self.replica_id, now)
-        if request_id in state.queue and len(state.queue) > pool.max_queue_size:
+        if request_id in state.queue and len(state.queue) + promised > pool.max_queue_size:
             state._drop(request_id)
+            retry_us = state.promise_place(now, max(1, drain_gap_us), pool.max_queue_size)
             raise QueueFullError(
                 f"queue of pool {pool.name!r} is full ({pool.max_queue_size} waiting)",
                 queue_depth=len(state.queue),
                 num_dispatched_total=state.num_dispatched,
+                retry_after_s=max(1, retry_us // 1_000_000),
             )
         return result
 
@@ -189,13 +268,7 @@ class InProcessBackend:
 
     async def tick(self, pool: PoolPolicy, offers: Sequence[EndpointOffer]) -> DispatchResult:
         now = self.hub.clock_us()
-        state = self.hub.pool(pool.name)
-        for request_id, expiry in list(state.leases.items()):
-            if expiry <= now:
-                state.free_lease(request_id)
-        for request_id, entry in list(state.entries.items()):
-            if self.hub.alive_until.get(entry.replica, 0) <= now or entry.deadline_us <= now:
-                state._drop(request_id)
+        self.hub.pool(pool.name).sweep(now, lambda replica: self.hub.is_alive(replica, now))
         return self.hub.dispatch(pool, offers, self.replica_id, now)
 
     async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> bool:
@@ -206,9 +279,9 @@ class InProcessBackend:
             state = self.hub.pool(pool_name)
             for request_id, endpoint in held:
                 if request_id in state.leases:
-                    state.leases[request_id] = now + self.hub.lease_ttl_us
+                    state.set_lease(request_id, now + self.hub.lease_ttl_us)
                 elif restore:
-                    state.leases[request_id] = now + self.hub.lease_ttl_us
+                    state.set_lease(request_id, now + self.hub.lease_ttl_us)
                     state.lease_endpoint[request_id] = endpoint
                     state.inflight[endpoint] = state.inflight.get(endpoint, 0) + 1
         return was_alive

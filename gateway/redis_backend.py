@@ -1,10 +1,11 @@
 """Redis admission backend: shared queues and slot leases for many gateway replicas.
 
 Every state change is one named Lua script (``gateway/lua.py``), loaded once per server with
-SCRIPT LOAD and then called by SHA (redis-py reloads them by itself after a Redis restart).
-Grants made by another replica arrive on this replica's grant list, read with BLPOP, so waiting
-requests never poll Redis. Connection failures become ``BackendUnavailableError`` at once (no
-client-side retry loop), which the HTTP layer answers with 503 + Retry-After.
+SCRIPT LOAD and then called by SHA (reloaded after a restart or SCRIPT FLUSH). Grants made by
+another replica arrive on this replica's grant list, read with BLPOP, so waiting requests never
+poll Redis. Every Redis failure (connection, timeout, OOM, READONLY, script errors) becomes
+``BackendUnavailableError`` at once (no client-side retry loop), which the HTTP layer answers
+with 503 + Retry-After; every await on Redis is bounded by ``CALL_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import BusyLoadingError, ConnectionError, NoScriptError, TimeoutError
+from redis.exceptions import ConnectionError, NoScriptError, RedisError
 
 from slotserve.gateway.admission_types import (
     BackendUnavailableError,
@@ -34,7 +35,12 @@ from slotserve.gateway.lua import SCRIPTS
 from slotserve.gateway.routing import EndpointOffer
 
 log = logging.getLogger(__name__)
-_UNAVAILABLE = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
+# Anything Redis or the socket can raise; asyncio's TimeoutError is the builtin one.
+_UNAVAILABLE = (RedisError, OSError, TimeoutError)
+# The longest any caller waits for one Redis step (socket timeouts are shorter; this also
+# bounds the wait for a free connection under a burst).
+CALL_TIMEOUT_S = 4.0
+SWEEP_BATCH = 200
 
 
 def make_client(url: str, *, socket_timeout_s: float = 3.0) -> aioredis.Redis:
@@ -50,7 +56,8 @@ def make_client(url: str, *, socket_timeout_s: float = 3.0) -> aioredis.Redis:
 
 
 def _unavailable(exc: BaseException) -> BackendUnavailableError:
-    return BackendUnavailableError(f"admission backend (Redis) unavailable: {exc}")
+    detail = str(exc) or type(exc).__name__
+    return BackendUnavailableError(f"admission backend (Redis) unavailable: {detail}")
 
 
 @dataclass
@@ -93,6 +100,10 @@ class RedisBackend:
         # hundreds at once, which on a busy host time out while connecting.
         self._connection_slots = asyncio.Semaphore(max_connections)
         self.scripts = {name: self.client.register_script(src) for name, src in SCRIPTS.items()}
+        # The admission epoch this replica's leases are written under ("" before the first
+        # heartbeat); a script that reports another one means Redis lost its state.
+        self.epoch = ""
+        self._epoch_wait_us = 0  # how long the epoch seen last still holds dispatching back
         self._listener: asyncio.Task[None] | None = None
         self._on_grant: GrantCallback | None = None
         self._closing = False
@@ -104,6 +115,11 @@ class RedisBackend:
         self._on_grant = on_grant
         with contextlib.suppress(BackendUnavailableError):
             await self.heartbeat({}, restore=False)  # registers this replica as alive
+            # A fresh epoch dispatches after a grace period: wait for it here, so that this
+            # replica reports ready only when it can admit.
+            wait_s = min(self.lease_ttl_us / 1e6, self._epoch_wait_us / 1e6)
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
         self._listener = asyncio.create_task(self._listen(), name="redis-grant-listener")
 
     async def close(self) -> None:
@@ -112,9 +128,10 @@ class RedisBackend:
             self._listener.cancel()
             await asyncio.wait([self._listener], timeout=2)
         with contextlib.suppress(*_UNAVAILABLE):
-            await self.client.delete(self.keys.replica(self.replica_id))
+            await asyncio.wait_for(self.client.delete(self.keys.replica(self.replica_id)), 2)
         for client in (self.client, self.blocking_client, self.control_client):
-            await client.aclose()
+            with contextlib.suppress(*_UNAVAILABLE):
+                await client.aclose()
 
     # -- script calls -------------------------------------------------------------------------
 
@@ -128,35 +145,26 @@ class RedisBackend:
             pool.policy,
             pool.max_queue_delay_us,
             ",".join(str(size) for size in pool.preferred_batch_sizes),
+            self.epoch,
+            SWEEP_BATCH,
             len(offers),
         ]
         for offer in offers:
             args += [offer.url, offer.slots_total, repr(float(offer.load_score))]
         return args
 
-    async def _run(
-        self,
-        name: str,
-        pool: PoolPolicy,
-        args: list[str | int],
-        client: aioredis.Redis | None = None,
-    ) -> list[object]:
+    async def _run(self, name: str, keys: list[str], args: list[str | int]) -> list[object]:
         """Run a named script. Calls made in the same event-loop turn share one pipeline (one
         round trip); each script is still atomic on its own."""
-        if client is not None:
-            try:
-                reply = await self.scripts[name](
-                    keys=self.keys.pool(pool.name), args=args, client=client
-                )
-            except _UNAVAILABLE as exc:
-                raise _unavailable(exc) from exc
-            return list(reply)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[object]] = loop.create_future()
-        self._pending.append(_Call(name, self.keys.pool(pool.name), args, future))
+        self._pending.append(_Call(name, keys, args, future))
         if len(self._pending) == 1:
             loop.call_soon(self._flush_calls)
-        return await asyncio.shield(future)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), CALL_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise _unavailable(exc) from exc
 
     def _flush_calls(self) -> None:
         calls, self._pending = self._pending, []
@@ -176,18 +184,19 @@ class RedisBackend:
                     for i, reply in zip(missing, again, strict=True):
                         replies[i] = reply
         except _UNAVAILABLE as exc:
-            error = _unavailable(exc)
-            for call in calls:
-                if not call.future.done():
-                    call.future.set_exception(error)
-            return
+            replies = [exc] * len(calls)
+        except Exception as exc:  # a bug here must still answer every waiting caller
+            log.exception("Redis pipeline failed")
+            replies = [exc] * len(calls)
         for call, reply in zip(calls, replies, strict=True):
             if call.future.done():
                 continue
-            if isinstance(reply, Exception):
-                call.future.set_exception(reply)
+            if isinstance(reply, BaseException):
+                # OOM, READONLY, a script error: Redis cannot take the step; nothing was done
+                # (the scripts declare flags, so Redis refuses them before their first write).
+                call.future.set_exception(_unavailable(reply))
             else:
-                call.future.set_result(list(reply))
+                call.future.set_result(list(reply))  # type: ignore[call-overload]
 
     async def _pipeline(self, calls: list[_Call]) -> list[object]:
         pipe = self.client.pipeline(transaction=False)
@@ -195,10 +204,16 @@ class RedisBackend:
             pipe.evalsha(self.scripts[call.name].sha, len(call.keys), *call.keys, *call.args)
         return list(await pipe.execute(raise_on_error=False))
 
-    @staticmethod
-    def _result(reply: list[object]) -> DispatchResult:
-        grants = [Grant(str(reply[i]), str(reply[i + 1])) for i in range(4, len(reply) - 1, 2)]
-        return DispatchResult(grants, int(reply[1]), int(reply[2]), int(reply[3]))  # type: ignore[call-overload]
+    def _result(self, reply: list[object]) -> DispatchResult:
+        grants = [Grant(str(reply[i]), str(reply[i + 1])) for i in range(6, len(reply) - 1, 2)]
+        epoch = str(reply[4])
+        return DispatchResult(
+            grants,
+            int(reply[1]),  # type: ignore[call-overload]
+            int(reply[2]),  # type: ignore[call-overload]
+            int(reply[3]),  # type: ignore[call-overload]
+            state_lost=bool(self.epoch) and bool(epoch) and epoch != self.epoch,
+        )
 
     async def enqueue(
         self,
@@ -208,17 +223,19 @@ class RedisBackend:
         priority: int,
         timeout_us: int,
         *,
+        drain_gap_us: int = 1_000_000,
         only_if_absent: bool = False,
     ) -> DispatchResult:
         args = [*self._args(pool, offers), request_id, priority, timeout_us, pool.max_queue_size]
-        args.append(1 if only_if_absent else 0)
-        reply = await self._run("enqueue", pool, args)
+        args += [1 if only_if_absent else 0, max(1, drain_gap_us)]
+        reply = await self._run("enqueue", self.keys.pool(pool.name), args)
         result = self._result(reply)
         if reply[0] == "full":
             raise QueueFullError(
                 f"queue of pool {pool.name!r} is full ({pool.max_queue_size} waiting)",
                 queue_depth=result.queue_depth,
                 num_dispatched_total=result.num_dispatched_total,
+                retry_after_s=max(1, int(reply[5]) // 1_000_000),  # type: ignore[call-overload]
             )
         return result
 
@@ -245,43 +262,56 @@ class RedisBackend:
     async def _release_batch(self, batch: _ReleaseBatch) -> None:
         args = [*self._args(batch.pool, batch.offers), *batch.request_ids]
         try:
-            result = self._result(await self._run("release", batch.pool, args))
+            reply = await self._run("release", self.keys.pool(batch.pool.name), args)
+            result = self._result(reply)
         except BackendUnavailableError as exc:
             for future in batch.futures:
                 if not future.done():
                     future.set_exception(exc)
             return
         # The grants go to one caller only; the others learn the queue state.
-        rest = DispatchResult([], result.queue_depth, result.num_dispatched_total, result.hold_us)
+        rest = DispatchResult(
+            [], result.queue_depth, result.num_dispatched_total, result.hold_us, result.state_lost
+        )
         for i, future in enumerate(batch.futures):
             if not future.done():
                 future.set_result(result if i == 0 else rest)
 
     async def cancel(self, pool: PoolPolicy, request_id: str) -> CancelOutcome:
-        reply = await self._run("cancel", pool, [*self._args(pool, []), request_id])
+        args = [*self._args(pool, []), request_id]
+        reply = await self._run("cancel", self.keys.pool(pool.name), args)
         return CancelOutcome(str(reply[0]), str(reply[1]))  # type: ignore[arg-type]
 
     async def tick(self, pool: PoolPolicy, offers: Sequence[EndpointOffer]) -> DispatchResult:
-        return self._result(await self._run("tick", pool, self._args(pool, offers)))
+        reply = await self._run("tick", self.keys.pool(pool.name), self._args(pool, offers))
+        return self._result(reply)
 
     async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> bool:
+        args: list[str | int] = [self.keys.prefix, self.replica_id, self.lease_ttl_us]
+        args += [STATE_TTL_S * 1000, self.epoch, "1" if restore else "0"]
+        for pool_name, held in leases.items():
+            args += [pool_name, len(held)]
+            for request_id, endpoint in held:
+                args += [request_id, endpoint]
+        script = self.scripts["heartbeat"]
         try:
-            previous = await self.control_client.set(
-                self.keys.replica(self.replica_id), "1", px=self.lease_ttl_us // 1000, get=True
+            # Its own client, outside the request pipeline: a burst must not delay it.
+            reply = await asyncio.wait_for(
+                script(keys=[], args=args, client=self.control_client), CALL_TIMEOUT_S
             )
         except _UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
-        for pool_name, held in leases.items():
-            pool = PoolPolicy(name=pool_name)
-            args = [*self._args(pool, []), "1" if restore else "0"]
-            for request_id, endpoint in held:
-                args += [request_id, endpoint]
-            await self._run("heartbeat", pool, args, client=self.control_client)
-        return previous is not None
+        was_alive, epoch, wait_us = int(reply[0]), str(reply[1]), int(reply[2])
+        intact = bool(was_alive) and epoch == (self.epoch or epoch)
+        if intact or restore or not self.epoch:
+            self.epoch = epoch
+        self._epoch_wait_us = wait_us
+        return intact
 
     async def inflight(self, pool: PoolPolicy) -> dict[str, int]:
+        key = self.keys.pool_key(pool.name, "inflight")
         try:
-            raw = await self.client.hgetall(self.keys.pool_key(pool.name, "inflight"))
+            raw = await asyncio.wait_for(self.client.hgetall(key), CALL_TIMEOUT_S)
         except _UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         return {endpoint: int(count) for endpoint, count in raw.items()}
@@ -298,10 +328,17 @@ class RedisBackend:
                 items = [popped[1]]
                 more = await self.blocking_client.lpop(key, 256)
                 items += more or []
-            except _UNAVAILABLE:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure: wait a little and listen again, forever
+                if not isinstance(exc, _UNAVAILABLE):
+                    log.exception("grant listener failed; listening again")
                 await asyncio.sleep(0.25)
                 continue
             for item in items:
-                pool_name, request_id, endpoint = item.split(GRANT_SEPARATOR)
-                if self._on_grant is not None:
-                    self._on_grant(pool_name, request_id, endpoint)
+                try:
+                    pool_name, request_id, endpoint = item.split(GRANT_SEPARATOR)
+                    if self._on_grant is not None:
+                        self._on_grant(pool_name, request_id, endpoint)
+                except Exception:  # one bad item must not lose the others
+                    log.exception("could not deliver grant %r", item)
