@@ -76,7 +76,7 @@ class AsyncEngine:
         self.tokenizer: Any = engine.tokenizer
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
-        self.num_slots: int = engine.settings.max_batch_size
+        self.num_slots: int = engine.kv_cache.num_slots
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()

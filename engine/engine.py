@@ -74,12 +74,11 @@ class LLMEngine:
         self.max_model_len: int = runner.max_model_len
         self.vocab_size: int = runner.shape.vocab_size
         self.clock = clock
-        self.kv_cache = KVCacheManager(
-            num_slots=settings.max_batch_size, num_tokens_total=kv_cache_tokens
-        )
+        # The runner's slots: fewer than max_batch_size when the memory budget holds fewer rows.
+        self.kv_cache = KVCacheManager(num_slots=runner.num_slots, num_tokens_total=kv_cache_tokens)
         config = SchedulerConfig(
             policy=settings.policy,
-            max_batch_size=settings.max_batch_size,
+            max_batch_size=runner.num_slots,
             max_batched_tokens=settings.max_batched_tokens,
             max_queue_delay_seconds=settings.max_queue_delay_microseconds / 1e6,
             preferred_batch_sizes=tuple(settings.preferred_batch_sizes),

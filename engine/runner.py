@@ -22,6 +22,8 @@ import torch
 
 from slotserve.engine.attention import PrefillChunkInput, SlotStep, register_slot_attention
 from slotserve.engine.linear import LinearBackend, aten_logits, pack_linears
+from slotserve.engine.memory import SYSTEM, MemorySources, size_kv_cache
+from slotserve.engine.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.sampling import make_generator, sample_tokens
 from slotserve.engine.scheduler import ScheduledChunk
 from slotserve.engine.sequence import SequenceError
@@ -81,19 +83,13 @@ def load_model(source: str, device: torch.device, dtype: torch.dtype) -> tuple[A
     return model, tokenizer
 
 
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory on the device (GPU) or available RAM (CPU) right now."""
+def available_memory_bytes(device: torch.device, sources: MemorySources) -> int:
+    """Free memory on the device (GPU), or RAM this process may still use (CPU: the node's,
+    capped by the container's cgroup limit)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host_available_memory_bytes(sources)
 
 
 class ModelRunner:
@@ -257,12 +253,16 @@ class ModelRunner:
         return step, torch.tensor(token_ids, device=device), positions_t, sample_index
 
 
-def build_runner(settings: Any, source: str) -> tuple[ModelRunner, Any, int]:
+def build_runner(
+    settings: Any, source: str, memory: MemorySources = SYSTEM
+) -> tuple[ModelRunner, Any, int]:
     """Load the model for ``settings`` (an EngineSettings) and size the KV cache.
 
     Returns the runner, the tokenizer and the KV capacity in tokens: ``kv_cache_tokens`` if
-    set, else ``kv_cache_memory_fraction`` of the memory available after loading, and never
-    more than the slot rows hold (``max_batch_size x max_model_len``).
+    set (never more than the slot rows hold), else as many slot rows of ``max_model_len`` as
+    ``kv_cache_memory_fraction`` of the memory available after loading holds, at most
+    ``max_batch_size`` (see :mod:`slotserve.engine.memory`). ``runner.num_slots`` is the
+    number of slots.
     """
     if settings.num_threads is not None:
         torch.set_num_threads(settings.num_threads)
@@ -278,17 +278,29 @@ def build_runner(settings: Any, source: str) -> tuple[ModelRunner, Any, int]:
             f"max_model_len {max_model_len} exceeds the model's "
             f"{shape.max_position_embeddings} positions"
         )
-    slot_capacity = settings.max_batch_size * max_model_len
-    if settings.kv_cache_tokens is not None:
-        kv_cache_tokens = min(settings.kv_cache_tokens, slot_capacity)
-    else:
-        budget = settings.kv_cache_memory_fraction * available_memory_bytes(device)
-        kv_cache_tokens = min(int(budget // shape.kv_bytes_per_token(dtype)), slot_capacity)
-    if kv_cache_tokens < 2:
-        raise ValueError("not enough memory for a KV cache; set kv_cache_tokens explicitly")
+    available = (
+        0 if settings.kv_cache_tokens is not None else available_memory_bytes(device, memory)
+    )
+    size = size_kv_cache(
+        max_batch_size=settings.max_batch_size,
+        max_model_len=max_model_len,
+        bytes_per_token=shape.kv_bytes_per_token(dtype),
+        budget_bytes=settings.kv_cache_memory_fraction * available,
+        kv_cache_tokens=settings.kv_cache_tokens,
+    )
+    if size.num_slots < settings.max_batch_size:
+        logger.warning(
+            "the KV budget (%.0f%% of %.1f GiB available) holds %d of %d slots of %d positions;"
+            " raise kv_cache_memory_fraction or the memory limit, or lower max_model_len",
+            100 * settings.kv_cache_memory_fraction,
+            available / 2**30,
+            size.num_slots,
+            settings.max_batch_size,
+            max_model_len,
+        )
     runner = ModelRunner(
         model,
-        num_slots=settings.max_batch_size,
+        num_slots=size.num_slots,
         max_model_len=max_model_len,
         linear_backend=settings.linear_backend,
     )
@@ -297,8 +309,8 @@ def build_runner(settings: Any, source: str) -> tuple[ModelRunner, Any, int]:
         source,
         device,
         dtype,
-        settings.max_batch_size,
+        size.num_slots,
         max_model_len,
-        kv_cache_tokens,
+        size.num_tokens,
     )
-    return runner, tokenizer, kv_cache_tokens
+    return runner, tokenizer, size.num_tokens
