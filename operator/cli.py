@@ -17,7 +17,13 @@ from typing import Any
 import kopf
 
 from slotserve.operator.builders import MANAGED_BY, POOL_LABEL
-from slotserve.operator.handlers import DEPLOYMENTS, PODS, SERVICES, PoolOperator
+from slotserve.operator.handlers import (
+    DEPLOYMENTS,
+    NETWORK_POLICIES,
+    PODS,
+    SERVICES,
+    PoolOperator,
+)
 from slotserve.operator.settings import OperatorSettings
 from slotserve.settings import cli_settings, configure_logging
 
@@ -38,7 +44,7 @@ def kopf_settings() -> kopf.OperatorSettings:
     # Server-side filtering: watch only the engine pods and children, not every pod in the
     # cluster (the handlers' label filters alone would run client-side).
     children = f"{POOL_LABEL},app.kubernetes.io/managed-by={MANAGED_BY}"
-    for resource in (PODS, DEPLOYMENTS, SERVICES):
+    for resource in (PODS, DEPLOYMENTS, SERVICES, NETWORK_POLICIES):
         settings.watching.label_selectors[resource] = children
     return settings
 
@@ -98,6 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--peering-name", default=None, help="kopf peering object shared by the replicas"
     )
     parser.add_argument("--priority", type=int, default=None, help="peering priority")
+    parser.add_argument(
+        "--allow-host-path",
+        action="store_const",
+        const=True,
+        default=None,
+        help="accept hostPath model sources (default: refused; pods then fail PSS restricted)",
+    )
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=None,
+        help="re-apply every pool this often (default 300)",
+    )
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )

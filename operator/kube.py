@@ -23,7 +23,10 @@ import kubernetes.client
 import kubernetes.config
 from kubernetes.client.exceptions import ApiException
 
+from slotserve.operator.drift import in_sync, is_subset
 from slotserve.operator.models import GROUP, PLURAL, VERSION
+
+__all__ = ["ChildConflictError", "Children", "in_sync", "is_subset", "replacing_patch"]
 
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "slotserve-operator"
@@ -71,24 +74,6 @@ def connection_info(configuration: kubernetes.client.Configuration) -> kopf.Conn
     )
 
 
-def is_subset(desired: Any, live: Any) -> bool:
-    """Whether every field of ``desired`` is present in ``live`` with the same value.
-
-    Extra fields in ``live`` (server defaults, status) do not count as differences.
-    """
-    if isinstance(desired, dict):
-        return isinstance(live, dict) and all(
-            key in live and is_subset(value, live[key]) for key, value in desired.items()
-        )
-    if isinstance(desired, list):
-        return (
-            isinstance(live, list)
-            and len(desired) == len(live)
-            and all(is_subset(a, b) for a, b in zip(desired, live, strict=True))
-        )
-    return bool(desired == live)
-
-
 def replacing_patch(live: Any, desired: Any) -> Any:
     """A JSON merge patch that turns ``live`` into exactly ``desired``.
 
@@ -108,15 +93,17 @@ class _Kind:
     create: Callable[..., Any]
     patch: Callable[..., Any]
     # Parts of spec that we own whole (removals must propagate); the rest is merged.
+    # "*" = the whole spec: keys only the live object has are removed too.
     replaced_spec_keys: tuple[str, ...]
 
 
 class Children:
-    """Create-or-patch of a pool's Deployment and Service, and status writes of pools."""
+    """Create-or-patch of a pool's children, and status writes of pools."""
 
     def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
         apps = kubernetes.client.AppsV1Api(api_client)
         core = kubernetes.client.CoreV1Api(api_client)
+        networking = kubernetes.client.NetworkingV1Api(api_client)
         self._custom = kubernetes.client.CustomObjectsApi(api_client)
         self._kinds = {
             "Deployment": _Kind(
@@ -129,7 +116,13 @@ class Children:
                 core.read_namespaced_service,
                 core.create_namespaced_service,
                 core.patch_namespaced_service,
-                (),
+                ("selector",),
+            ),
+            "NetworkPolicy": _Kind(
+                networking.read_namespaced_network_policy,
+                networking.create_namespaced_network_policy,
+                networking.patch_namespaced_network_policy,
+                ("*",),
             ),
         }
 
@@ -150,16 +143,17 @@ class Children:
                 f"{desired['kind']} {namespace}/{name} exists and is not owned by this pool; "
                 "delete or rename it"
             )
-        if is_subset(desired["metadata"], live["metadata"]) and is_subset(
-            desired["spec"], live["spec"]
-        ):
+        if in_sync(desired, live):
             return "unchanged"
-        spec = {
-            key: replacing_patch(live["spec"].get(key), value)
-            if key in kind.replaced_spec_keys
-            else value
-            for key, value in desired["spec"].items()
-        }
+        if kind.replaced_spec_keys == ("*",):
+            spec = replacing_patch(live["spec"], desired["spec"])
+        else:
+            spec = {
+                key: replacing_patch(live["spec"].get(key), value)
+                if key in kind.replaced_spec_keys
+                else value
+                for key, value in desired["spec"].items()
+            }
         patch = {
             # resourceVersion makes this a compare-and-swap: a concurrent writer gives 409.
             "metadata": {

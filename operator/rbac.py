@@ -32,6 +32,12 @@ REQUIRED_RULES: list[dict[str, Any]] = [
         "resources": ["services"],
         "verbs": ["get", "list", "watch", "create", "patch"],
     },
+    # The NetworkPolicy in front of each pool's engines: created, patched, watched (drift).
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": ["get", "list", "watch", "create", "patch"],
+    },
     # Engine pods: read-only, for readiness and endpoints.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     # Events about pools (invalid specs, conflicts), posted by the operator and by kopf.

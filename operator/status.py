@@ -197,7 +197,10 @@ def compute_status(
         "replicas": len(alive),
         "readyReplicas": num_ready,
         "selector": selector_string(pool_name),
-        "endpoints": sorted(f"{pod.ip}:{ENGINE_PORT}" for pod in serving),
+        # Scaled to zero: nothing to route to, even while the last pods are still stopping.
+        "endpoints": (
+            sorted(f"{pod.ip}:{ENGINE_PORT}" for pod in serving) if desired_replicas else []
+        ),
         "conditions": [
             _condition(previous, "Ready", *ready, now),
             _condition(previous, "Progressing", *progressing, now),

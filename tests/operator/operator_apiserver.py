@@ -44,7 +44,7 @@ import kubernetes_validate
 from kmock._internal import dicts, rendering
 
 K8S_VERSION = "1.37.0"
-BUILTIN_VALIDATED = {"deployments", "services", "pods"}
+BUILTIN_VALIDATED = {"deployments", "services", "pods", "networkpolicies"}
 MUTATIONS = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
 VERBS = {
     kmock.action.FETCH: "get",

@@ -24,8 +24,19 @@ from operator_harness import Kube, LocalKubelet, free_loopback_ips
 from support import free_port, wait_until
 
 from slotserve.operator.models import API_VERSION, KIND
+from slotserve.operator.settings import OperatorSettings
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def operator_settings() -> OperatorSettings:
+    """The local kubelet mounts the tiny model from a host folder: allowed here only."""
+    return OperatorSettings(
+        engine_image="registry.test/slotserve/engine:test",
+        health_port=free_port(),
+        allow_host_path=True,
+    )
 
 
 def http_get(url: str) -> bytes:

@@ -36,7 +36,8 @@ def pool_body(name: str = "chat", **spec: Any) -> dict[str, Any]:
         "apiVersion": API_VERSION,
         "kind": KIND,
         "metadata": {"name": name},
-        "spec": {"model": {"name": "smollm2", "source": {"builtin": "smollm2"}}, **spec},
+        # One model name per pool: two pools serving one name are a ModelNameConflict.
+        "spec": {"model": {"name": name, "source": {"builtin": "smollm2"}}, **spec},
     }
 
 
@@ -338,7 +339,12 @@ def test_watch_reconnects_resume_without_replaying_creation(kube: Kube, apiserve
     time.sleep(1)
     assert apiserver.server.writes == before, "a resumed watch re-ran the reconcile"
     creates = [w for w in apiserver.server.writes if w[0] == "CREATE" and w[1] != "events"]
-    assert sorted(w[1] for w in creates) == ["deployments", "inferencepools", "services"]
+    assert sorted(w[1] for w in creates) == [
+        "deployments",
+        "inferencepools",
+        "networkpolicies",
+        "services",
+    ]
 
 
 def test_the_cli_process_reconciles_and_stops_on_sigterm(kube: Kube, apiserver: Any):
@@ -385,22 +391,20 @@ def test_examples_apply_and_their_children_are_valid_kubernetes(kube: Kube, exam
 
 @pytest.mark.usefixtures("operator")
 def test_a_child_refused_by_admission_degrades_the_pool(kube: Kube, apiserver: Any):
-    def no_host_path(plural: str, obj: dict[str, Any]) -> str:
-        volumes = obj.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", [])
-        return "hostPath volumes are forbidden" if any("hostPath" in v for v in volumes) else ""
+    def no_critical_priority(plural: str, obj: dict[str, Any]) -> str:
+        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+        critical = pod.get("priorityClassName") == "system-node-critical"
+        return "system-node-critical is reserved" if critical else ""
 
-    apiserver.server.policies.append(no_host_path)
-    source = {"hostPath": {"path": "/srv/models/smollm2"}}
-    kube.create_pool(pool_body(model={"name": "smollm2", "source": source}))
+    apiserver.server.policies.append(no_critical_priority)
+    kube.create_pool(pool_body(engine={"priorityClassName": "system-node-critical"}))
     pool = wait_status(
         kube, "chat", lambda p: condition(p, "Degraded").get("reason") == "ChildRejected", "refused"
     )
-    assert "hostPath volumes are forbidden" in condition(pool, "Degraded")["message"]
+    assert "system-node-critical is reserved" in condition(pool, "Degraded")["message"]
     assert any(e["reason"] == "ChildRejected" for e in kube.events())
-    # Switching to an allowed source recovers.
-    kube.patch_pool(
-        "chat", {"spec": {"model": {"source": {"hostPath": None, "builtin": "smollm2"}}}}
-    )
+    # Dropping the refused field recovers.
+    kube.patch_pool("chat", {"spec": {"engine": {"priorityClassName": None}}})
     wait_until(lambda: kube.deployments(), WAIT, what="deployment after the fix")
 
 

@@ -17,6 +17,10 @@ compares them and fails on any difference; update both together).
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# The NetworkPolicy in front of each pool's engines: created, patched, watched (drift).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 # Engine pods: read-only, for readiness and endpoints.
 - apiGroups: [""]
   resources: ["pods"]
