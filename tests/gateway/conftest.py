@@ -6,6 +6,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from admission_cluster import cluster  # noqa: F401  (fixture: replicas over either backend)
 from aiohttp import web
 from gateway_support import Spawner, write_pools
 from support import free_port

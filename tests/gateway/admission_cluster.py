@@ -1,0 +1,73 @@
+"""Several ``Admission`` objects over one shared backend, standing for several gateway replicas.
+
+Used by the admission suites with both backends: in-process, and a real redis-server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+
+import pytest
+
+from slotserve.gateway.admission import Admission
+from slotserve.gateway.admission_types import PoolPolicy
+from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub
+from slotserve.gateway.redis_backend import RedisBackend
+from slotserve.gateway.routing import EndpointOffer
+
+LEASE_TTL_S = 1.0
+
+
+class Cluster:
+    """Replicas sharing one backend; offers and pools are plain dicts the test edits."""
+
+    def __init__(self, kind: str, redis_url: str | None) -> None:
+        self.kind = kind
+        self.redis_url = redis_url
+        self.hub = InProcessHub(lease_ttl_s=LEASE_TTL_S)
+        self.prefix = f"t{uuid.uuid4().hex[:6]}"
+        self.offers: dict[str, list[EndpointOffer]] = {}
+        self.pools: dict[str, PoolPolicy] = {}
+        self.replicas: list[Admission] = []
+
+    def serve(self, pool: PoolPolicy, *endpoints: tuple[str, int, float]) -> PoolPolicy:
+        """Serve ``pool`` on endpoints given as (url, slots, engine load score)."""
+        self.pools[pool.name] = pool
+        self.offers[pool.name] = [EndpointOffer(url, slots, load) for url, slots, load in endpoints]
+        return pool
+
+    async def replica(self) -> Admission:
+        replica_id = f"r{len(self.replicas)}-{uuid.uuid4().hex[:4]}"
+        if self.kind == "memory":
+            backend = InProcessBackend(self.hub, replica_id)
+        else:
+            backend = RedisBackend(
+                self.redis_url, replica_id, prefix=self.prefix, lease_ttl_s=LEASE_TTL_S
+            )
+        admission = Admission(
+            backend,
+            offers=lambda name: self.offers.get(name, []),
+            pools=lambda: list(self.pools.values()),
+            lease_ttl_s=LEASE_TTL_S,
+            tick_interval_s=0.05,
+            idle_tick_interval_s=0.1,
+        )
+        await admission.start()
+        self.replicas.append(admission)
+        return admission
+
+    async def close(self) -> None:
+        for admission in self.replicas:
+            with contextlib.suppress(Exception):
+                await admission.close()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def cluster(request):
+    redis_url = request.getfixturevalue("redis_server").url if request.param == "redis" else None
+    cl = Cluster(request.param, redis_url)
+    try:
+        yield cl
+    finally:
+        await cl.close()
