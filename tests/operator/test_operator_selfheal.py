@@ -187,3 +187,21 @@ def test_periodic_resync_repairs_what_no_event_reported(
     finally:
         running.stop()
     assert_rbac_covers(apiserver)
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_failed_create_of_a_new_pool_is_retried_by_kopf(kube: Kube, apiserver: Any):
+    refusals: list[float] = []
+
+    def flaky(plural: str, obj: dict[str, Any]) -> str:
+        if plural == "deployments" and len(refusals) < 2:
+            refusals.append(time.monotonic())
+            raise kmock.KubernetesError(status=503, reason="ServiceUnavailable", message="down")
+        return ""
+
+    apiserver.server.policies.append(flaky)
+    kube.create_pool(pool_body())
+    timed_restore(lambda: kube.deployments(), "Deployment created after 2 refusals (kopf retry)")
+    assert len(refusals) == 2
+    # kopf's TemporaryError delays: 1 s after the first failure, 2 s after the second.
+    assert refusals[1] - refusals[0] >= 0.9
