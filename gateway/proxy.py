@@ -47,7 +47,7 @@ _SSE_DONE = re.compile(rb"\Adata: ?\[DONE\]\Z")
 _SSE_ERROR = re.compile(rb'\Adata: ?\{\s*"error"\s*:')
 
 
-def _last_event_end(data: bytes) -> int:
+def last_event_end(data: bytes) -> int:
     """Offset just past the last complete SSE event in ``data`` (0: none complete yet)."""
     if len(data) > SSE_MAX_PENDING_BYTES:
         return len(data)
@@ -238,7 +238,7 @@ async def _forward_stream(
                 await response.write(b"\n")
             break
         pending += chunk
-        cut = _last_event_end(pending)
+        cut = last_event_end(pending)
         if cut:
             ending.feed(pending[:cut])
             await response.write(pending[:cut])

@@ -10,6 +10,7 @@ from gateway_support import SLOTSERVE
 from slotserve.gateway.admission import DrainRate
 from slotserve.gateway.config import PoolConfigError, parse_pools
 from slotserve.gateway.discovery import InvalidPoolObjectError, pool_from_inference_pool
+from slotserve.gateway.proxy import SseEnding, last_event_end
 from slotserve.gateway.routing import (
     EndpointOffer,
     group_size,
@@ -160,3 +161,23 @@ def test_cli_reports_bad_configuration(tmp_path):
     assert run.returncode == 2 and "http(s)://" in run.stderr
     run = run_gateway_cli("--config", str(bad), "--lease-ttl-seconds", "-1")
     assert run.returncode == 2 and "lease_ttl_seconds" in run.stderr
+
+
+def stream_ending(*chunks: bytes) -> tuple[bool, bool]:
+    ending = SseEnding()
+    for chunk in chunks:
+        ending.feed(chunk[: last_event_end(chunk)])
+    return ending.done, ending.errored
+
+
+def test_stream_ending_is_told_from_the_last_whole_event():
+    chunk = b'data: {"choices": []}\n\n'
+    assert stream_ending(chunk, b"data: [DONE]\n\n") == (True, False)
+    assert stream_ending(chunk.replace(b"\n", b"\r\n"), b"data:[DONE]\r\n\r\n") == (True, False)
+    long_error = b'data: {"error": {"message": "' + b"x" * 5000 + b'"}}\n\n'
+    assert stream_ending(chunk, long_error) == (False, True)
+    # Cut short: a half event is not whole, so the stream counts as neither done nor errored.
+    assert stream_ending(chunk, b"data: [DO") == (False, False)
+    assert stream_ending(b'data: {"error": "x"}\n\ndata: {"choices": []}\n\n') == (False, False)
+    assert last_event_end(b"data: a\n\ndata: b") == len(b"data: a\n\n")
+    assert last_event_end(b"data: a") == 0
