@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
             host=settings.host,
             port=settings.port,
             handler_cancellation=True,
-            shutdown_timeout=10,
+            shutdown_timeout=settings.shutdown_timeout_seconds,
             access_log=None,
             print=lambda *_: logging.getLogger(__name__).info(
                 "gateway listening on %s:%d", settings.host, settings.port

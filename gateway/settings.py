@@ -52,6 +52,13 @@ class GatewaySettings(BaseSettings):
         "between two stream chunks. Not a total, so long generations are never cut.",
     )
     max_attempts: int = Field(3, ge=1, le=10, description="Engines tried before the first byte.")
+    shutdown_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=86_400,
+        description="After SIGTERM (the listener closed), how long running requests and streams "
+        "may take to finish before their connections are cut.",
+    )
     replica_id: str | None = Field(None, description="Name in Redis; default host-pid-random.")
 
     @model_validator(mode="after")
