@@ -224,6 +224,10 @@ class AsyncEngine:
         with self._lock:
             self._accepting = False
             request_ids = list(self._streams)  # includes adds still in the inbox
+            # Nothing will apply the inbox again; its adds end below with the rest.
+            while not self._inbox.empty():
+                self._inbox.get_nowait()
+            self._num_pending_adds = 0
         # Each request's id is logged as it ends (LLMEngine logs every failed sequence).
         logger.error("engine step failed; ending all %d requests", len(request_ids), exc_info=error)
         try:

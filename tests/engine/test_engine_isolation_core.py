@@ -190,6 +190,7 @@ async def test_a_broken_runner_ends_everything_and_says_so(model_dir):
         assert not engine.is_running
         stats = engine.stats()
         assert stats.num_step_failures == 1
+        assert stats.num_running == stats.num_waiting == 0
         assert stats.sequence_failures == {"engine_failure": 4}
         with pytest.raises(EngineNotRunningError):
             engine.add_request("late", [1, 2], greedy())
