@@ -115,10 +115,31 @@ local function drop(rid)
   end
 end
 
+-- drop() for a batch, a few variadic commands instead of five per entry.
+local function drop_many(rids)
+  if #rids == 0 then return end
+  local infos = redis.call('HMGET', K_ENTRIES, unpack(rids))
+  redis.call('ZREM', K_QUEUE, unpack(rids))
+  redis.call('ZREM', K_DEADLINES, unpack(rids))
+  redis.call('HDEL', K_ENTRIES, unpack(rids))
+  local by_replica = {}
+  for i = 1, #rids do
+    if infos[i] then
+      local replica = parse_entry(infos[i])
+      by_replica[replica] = by_replica[replica] or {}
+      table.insert(by_replica[replica], rids[i])
+    end
+  end
+  for replica, list in pairs(by_replica) do
+    redis.call('ZREM', waiting_key(replica), unpack(list))
+  end
+end
+
 -- The oldest live entry of the best priority; expired, orphaned or dead replicas' heads are
--- dropped on the way (at most SWEEP_BATCH of them: the tick drops the rest).
+-- dropped on the way (at most SWEEP_BATCH per script: the tick drops the rest in batches).
+local drops_left = SWEEP_BATCH
 local function head(now)
-  for _ = 1, SWEEP_BATCH do
+  while drops_left > 0 do
     local h = redis.call('ZRANGE', K_QUEUE, 0, 0)
     if #h == 0 then return nil end
     local info = redis.call('HGET', K_ENTRIES, h[1])
@@ -127,6 +148,7 @@ local function head(now)
       if deadline > now and is_alive(replica) then return h[1], replica, enqueued end
     end
     drop(h[1])
+    drops_left = drops_left - 1
   end
   return nil
 end
@@ -308,14 +330,11 @@ TICK = (
 local now = now_us()
 local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
 for _, rid in ipairs(expired) do release_lease(rid) end
-local late = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
-for _, rid in ipairs(late) do drop(rid) end
+drop_many(redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now, 'LIMIT', 0, SWEEP_BATCH))
 -- Dead replicas' entries, a batch per dead replica (the set holds one member per replica).
 for _, replica in ipairs(redis.call('SMEMBERS', K_REPLICAS)) do
   local wk = waiting_key(replica)
-  if not is_alive(replica) then
-    for _, rid in ipairs(redis.call('ZRANGE', wk, 0, SWEEP_BATCH - 1)) do drop(rid) end
-  end
+  if not is_alive(replica) then drop_many(redis.call('ZRANGE', wk, 0, SWEEP_BATCH - 1)) end
   if redis.call('EXISTS', wk) == 0 then redis.call('SREM', K_REPLICAS, replica) end
 end
 local hold = dispatch(now)

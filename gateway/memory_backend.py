@@ -25,7 +25,7 @@ from slotserve.gateway.admission_types import (
 from slotserve.gateway.routing import EndpointOffer, group_size, rank_endpoints
 
 PRIORITY_STRIDE = 10**13  # queue score = priority * stride + arrival sequence (as in Redis)
-SWEEP_BATCH = 200  # as in the Redis backend: bounded work per step however long the queue
+SWEEP_BATCH = 100  # as in the Redis backend: bounded work per step however long the queue
 
 
 def _monotonic_us() -> int:

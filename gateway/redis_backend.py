@@ -40,7 +40,7 @@ _UNAVAILABLE = (RedisError, OSError, TimeoutError)
 # The longest any caller waits for one Redis step (socket timeouts are shorter; this also
 # bounds the wait for a free connection under a burst).
 CALL_TIMEOUT_S = 4.0
-SWEEP_BATCH = 200
+SWEEP_BATCH = 100  # entries one script may sweep: a few ms of Redis time at most
 
 
 def make_client(url: str, *, socket_timeout_s: float = 3.0) -> aioredis.Redis:

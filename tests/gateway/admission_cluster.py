@@ -22,10 +22,11 @@ LEASE_TTL_S = 1.0
 class Cluster:
     """Replicas sharing one backend; offers and pools are plain dicts the test edits."""
 
-    def __init__(self, kind: str, redis_url: str | None) -> None:
+    def __init__(self, kind: str, redis_url: str | None, lease_ttl_s: float = LEASE_TTL_S) -> None:
         self.kind = kind
         self.redis_url = redis_url
-        self.hub = InProcessHub(lease_ttl_s=LEASE_TTL_S)
+        self.lease_ttl_s = lease_ttl_s
+        self.hub = InProcessHub(lease_ttl_s=lease_ttl_s)
         self.prefix = f"t{uuid.uuid4().hex[:6]}"
         self.offers: dict[str, list[EndpointOffer]] = {}
         self.pools: dict[str, PoolPolicy] = {}
@@ -43,13 +44,13 @@ class Cluster:
             backend = InProcessBackend(self.hub, replica_id)
         else:
             backend = RedisBackend(
-                self.redis_url, replica_id, prefix=self.prefix, lease_ttl_s=LEASE_TTL_S
+                self.redis_url, replica_id, prefix=self.prefix, lease_ttl_s=self.lease_ttl_s
             )
         admission = Admission(
             backend,
             offers=lambda name: self.offers.get(name, []),
             pools=lambda: list(self.pools.values()),
-            lease_ttl_s=LEASE_TTL_S,
+            lease_ttl_s=self.lease_ttl_s,
             tick_interval_s=0.05,
             idle_tick_interval_s=0.1,
         )

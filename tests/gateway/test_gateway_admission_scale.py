@@ -1,0 +1,98 @@
+"""Bounded work per step: with 20,000 requests waiting, no Redis command is slow.
+
+Half of the waiting requests belong to a replica that dies and a quarter time out together, so
+the sweep has ~15,000 entries to drop while three replicas tick. A separate client PINGs Redis
+all along; Redis's own SLOWLOG records every command over 20 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from admission_cluster import Cluster
+
+from slotserve.gateway.admission_types import PoolPolicy
+from slotserve.gateway.redis_backend import RedisBackend
+from slotserve.gateway.routing import EndpointOffer
+
+SLOW_US = 20_000
+NUM_WAITING = 20_000
+PINGER = """
+import sys, time, redis
+client = redis.Redis(port=int(sys.argv[1]))
+stop_at = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < stop_at:
+    sent = time.perf_counter()
+    client.ping()
+    print((time.perf_counter() - sent) * 1000)
+    time.sleep(0.01)
+"""
+
+
+async def _fill(backend: RedisBackend, pool: PoolPolicy, num: int, timeout_s: float) -> None:
+    offers = [EndpointOffer("http://a", 1, 0.0)]
+    for start in range(0, num, 2000):
+        await asyncio.gather(
+            *(
+                backend.enqueue(pool, offers, uuid.uuid4().hex, 5, int(timeout_s * 1e6))
+                for _ in range(min(2000, num - start))
+            )
+        )
+
+
+async def test_20k_waiting_keeps_every_command_and_ping_under_20ms(redis_server):
+    probe = aioredis.Redis.from_url(redis_server.url)
+    await probe.config_set("slowlog-log-slower-than", SLOW_US)
+    # Filling 20,000 entries from this one event loop delays the replicas' heartbeats: a long
+    # lease TTL keeps them alive through it (in production each replica has its own process).
+    cl = Cluster("redis", redis_server.url, lease_ttl_s=20)
+    pool = cl.serve(
+        PoolPolicy("m", max_queue_size=NUM_WAITING * 2, queue_timeout_s=600),
+        ("http://a", 1, 0.0),
+    )
+    try:
+        replicas = [await cl.replica() for _ in range(3)]
+        # One replica's worth of entries that will die with it, a quarter that time out at
+        # once, and the rest live; the single slot stays busy so that nothing dispatches.
+        holder = await replicas[0].acquire(pool, priority=5, timeout_s=5)
+        # (Alive until its key is deleted below: its heartbeat would last 600 s.)
+        doomed = RedisBackend(redis_server.url, "doomed", prefix=cl.prefix, lease_ttl_s=600)
+        await doomed.heartbeat({}, restore=False)
+        await _fill(doomed, pool, NUM_WAITING // 2, 600)
+        await _fill(replicas[2].backend, pool, NUM_WAITING // 4, 600)
+        await _fill(replicas[1].backend, pool, NUM_WAITING // 4, 5.0)  # time out together
+        assert await probe.zcard(cl.prefix + ":{m}:queue") == NUM_WAITING
+        await probe.slowlog_reset()
+        await probe.delete(doomed.keys.replica("doomed"))  # it dies now
+        # PING from another process, so that this event loop's own work is not counted.
+        pinger = subprocess.Popen(
+            [sys.executable, "-c", PINGER, str(redis_server.port), "8"], stdout=subprocess.PIPE
+        )
+        swept_after = None
+        started = time.monotonic()
+        while pinger.poll() is None and time.monotonic() - started < 30:
+            if swept_after is None and await probe.zcard(cl.prefix + ":{m}:queue") <= (
+                NUM_WAITING // 4
+            ):
+                swept_after = time.monotonic() - started
+            await asyncio.sleep(0.05)
+        pings = sorted(float(ms) for ms in pinger.communicate(timeout=10)[0].split())
+        slow = await probe.slowlog_get(128)
+        await replicas[0].release(holder)
+        await doomed.close()
+    finally:
+        await cl.close()
+        await probe.aclose()
+    # The dead replica's 10,000 and the 5,000 expired entries are gone, a batch per tick.
+    assert swept_after is not None and swept_after < 8, swept_after
+    slowest = sorted((entry["duration"], entry["command"][:60]) for entry in slow)
+    print(f"SLOWLOG: {len(slowest)} commands over {SLOW_US} us, slowest {slowest[-1:]}")
+    assert not slowest, slowest
+    median, slowest_ping = pings[len(pings) // 2], pings[-1]
+    print(f"PING ms: median {median:.2f}, max {slowest_ping:.2f}; swept in {swept_after:.1f} s")
+    assert pings[-1] < SLOW_US / 1000, pings[-5:]
