@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from chart_support import CHART, ROOT, load_yaml
+
 from slotserve.operator.builders import ENGINE_PORT, RUN_AS_USER
 
 DOCKER = ROOT / "docker"

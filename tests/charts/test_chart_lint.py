@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import tarfile
 import time
@@ -65,4 +66,6 @@ def test_packaged_chart_renders_like_the_folder(run_helm, tmp_path):
     packaged = run_helm(["template", "demo", str(archive), "--namespace", "serving"])
     assert packaged.returncode == 0, packaged.stderr
     folder = run_helm(["template", "demo", str(CHART), "--namespace", "serving"])
-    assert packaged.stdout == folder.stdout
+    # The generated Redis password is random in every render (no cluster to look it up in).
+    password = re.compile(r'redis-password: "[^"]*"')
+    assert password.sub("", packaged.stdout) == password.sub("", folder.stdout)

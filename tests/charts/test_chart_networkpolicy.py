@@ -1,26 +1,54 @@
-"""Only the gateway reaches engine pods and Redis, matched against what the operator builds."""
+"""Only the gateway reaches engine pods and Redis.
+
+Engine pods get their NetworkPolicy from the operator (one per pool, in the pool's namespace),
+configured by the chart: the rendered operator env is parsed by the real OperatorSettings, the
+operator's own builder makes the policy of a pool from an example, and the policy is checked
+against the rendered gateway pods. The chart itself renders only the Redis policy.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
-from chart_support import NAMESPACE, RELEASE, ROOT, load_yaml
+from chart_support import NAMESPACE, RELEASE, ROOT, Rendered, env_of, load_yaml
+
 from slotserve.operator.builders import build_deployment
 from slotserve.operator.models import InferencePool
+from slotserve.operator.network import build_network_policy
+from slotserve.operator.settings import OperatorSettings
 
-ENGINES = f"{RELEASE}-slotserve-engines"
 REDIS = f"{RELEASE}-slotserve-redis"
 GATEWAY = f"{RELEASE}-slotserve-gateway"
+OPERATOR = f"{RELEASE}-slotserve-operator"
 
 
-def engine_pod(example: str, namespace: str) -> tuple[dict[str, str], dict[str, Any]]:
-    """(pod labels, engine container) of a pool the operator would create from an example."""
+def operator_settings(rendered: Rendered, monkeypatch) -> OperatorSettings:
+    (container,) = rendered.get("Deployment", OPERATOR)["spec"]["template"]["spec"]["containers"]
+    for name in [n for n in os.environ if n.startswith("SLOTSERVE_")]:
+        monkeypatch.delenv(name)
+    for name, var in env_of(container).items():
+        monkeypatch.setenv(name, var["value"])
+    return OperatorSettings()
+
+
+def engine_pool(example: str, namespace: str) -> InferencePool:
     body = load_yaml(ROOT / "examples" / example)
     body["metadata"]["namespace"] = namespace
-    deployment = build_deployment(InferencePool.from_body(body), engine_image="engine:test")
-    template = deployment["spec"]["template"]
-    return template["metadata"]["labels"], template["spec"]["containers"][0]
+    return InferencePool.from_body(body)
+
+
+def pool_policy(rendered: Rendered, monkeypatch, example: str, namespace: str) -> dict[str, Any]:
+    """The NetworkPolicy the operator installed by this render makes for a pool."""
+    settings = operator_settings(rendered, monkeypatch)
+    assert settings.network_policy
+    return build_network_policy(
+        engine_pool(example, namespace),
+        gateway_namespace=settings.gateway_namespace,
+        gateway_pod_labels=settings.gateway_pod_labels,
+        scraper_peers=settings.scraper_peers,
+    )
 
 
 def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -49,35 +77,44 @@ def admits(policy: dict[str, Any], labels: dict[str, str], namespace: str, port:
     return False
 
 
-def gateway_labels(rendered) -> dict[str, str]:
+def gateway_labels(rendered: Rendered) -> dict[str, str]:
     return rendered.get("Deployment", GATEWAY)["spec"]["template"]["metadata"]["labels"]
 
 
 @pytest.mark.parametrize("example", ["smollm2-cpu.yaml", "llama-8b-gpu.yaml"])
-def test_engine_policy_selects_operator_built_engine_pods(render, example):
+@pytest.mark.parametrize("pool_namespace", [NAMESPACE, "team-x"])
+def test_every_pool_admits_only_this_release_s_gateway(
+    render, monkeypatch, example, pool_namespace
+):
     rendered = render()
-    policy = rendered.get("NetworkPolicy", ENGINES)
-    labels, container = engine_pod(example, NAMESPACE)
-    assert matches(policy["spec"]["podSelector"], labels)
+    policy = pool_policy(rendered, monkeypatch, example, pool_namespace)
+    assert policy["metadata"]["namespace"] == pool_namespace  # wherever the pool lives
+    deployment = build_deployment(engine_pool(example, pool_namespace), engine_image="e:1")
+    template = deployment["spec"]["template"]
+    assert matches(policy["spec"]["podSelector"], template["metadata"]["labels"])
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    # The policy names the engine port by the name the operator gives it.
-    port_names = {p["name"] for p in container["ports"]}
+    port_names = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
     assert {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]} <= port_names
 
-
-def test_only_this_gateway_reaches_engines(render):
-    rendered = render()
-    policy = rendered.get("NetworkPolicy", ENGINES)
     gateway = gateway_labels(rendered)
     assert admits(policy, gateway, NAMESPACE, "http")
     # Another release's gateway, a random pod, the operator, Redis: all refused.
     assert not admits(policy, {**gateway, "app.kubernetes.io/instance": "other"}, NAMESPACE, "http")
     assert not admits(policy, {"app": "curl"}, NAMESPACE, "http")
+    assert not admits(policy, {"app": "curl"}, pool_namespace, "http")
     for component in ("operator", "redis"):
         other = {**gateway, "app.kubernetes.io/component": component}
         assert not admits(policy, other, NAMESPACE, "http")
-    # The gateway from another namespace with the same labels is refused too.
+    # Pods with the gateway's labels elsewhere (e.g. in the pool's team namespace) are refused.
     assert not admits(policy, gateway, "elsewhere", "http")
+    if pool_namespace != NAMESPACE:
+        assert not admits(policy, gateway, pool_namespace, "http")
+
+
+def test_extra_engine_ingress_lets_monitoring_scrape(render, monkeypatch):
+    policy = pool_policy(render("servicemonitor.yaml"), monkeypatch, "smollm2-cpu.yaml", "ml")
+    assert admits(policy, {"app": "prometheus"}, "monitoring", "http")
+    assert not admits(policy, {"app": "prometheus"}, "default", "http")
 
 
 def test_only_the_gateway_reaches_redis(render):
@@ -86,33 +123,23 @@ def test_only_the_gateway_reaches_redis(render):
     redis_pods = rendered.get("StatefulSet", REDIS)["spec"]["template"]["metadata"]["labels"]
     assert matches(policy["spec"]["podSelector"], redis_pods)
     assert admits(policy, gateway_labels(rendered), NAMESPACE, "redis")
+    # The operator never talks to Redis, so it is not let in.
     operator = {**gateway_labels(rendered), "app.kubernetes.io/component": "operator"}
     assert not admits(policy, operator, NAMESPACE, "redis")
     assert not admits(policy, {"app": "curl"}, NAMESPACE, "redis")
 
 
-def test_engine_policies_follow_watched_namespaces(render):
-    rendered = render("namespaced-rbac.yaml")
-    policies = [p for p in rendered.of_kind("NetworkPolicy") if p["metadata"]["name"] == ENGINES]
-    assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
-    gateway = gateway_labels(rendered)
-    for policy in policies:
-        labels, _ = engine_pod("smollm2-cpu.yaml", policy["metadata"]["namespace"])
-        assert matches(policy["spec"]["podSelector"], labels)
-        # The gateway lives in the release namespace, not in the engines' namespace.
-        assert admits(policy, gateway, NAMESPACE, "http")
-        assert not admits(policy, gateway, policy["metadata"]["namespace"], "http")
+def test_default_install_renders_every_network_policy(render, monkeypatch):
+    rendered = render()
+    # The chart's own: Redis. The engines' are the operator's, switched on by its settings.
+    assert [p["metadata"]["name"] for p in rendered.of_kind("NetworkPolicy")] == [REDIS]
+    assert operator_settings(rendered, monkeypatch).network_policy is True
 
 
-def test_extra_engine_ingress_lets_monitoring_scrape(render):
-    policy = render("servicemonitor.yaml").get("NetworkPolicy", ENGINES)
-    assert admits(policy, {"app": "prometheus"}, "monitoring", "http")
-    assert not admits(policy, {"app": "prometheus"}, "default", "http")
-
-
-def test_network_policies_can_be_turned_off(render):
+def test_network_policies_can_be_turned_off(render, monkeypatch):
     rendered = render(extra=["--set", "networkPolicy.enabled=false"])
     assert not rendered.of_kind("NetworkPolicy")
+    assert operator_settings(rendered, monkeypatch).network_policy is False
 
 
 @pytest.mark.parametrize(
@@ -123,12 +150,13 @@ def test_network_policies_can_be_turned_off(render):
     ],
 )
 def test_pod_monitor_scrapes_operator_built_engines(render, values_files, namespace_selector):
-    monitor = render(*values_files).get("PodMonitor", ENGINES)
-    labels, container = engine_pod("llama-8b-gpu.yaml", "team-a")
-    assert matches(monitor["spec"]["selector"], labels)
+    monitor = render(*values_files).get("PodMonitor", f"{RELEASE}-slotserve-engines")
+    deployment = build_deployment(engine_pool("llama-8b-gpu.yaml", "team-a"), engine_image="e:1")
+    template = deployment["spec"]["template"]
+    assert matches(monitor["spec"]["selector"], template["metadata"]["labels"])
     assert monitor["spec"]["namespaceSelector"] == namespace_selector
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert endpoint["port"] in {p["name"] for p in container["ports"]}
+    assert endpoint["port"] in {p["name"] for p in template["spec"]["containers"][0]["ports"]}
     assert endpoint["path"] == "/metrics"
 
 

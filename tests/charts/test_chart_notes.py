@@ -91,8 +91,21 @@ def test_notes_key_command_extracts_the_first_key(
     assert result.stdout.strip() == KEYS[0]
 
 
-def test_notes_warn_when_pools_would_land_outside_the_network_policy(run_helm):
+def test_notes_say_what_is_protected_and_what_is_weakened(run_helm):
     args = ["install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
-    result = run_helm([*args, "--set", "networkPolicy.engineNamespaces={models}"])
-    assert result.returncode == 0, result.stderr
-    assert "covers namespaces models" in result.stdout
+    default = run_helm(args)
+    assert default.returncode == 0, default.stderr
+    assert "Each pool gets a NetworkPolicy from the operator" in default.stdout
+    assert "allowHostPath" not in default.stdout and "WARNING" not in default.stdout
+    weakened = run_helm(
+        [
+            *args,
+            "--set",
+            "policy.allowHostPath=true",
+            "--set",
+            "redis.bundled.auth.enabled=false",
+        ]
+    )
+    assert weakened.returncode == 0, weakened.stderr
+    assert "policy.allowHostPath is on" in weakened.stdout
+    assert "redis.bundled.auth.enabled=false: Redis answers anyone" in weakened.stdout

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from chart_support import NAMESPACE, RELEASE
+
 from slotserve.operator.rbac import REQUIRED_RULES
 
 OPERATOR = f"{RELEASE}-slotserve-operator"

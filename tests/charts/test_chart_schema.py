@@ -20,6 +20,7 @@ BAD_VALUES = {
     "bad-pull-policy.yaml": "/operator/image/pullPolicy'",
     "bad-hpa-bounds.yaml": "maxReplicas must be >= gateway.autoscaling.minReplicas",
     "bad-enabled-type.yaml": "/networkPolicy/enabled': got string, want boolean",
+    "bad-both-redis-urls.yaml": "at '/redis': 'not' failed",
 }
 
 
@@ -41,6 +42,7 @@ def test_bad_values_are_rejected_with_a_message(run_helm, values_file):
     [
         ("redis.external.url=redis://r.example:6379", "not both"),
         ("redis.bundled.enabled=false", "the gateway needs Redis"),
+        ("redis.external.urlSecret=redis-url", "not both"),
     ],
 )
 def test_redis_choice_holds_without_the_schema(run_helm, set_value, expected):

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from typing import Any
 
 import pytest
 from chart_support import GOOD_VALUES, RELEASE, Rendered
 from pydantic_settings import BaseSettings
+
 from slotserve.gateway.cli import build_parser as gateway_parser
 from slotserve.gateway.settings import GatewaySettings
 from slotserve.operator.cli import build_parser as operator_parser
 from slotserve.operator.settings import OperatorSettings
-
 from slotserve.settings import settings_from_args
 
 GATEWAY = f"{RELEASE}-slotserve-gateway"
 OPERATOR = f"{RELEASE}-slotserve-operator"
 SECRET_VALUE = "s3cret-from-secret"
+SECRET_URL = f"rediss://slotserve:{SECRET_VALUE}@redis.example.internal:6380/1"
 ALL_RENDERS = [(), *((name,) for name in GOOD_VALUES)]
 
 
@@ -33,7 +35,9 @@ def resolved_env(container: dict[str, Any]) -> dict[str, str]:
     for var in container["env"]:
         if "valueFrom" in var:
             assert set(var["valueFrom"]) == {"secretKeyRef"}, var
-            env[var["name"]] = SECRET_VALUE
+            # A Secret holding a whole Redis URL (redis.external.urlSecret) holds a URL.
+            is_url = var["name"].endswith("_URL")
+            env[var["name"]] = SECRET_URL if is_url else SECRET_VALUE
         else:
             env[var["name"]] = re.sub(
                 r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
@@ -100,7 +104,7 @@ def test_operator_settings_parse_from_the_rendered_pod(render, values_files, mon
 def test_gateway_redis_url_reaches_the_bundled_redis_service(render):
     rendered = render()
     env = resolved_env(container_of(rendered, GATEWAY))
-    host_port = env["SLOTSERVE_GATEWAY_REDIS_URL"].removeprefix("redis://").split("/")[0]
-    host, port = host_port.split(":")
-    service = rendered.get("Service", host)
-    assert int(port) in [p["port"] for p in service["spec"]["ports"]]
+    url = urllib.parse.urlsplit(env["SLOTSERVE_GATEWAY_REDIS_URL"])
+    assert url.scheme == "redis" and url.password == SECRET_VALUE  # from the password Secret
+    service = rendered.get("Service", url.hostname)
+    assert url.port in [p["port"] for p in service["spec"]["ports"]]

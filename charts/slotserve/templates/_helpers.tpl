@@ -57,12 +57,6 @@ app.kubernetes.io/component: {{ .component }}
 {{- join "," .Values.watchNamespaces }}
 {{- end }}
 
-{{/* Namespaces whose engine pods the engine NetworkPolicy protects, as a list. */}}
-{{- define "slotserve.engineNamespaces" -}}
-{{- $namespaces := .Values.networkPolicy.engineNamespaces | default .Values.watchNamespaces | default (list .Release.Namespace) }}
-{{- toJson $namespaces }}
-{{- end }}
-
 {{/* Pod-level security context shared by the chart's own pods. */}}
 {{- define "slotserve.podSecurityContext" -}}
 {{- toYaml .Values.podSecurityContext }}
@@ -87,18 +81,63 @@ Validates the Redis choice; values.schema.json says the same, this also holds wh
 passes --skip-schema-validation.
 */}}
 {{- define "slotserve.validateRedis" -}}
-{{- if and .Values.redis.bundled.enabled .Values.redis.external.url }}
-{{- fail "redis: set either redis.bundled.enabled=true or redis.external.url, not both (set redis.bundled.enabled=false to use an external Redis)" }}
+{{- $external := or .Values.redis.external.url .Values.redis.external.urlSecret }}
+{{- if and .Values.redis.bundled.enabled $external }}
+{{- fail "redis: set either redis.bundled.enabled=true or redis.external.url (or urlSecret), not both (set redis.bundled.enabled=false to use an external Redis)" }}
 {{- end }}
-{{- if not (or .Values.redis.bundled.enabled .Values.redis.external.url) }}
-{{- fail "redis: the gateway needs Redis: keep redis.bundled.enabled=true or set redis.external.url" }}
+{{- if not (or .Values.redis.bundled.enabled $external) }}
+{{- fail "redis: the gateway needs Redis: keep redis.bundled.enabled=true or set redis.external.url or redis.external.urlSecret" }}
+{{- end }}
+{{- if and .Values.redis.external.url .Values.redis.external.urlSecret }}
+{{- fail "redis: set redis.external.url or redis.external.urlSecret, not both" }}
 {{- end }}
 {{- end }}
 
-{{/* The gateway's Redis URL. With an external password it refers to $(SLOTSERVE_REDIS_PASSWORD), which Kubernetes expands from the env var defined before it. */}}
+{{/* The Secret holding the bundled Redis's password ("" when auth is off). */}}
+{{- define "slotserve.redisPasswordSecret" -}}
+{{- if and .Values.redis.bundled.enabled .Values.redis.bundled.auth.enabled }}
+{{- .Values.redis.bundled.auth.existingSecret | default (include "slotserve.componentName" (dict "root" . "component" "redis")) }}
+{{- end }}
+{{- end }}
+
+{{/* The key of the password in that Secret (the chart's own Secret uses redis-password). */}}
+{{- define "slotserve.redisPasswordKey" -}}
+{{- if .Values.redis.bundled.auth.existingSecret }}
+{{- .Values.redis.bundled.auth.existingSecretPasswordKey }}
+{{- else }}
+{{- "redis-password" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The env var SLOTSERVE_REDIS_PASSWORD (from a Secret), if the gateway's Redis URL needs one.
+Defined before the URL so that Kubernetes expands $(SLOTSERVE_REDIS_PASSWORD) in it.
+*/}}
+{{- define "slotserve.redisPasswordEnv" -}}
+{{- $secret := include "slotserve.redisPasswordSecret" . }}
+{{- $key := include "slotserve.redisPasswordKey" . }}
+{{- if and (not $secret) .Values.redis.external.url .Values.redis.external.existingSecret }}
+{{- $secret = .Values.redis.external.existingSecret }}
+{{- $key = .Values.redis.external.existingSecretPasswordKey }}
+{{- end }}
+{{- if $secret }}
+- name: SLOTSERVE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ $key }}
+{{- end }}
+{{- end }}
+
+{{/* The gateway's Redis URL (without urlSecret). With a password it refers to $(SLOTSERVE_REDIS_PASSWORD), which Kubernetes expands from the env var defined before it. */}}
 {{- define "slotserve.redisUrl" -}}
 {{- if .Values.redis.bundled.enabled }}
-{{- printf "redis://%s:6379/0" (include "slotserve.componentName" (dict "root" . "component" "redis")) }}
+{{- $host := include "slotserve.componentName" (dict "root" . "component" "redis") }}
+{{- if .Values.redis.bundled.auth.enabled }}
+{{- printf "redis://:$(SLOTSERVE_REDIS_PASSWORD)@%s:6379/0" $host }}
+{{- else }}
+{{- printf "redis://%s:6379/0" $host }}
+{{- end }}
 {{- else if .Values.redis.external.existingSecret }}
 {{- regexReplaceAll "^(rediss?://)" .Values.redis.external.url "${1}:$(SLOTSERVE_REDIS_PASSWORD)@" }}
 {{- else }}
