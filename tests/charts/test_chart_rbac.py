@@ -7,12 +7,12 @@ from typing import Any
 import pytest
 from chart_support import NAMESPACE, RELEASE
 
+from slotserve.gateway.discovery import REQUIRED_RULES as GATEWAY_RULES
 from slotserve.operator.rbac import REQUIRED_RULES
 
 OPERATOR = f"{RELEASE}-slotserve-operator"
 GATEWAY = f"{RELEASE}-slotserve-gateway"
 CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "clusterkopfpeerings"}
-GATEWAY_GRANTS = {("slotserve.dev", "inferencepools", verb) for verb in ("get", "list", "watch")}
 
 Grant = tuple[str, str, str]
 
@@ -28,6 +28,9 @@ def grants(rules: list[dict[str, Any]]) -> set[Grant]:
                     assert "*" not in (group, resource, verb), f"wildcard in {rule}"
                     out.add((group, resource, verb))
     return out
+
+
+GATEWAY_GRANTS = grants(GATEWAY_RULES)
 
 
 def bound_subject(binding: dict[str, Any]) -> tuple[str, str]:
@@ -57,7 +60,8 @@ def test_cluster_wide_operator_role_equals_required_rules(render):
     assert not rendered.of_kind("Role")
 
 
-def test_gateway_only_reads_inferencepools(render):
+def test_gateway_only_reads_pools_and_their_endpoint_slices(render):
+    assert {verb for _, _, verb in GATEWAY_GRANTS} <= {"get", "list", "watch"}
     rendered = render()
     assert grants(rendered.get("ClusterRole", GATEWAY)["rules"]) == GATEWAY_GRANTS
     assert bound_subject(rendered.get("ClusterRoleBinding", GATEWAY)) == (GATEWAY, NAMESPACE)

@@ -69,9 +69,16 @@ rules (as a YAML list) whose resources have that scope; a rule mixing both is sp
 {{- toYaml $rules }}
 {{- end }}
 
-{{/* The gateway only reads InferencePools (model name, batching, admission, status.endpoints). */}}
+{{/*
+The gateway only reads: InferencePools (model name, batching, admission) and the EndpointSlices
+of the pools' Services (which engine pods are ready). Exactly
+slotserve.gateway.discovery.REQUIRED_RULES (a chart test compares them).
+*/}}
 {{- define "slotserve.gateway.rules" -}}
 - apiGroups: ["slotserve.dev"]
   resources: ["inferencepools"]
   verbs: ["get", "list", "watch"]
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["list", "watch"]
 {{- end }}
