@@ -28,6 +28,7 @@ from slotserve.engine.params import SamplingParams
 from slotserve.engine.sequence import Sequence, SequenceError
 from slotserve.engine.settings import EngineSettings
 from slotserve.engine.stats import EngineStats, RequestOutput
+from slotserve.engine.tokenize import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class AsyncEngine:
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.num_slots: int = engine.kv_cache.num_slots
+        # Prompts are tokenized on a thread and tokenizer of their own (see tokenize.py).
+        self.prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -94,9 +97,6 @@ class AsyncEngine:
     def load(cls, settings: EngineSettings) -> AsyncEngine:
         """Load model and tokenizer (blocking: call it in a thread from async code)."""
         return cls(LLMEngine.load(settings))
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return self.engine.encode(text, add_special_tokens=add_special_tokens)
 
     @property
     def is_running(self) -> bool:
@@ -119,6 +119,7 @@ class AsyncEngine:
             self._stop.set()
             self._wake.set()
             await asyncio.to_thread(thread.join)
+        self.prompts.close()
         with self._lock:
             streams, self._streams = self._streams, {}
         for stream in streams.values():

@@ -42,6 +42,7 @@ from slotserve.engine.openai_format import (
     sse_event,
 )
 from slotserve.engine.params import SamplingParams
+from slotserve.engine.tokenize import PromptTooLongError
 
 if TYPE_CHECKING:
     from slotserve.engine.async_engine import AsyncEngine, RequestStream
@@ -61,12 +62,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = _admit(state)
     body = await _parse_body(request, CompletionRequest, state)
     _check_model(engine, body.model, state)
-    prompt = body.single_prompt
+    prompt = await _encode(engine, state, body.single_prompt)
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:  # explicit null: as many tokens as fit
-        # Counted the way the engine tokenizes a text prompt.
-        num_prompt_tokens = len(prompt) if isinstance(prompt, list) else len(engine.encode(prompt))
-        max_tokens = _room_after(engine, num_prompt_tokens)
+        max_tokens = _room_after(engine, len(prompt))
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", engine.model_name)
     return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
 
@@ -77,12 +76,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _parse_body(request, ChatCompletionRequest, state)
     _check_model(engine, body.model, state)
     try:
-        text = engine.tokenizer.apply_chat_template(
-            body.template_messages(), tokenize=False, add_generation_prompt=True
-        )
-    except Exception as error:  # jinja raises for conversations the template refuses
-        raise ApiError(400, f"chat template error: {error}", param="messages") from error
-    prompt = _encode(engine, text)
+        prompt = await engine.prompts.encode_chat(body.template_messages())
+    except InvalidRequestError as error:
+        raise _invalid(error, state) from error
     max_tokens = body.requested_max_tokens() or _room_after(engine, len(prompt))
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name)
     return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
@@ -102,9 +98,24 @@ def _admit(state: ServerState) -> AsyncEngine:
         raise
 
 
-def _encode(engine: AsyncEngine, text: str) -> list[int]:
-    # The chat template already holds the special tokens; never add a second BOS.
-    return engine.encode(text, add_special_tokens=False)
+async def _encode(engine: AsyncEngine, state: ServerState, prompt: str | list[int]) -> list[int]:
+    """A completion prompt as token ids: tokenized off the event loop, after a cheap length
+    bound (see tokenize.py); the engine validates the ids themselves."""
+    try:
+        if isinstance(prompt, list):
+            engine.prompts.check_num_tokens(len(prompt), "prompt")
+            return prompt
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        return await engine.prompts.encode(prompt)
+    except InvalidRequestError as error:
+        raise _invalid(error, state) from error
+
+
+def _invalid(error: InvalidRequestError, state: ServerState) -> ApiError:
+    state.metrics.reject("invalid")
+    code = "context_length_exceeded" if isinstance(error, PromptTooLongError) else "invalid_value"
+    return ApiError(400, error.message, param=error.param, code=code)
 
 
 async def _parse_body(request: web.Request, model: type[RequestT], state: ServerState) -> RequestT:
