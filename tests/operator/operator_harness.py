@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import random
-import socket
-import subprocess
-import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import kmock
 import kubernetes.client
 from operator_apiserver import ApiServer
-from support import http_ok
 
 from slotserve.operator import cli, kube
 from slotserve.operator.models import GROUP, PLURAL, VERSION
@@ -318,93 +311,3 @@ class ApiServerThread:
                 "current-context": "kmock",
             }
         )
-
-
-class LocalKubelet:
-    """Runs a Deployment's engine container as a local process, as a kubelet would run a pod.
-
-    No containers here: the container's command and args run with this Python, volume mounts
-    map to host folders (hostPath volumes to their path, emptyDirs to fresh folders), the pod
-    gets its own loopback address (127.x.y.z) so every engine can listen on the contract's
-    port 8000, and ``sync()`` plays the readiness probe, writing the pod's Ready condition.
-    """
-
-    def __init__(self, kube: Kube, workdir: Path) -> None:
-        self.kube = kube
-        self.workdir = workdir
-        self.pods: dict[str, tuple[subprocess.Popen[bytes], str, str, bool]] = {}
-
-    def run_pod(self, deployment: dict[str, Any], index: int, ip: str) -> str:
-        name = self.kube.start_pod(deployment, index, ip)
-        spec = deployment["spec"]["template"]["spec"]
-        (container,) = spec["containers"]
-        volumes = {volume["name"]: volume for volume in spec["volumes"]}
-        mounts: dict[str, str] = {}
-        for mount in container["volumeMounts"]:
-            volume = volumes[mount["name"]]
-            if "hostPath" in volume:
-                mounts[mount["mountPath"]] = volume["hostPath"]["path"]
-            else:
-                folder = self.workdir / name / mount["name"]
-                folder.mkdir(parents=True)
-                mounts[mount["mountPath"]] = str(folder)
-
-        def local(value: str) -> str:
-            for path in sorted(mounts, key=len, reverse=True):
-                if value == path or value.startswith(path + "/"):
-                    return mounts[path] + value[len(path) :]
-            return value
-
-        args = [local(arg) for arg in container["args"]]
-        args[args.index("--host") + 1] = ip
-        env = {**os.environ}
-        env.update({var["name"]: local(var["value"]) for var in container["env"] if "value" in var})
-        log = (self.workdir / f"{name}.log").open("wb")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "slotserve.cli", *args], env=env, stdout=log, stderr=log
-        )
-        probe = container["readinessProbe"]["httpGet"]["path"]
-        self.pods[name] = (process, ip, probe, False)
-        return name
-
-    def sync(self) -> bool:
-        """Probe every pod once, update its Ready condition when it changed; all ready?"""
-        for name, (process, ip, probe, was_ready) in list(self.pods.items()):
-            ready = process.poll() is None and http_ok(f"http://{ip}:8000{probe}")
-            if ready != was_ready:
-                namespace = "default"
-                self.kube.set_pod_ready(name, namespace, ip=ip, ready=ready)
-                self.pods[name] = (process, ip, probe, ready)
-        return all(ready for _, _, _, ready in self.pods.values())
-
-    def kill(self, name: str) -> None:
-        process = self.pods[name][0]
-        process.kill()
-        process.wait(10)
-
-    def stop(self) -> None:
-        for process, _, _, _ in self.pods.values():
-            if process.poll() is None:
-                process.terminate()
-        for process, _, _, _ in self.pods.values():
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
-
-
-def free_loopback_ips(count: int, port: int = 8000) -> list[str]:
-    """Loopback addresses where ``port`` is free (a pod IP each); fewer if the port is taken."""
-    found: list[str] = []
-    for _ in range(50):
-        ip = f"127.{random.randint(1, 254)}.{random.randint(0, 254)}.{random.randint(1, 254)}"
-        with socket.socket() as sock:
-            try:
-                sock.bind((ip, port))
-            except OSError:
-                continue
-        found.append(ip)
-        if len(found) == count:
-            break
-    return found

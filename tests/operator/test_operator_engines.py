@@ -4,7 +4,8 @@ No cluster here: the API server is the kmock shim and ``LocalKubelet`` runs each
 container command (a tiny random Llama from a hostPath volume) as a process on its own loopback
 address. What a user would notice: the pool turns Ready with one endpoint per engine, each
 endpoint answers the OpenAI API with the pool's model name, the real gateway (Kubernetes
-discovery) finds the pool from its status and serves it, and an engine that dies leaves the
+discovery) finds the pool and its engines (the kubelet also writes EndpointSlices) and serves it,
+and an engine that dies leaves the
 endpoints at once.
 """
 
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import Kube, LocalKubelet, free_loopback_ips
+from local_kubelet import LocalKubelet, free_loopback_ips
+from operator_harness import Kube
 from support import free_port, wait_until
 
 from slotserve.operator.models import API_VERSION, KIND
@@ -101,7 +103,7 @@ def test_engines_from_the_built_deployment_serve_and_leave_endpoints_when_they_d
             answer = complete(endpoint, "tiny-chat")
             assert answer["model"] == "tiny-chat" and answer["choices"][0]["text"]
 
-        # The real gateway, discovering the pool from its status (as in the cluster).
+        # The real gateway, discovering the pool and its ready engines (EndpointSlices).
         port = free_port()
         gateway = subprocess.Popen(
             [
