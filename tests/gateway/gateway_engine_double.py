@@ -53,6 +53,7 @@ def _envelope(s: dict, kind: str, choice: dict) -> dict:
 
 async def load(request: web.Request) -> web.Response:
     s = request.app[STATE]
+    s["num_load_polls"] += 1  # so a test can tell an address was never even polled
     running = min(s["inflight"], s["slots"])
     return web.json_response(
         {
@@ -187,6 +188,7 @@ def create_double_app(
         "max_inflight": 0,
         "num_requests": 0,
         "num_aborted": 0,
+        "num_load_polls": 0,
         "arrivals": [],
     }
     app.router.add_get("/load", load)

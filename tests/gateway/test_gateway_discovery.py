@@ -1,6 +1,7 @@
 """Discovery you can trust, the pure part: the registry equals each full list, watch events
 (deletes, renames) take effect at once, and a model name's owner is the oldest pool, then
-namespace/name, whatever order the objects arrive in."""
+namespace/name, whatever order the objects arrive in. Each pool's endpoints come from its
+Service's EndpointSlices; the decoy in every ``status.endpoints`` here is never served."""
 
 from __future__ import annotations
 
@@ -12,17 +13,35 @@ from slotserve.gateway.config import PoolRegistry
 from slotserve.gateway.discovery import PoolCatalog
 
 
-def ipool(namespace: str, name: str, model: str, created: str, endpoint: str = "10.0.0.1:8000"):
+def ipool(namespace: str, name: str, model: str, created: str):
     return {
         "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
         "spec": {"model": {"name": model}},
-        "status": {"endpoints": [endpoint]},
+        "status": {"endpoints": ["10.9.9.9:8000"]},  # information only: never routed to
     }
 
 
-OLD = ipool("b", "old", "m", "2026-01-01T00:00:00Z", "10.0.0.1:8000")
-NEW = ipool("a", "new", "m", "2026-06-01T00:00:00Z", "10.0.0.2:8000")
-TWIN = ipool("a", "twin", "m", "2026-01-01T00:00:00Z", "10.0.0.3:8000")  # same age as OLD
+def eslice(namespace: str, service: str, address: str) -> dict:
+    """The EndpointSlice of a pool's Service, one ready pod, as the controller writes it."""
+    return {
+        "metadata": {
+            "name": f"{service}-x1",
+            "namespace": namespace,
+            "labels": {"kubernetes.io/service-name": service, "slotserve.dev/pool": service},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
+    }
+
+
+OLD = ipool("b", "old", "m", "2026-01-01T00:00:00Z")
+NEW = ipool("a", "new", "m", "2026-06-01T00:00:00Z")
+TWIN = ipool("a", "twin", "m", "2026-01-01T00:00:00Z")  # same age as OLD
+SLICES = {
+    "a": [eslice("a", "new", "10.0.0.2"), eslice("a", "twin", "10.0.0.3")],
+    "b": [eslice("b", "old", "10.0.0.1"), eslice("b", "x", "10.0.0.4")],
+}
 
 
 def served(registry: PoolRegistry) -> dict[str, tuple[str, ...]]:
@@ -36,6 +55,8 @@ def test_owner_is_the_oldest_then_namespace_name_in_any_order(order):
     for by_events in (False, True):
         registry, counted = PoolRegistry(), []
         catalog = PoolCatalog(registry, ["a", "b"], counted.append)
+        for namespace, slices in SLICES.items():
+            catalog.replace_slices(namespace, slices)
         for obj in order:
             source = obj["metadata"]["namespace"]
             if by_events:
@@ -51,10 +72,14 @@ def test_registry_waits_for_every_namespace_and_follows_each_full_list():
     registry = PoolRegistry()
     catalog = PoolCatalog(registry, ["a", "b"])
     catalog.replace_list("a", [NEW])
+    catalog.replace_slices("a", SLICES["a"])
     assert registry.synced_version is None  # "b" not listed yet: not ready
     catalog.replace_list("b", [OLD, ipool("b", "x", "x", "2026-01-01T00:00:00Z")])
+    assert registry.synced_version is None  # b's EndpointSlices not listed yet: not ready
+    assert served(registry) == {"m": (), "x": ()}  # the pools, without endpoints yet
+    catalog.replace_slices("b", SLICES["b"])
     assert registry.synced_version is not None
-    assert served(registry) == {"m": ("http://10.0.0.1:8000",), "x": ("http://10.0.0.1:8000",)}
+    assert served(registry) == {"m": ("http://10.0.0.1:8000",), "x": ("http://10.0.0.4:8000",)}
     # A re-list without b/old and b/x (deleted while the watch was down): both drop out, and
     # the younger a/new takes over "m".
     catalog.replace_list("b", [])
@@ -64,9 +89,10 @@ def test_registry_waits_for_every_namespace_and_follows_each_full_list():
 def test_watch_events_delete_and_rename_take_effect_at_once():
     registry, counted = PoolRegistry(), []
     catalog = PoolCatalog(registry, [""], counted.append)
+    catalog.replace_slices("", SLICES["a"] + SLICES["b"])
     catalog.replace_list("", [OLD, NEW])
     assert counted == ["m"]
-    renamed = ipool("b", "old", "m2", "2026-01-01T00:00:00Z", "10.0.0.1:8000")
+    renamed = ipool("b", "old", "m2", "2026-01-01T00:00:00Z")
     catalog.apply_event("", "MODIFIED", renamed)
     assert served(registry) == {"m": ("http://10.0.0.2:8000",), "m2": ("http://10.0.0.1:8000",)}
     catalog.apply_event("", "DELETED", NEW)

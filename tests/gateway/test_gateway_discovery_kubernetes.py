@@ -1,7 +1,8 @@
 """Discovery you can trust, end to end: gateway processes list and watch InferencePools on an API
-server (the operator suite's kmock-based server, with the real CRD). /ready waits for the first
-list; renames and deletes take effect at once; every replica, fresh or long running, gives a
-contested model name to the same (oldest) pool, and counts the conflict."""
+server (the operator suite's kmock-based server, with the real CRD), and the EndpointSlices of
+their Services for the engines. /ready waits for the first lists; renames and deletes take
+effect at once; every replica, fresh or long running, gives a contested model name to the same
+(oldest) pool, and counts the conflict."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from endpointslice_support import Pod, sync_slices
 from gateway_support import SLOTSERVE, Proc
 from support import free_port, http_ok, wait_until
 
@@ -74,12 +76,12 @@ def start_gateway(spawn, kubeconfig: Path, *flags: str) -> Proc:
 
 
 def make_pool(api, namespace: str, name: str, model: str, engine_url: str) -> None:
+    """A pool and the EndpointSlice of its Service, with one ready engine pod."""
     body = copy.deepcopy(BASE_POOL)
     body["metadata"] = {"name": name, "namespace": namespace}
     body["spec"]["model"]["name"] = model
     api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
-    status = {"status": {"endpoints": [engine_url.removeprefix("http://")]}}
-    api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, status)
+    sync_slices(api.api_client, namespace, name, [Pod(engine_url, f"{name}-0")])
 
 
 @pytest.fixture
