@@ -1,5 +1,5 @@
 """What Kubernetes' EndpointSlice controller writes; the API emulator has no controller, so tests
-write the slices it would (shared by the gateway and operator suites).
+write the slices it would.
 
 For a Service with a selector the controller lists the pods it selects, one slice per resolved
 port number, labelled ``kubernetes.io/service-name`` plus the Service's own labels (the
@@ -99,38 +99,3 @@ def sync_slices(
             api.create_namespaced_endpoint_slice(namespace, body, _preload_content=False)
     for name in existing - wanted.keys():
         api.delete_namespaced_endpoint_slice(name, namespace, _preload_content=False)
-
-
-def sync_from_cluster(api_client: Any, namespace: str) -> None:
-    """One pass of the controller over ``namespace``: every Service with a selector gets the
-    slices of the pods it selects, from the pods as the API has them (IP, Ready, deletion)."""
-    import kubernetes
-
-    core = kubernetes.client.CoreV1Api(api_client)
-    services = json.loads(core.list_namespaced_service(namespace, _preload_content=False).data)
-    all_pods = json.loads(core.list_namespaced_pod(namespace, _preload_content=False).data)
-    for service in services["items"]:
-        selector = service["spec"].get("selector") or {}
-        if not selector:
-            continue  # a Service without selector has hand-made slices
-        (service_port,) = service["spec"]["ports"]
-        pods = []
-        for pod in all_pods["items"]:
-            labels = pod["metadata"].get("labels") or {}
-            ip = (pod.get("status") or {}).get("podIP")
-            if not ip or any(labels.get(key) != value for key, value in selector.items()):
-                continue
-            (container,) = pod["spec"]["containers"]
-            target = service_port.get("targetPort", service_port["port"])
-            (port,) = [
-                p["containerPort"]
-                for p in container.get("ports") or []
-                if target in (p.get("name"), p["containerPort"])
-            ]
-            conditions = (pod.get("status") or {}).get("conditions") or []
-            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-            terminating = bool(pod["metadata"].get("deletionTimestamp"))
-            name = pod["metadata"]["name"]
-            pods.append(Pod(f"http://{ip}:{port}", name, ready, terminating))
-        labels = service["metadata"].get("labels") or {}
-        sync_slices(api_client, namespace, service["metadata"]["name"], pods, labels)
