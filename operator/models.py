@@ -2,7 +2,8 @@
 
 These models are the single source of truth: ``slotserve.operator.crd`` generates the CRD's
 openAPIV3Schema from them, the operator validates every object it reconciles with them, and the
-gateway reads ``spec.model.name``, ``spec.batching``, ``spec.admission`` and ``status.endpoints``.
+gateway reads ``spec.model.name``, ``spec.batching`` and ``spec.admission`` (its engines come from
+the EndpointSlices of the pool's Service; ``status.endpoints`` is information only).
 
 Rules that the API server checks with CEL (``x-kubernetes-validations``) are mirrored here as
 pydantic validators, so the operator rejects the same objects on clusters (or emulators) that do
@@ -269,7 +270,7 @@ class Condition(WireModel):
 
 
 class InferencePoolStatus(WireModel):
-    """What the operator observed; the gateway routes requests to the endpoints."""
+    """What the operator observed; endpoints are for people (the gateway uses EndpointSlices)."""
 
     observed_generation: int | None = Field(None, ge=0)
     replicas: int = Field(0, ge=0, description="Engine pods that exist (for the scale API).")
