@@ -1,8 +1,8 @@
 """How fast a pool's queue drains, and the Retry-After that follows from it (pure, no I/O).
 
-The drain rate is measured from the backend's shared ``dispatched`` counter (grants by every
-replica), so each replica sees the whole pool's speed. Before the counter has moved, the speed
-the engines showed so far stands in: slots divided by the mean time a request held its slot.
+The drain rate is the engines' measured speed: slots divided by the mean time a request held its
+slot. Before any request has finished, the backend's shared ``dispatched`` counter (grants by
+every replica) gives the pool's rate.
 """
 
 from __future__ import annotations
@@ -57,11 +57,17 @@ class HoldTime:
 def service_rate_per_s(
     drain: DrainRate | None, hold: HoldTime | None, num_slots_total: int
 ) -> float:
-    """Requests per second the pool can take: measured drain first, else engine speed, else 0."""
-    if drain is not None and drain.num_samples > 0 and drain.rate_per_s > 0:
-        return drain.rate_per_s
+    """Requests per second the pool drains when its slots are full.
+
+    Slots divided by the mean time a request holds its slot, as measured: unlike the dispatch
+    rate, it does not fall when admission itself holds places back (which would stretch the
+    Retry-After, admit less, and measure a lower rate again). Before any request has finished,
+    the shared dispatch counter's rate; 0 when nothing is known yet.
+    """
     if hold is not None and hold.mean_s > 0 and num_slots_total > 0:
         return num_slots_total / hold.mean_s
+    if drain is not None and drain.num_samples > 0 and drain.rate_per_s > 0:
+        return drain.rate_per_s
     return 0.0
 
 

@@ -14,8 +14,8 @@ for long however many requests wait (the rest goes on the next tick).
 Dispatching scripts share one argument layout:
 ARGV[1] prefix, [2] pool, [3] calling replica, [4] lease TTL (us), [5] state TTL (ms),
 [6] batching policy, [7] maxQueueDelay (us), [8] preferred batch sizes ("4,8"), [9] the admission
-epoch the caller knows ("" if none yet), [10] sweep batch, [11] number of endpoint offers N, then
-N triples (url, slots_total, load_score), then the script's own arguments.
+epoch the caller knows ("" if none yet), [10] sweep batch, [11] maxQueueSize, [12] number of
+endpoint offers N, then N triples (url, slots_total, load_score), then the script's own arguments.
 
 The admission epoch (``P:epoch``): Redis that lost its data (FLUSHALL, restart without
 persistence, failover to an empty replica) also lost the leases of requests still running. The
@@ -76,17 +76,19 @@ local PREFERRED = {}
 for size in string.gmatch(ARGV[8], '%d+') do PREFERRED[#PREFERRED + 1] = tonumber(size) end
 local KNOWN_EPOCH = ARGV[9]
 local SWEEP_BATCH = tonumber(ARGV[10])
-local NUM_OFFERS = tonumber(ARGV[11])
+local MAX_QUEUE = tonumber(ARGV[11])
+local NUM_OFFERS = tonumber(ARGV[12])
 local OFFERS = {}
 for i = 0, NUM_OFFERS - 1 do
-  local b = 12 + i * 3
+  local b = 13 + i * 3
   OFFERS[#OFFERS + 1] = {url = ARGV[b], slots = tonumber(ARGV[b + 1]), load = tonumber(ARGV[b + 2])}
 end
-local REST = 12 + NUM_OFFERS * 3
+local REST = 13 + NUM_OFFERS * 3
 """
     + _EPOCH
     + r"""
 local EPOCH_ID, READY_AT = '', 0
+local HELD, FREED = nil, 0  -- places held for promised clients; leases freed by this script
 
 local alive = {[CALLER] = true}
 local function is_alive(replica)
@@ -172,6 +174,7 @@ end
 
 local function release_lease(rid)
   if redis.call('ZREM', K_LEASES, rid) == 0 then return false end
+  FREED = FREED + 1
   local ep = redis.call('HGET', K_LEASE_EP, rid)
   redis.call('HDEL', K_LEASE_EP, rid)
   if ep and redis.call('HINCRBY', K_INFLIGHT, ep, -1) <= 0 then
@@ -181,6 +184,23 @@ local function release_lease(rid)
 end
 
 local mine = {}
+
+-- Places held for clients told to come back later (Retry-After): capacity that frees (a lease
+-- released) while promises are outstanding is held for them, and opens when a promise is due,
+-- so that the client who comes back when told finds it and a newcomer does not take it.
+local function settle_promises(now)
+  if HELD ~= nil then return end
+  local due = redis.call('ZREMRANGEBYSCORE', K_RETRIES, '-inf', now)
+  HELD = tonumber(redis.call('HGET', K_STATS, 'held') or '0')
+  HELD = math.min(math.max(0, HELD - due), redis.call('ZCARD', K_RETRIES))
+end
+
+local function hold_freed_places()
+  if HELD == nil or FREED == 0 then return end
+  local room = MAX_QUEUE - redis.call('ZCARD', K_QUEUE)
+  HELD = math.max(0, math.min(HELD + FREED, redis.call('ZCARD', K_RETRIES), room))
+  FREED = 0
+end
 
 local function grant(rid, replica, url, now)
   drop(rid)
@@ -212,6 +232,7 @@ local function group_size(n, slots, waited)
 end
 
 local function dispatch(now)
+  settle_promises(now)
   EPOCH_ID, READY_AT = check_epoch(now)
   if now < READY_AT then return READY_AT - now end  -- leases may still be coming back
   local idle_only = POLICY ~= 'continuous'
@@ -237,6 +258,8 @@ local function dispatch(now)
 end
 
 local function touch()
+  hold_freed_places()
+  if HELD ~= nil then redis.call('HSET', K_STATS, 'held', HELD) end
   for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], STATE_TTL_MS) end
 end
 
@@ -252,23 +275,21 @@ end
 )
 
 # Script arguments after the shared ones: request id, priority, timeout (us), maxQueueSize,
-# only-if-absent flag, and the expected gap (us) between two places freeing in the queue
-# (1 / measured drain rate), used to hand out return times to rejected clients.
+# only-if-absent flag, the expected gap (us) between two places freeing in the queue
+# (1 / measured drain rate) and how far ahead (us) return times are promised to rejected clients.
 ENQUEUE = (
     _PRELUDE
     + r"""
 local rid, priority = ARGV[REST], tonumber(ARGV[REST + 1])
 local timeout_us, max_size = tonumber(ARGV[REST + 2]), tonumber(ARGV[REST + 3])
-local drain_gap_us = tonumber(ARGV[REST + 5])
+local drain_gap_us, max_promise_us = tonumber(ARGV[REST + 5]), tonumber(ARGV[REST + 6])
 local now = now_us()
 if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
     or redis.call('ZSCORE', K_LEASES, rid)) then
   EPOCH_ID = check_epoch(now)
   return result('ok', 0)
 end
--- Places promised to clients told to come back later (Retry-After) are not for newcomers.
-redis.call('ZREMRANGEBYSCORE', K_RETRIES, '-inf', now)
-local promised = redis.call('ZCARD', K_RETRIES)
+settle_promises(now)
 local seq = redis.call('INCR', K_SEQ)
 local deadline = now + timeout_us
 redis.call('ZADD', K_QUEUE, priority * 10000000000000 + seq, rid)
@@ -277,15 +298,21 @@ redis.call('ZADD', K_DEADLINES, deadline, rid)
 redis.call('ZADD', waiting_key(CALLER), deadline, rid)
 redis.call('PEXPIRE', waiting_key(CALLER), STATE_TTL_MS)
 redis.call('SADD', K_REPLICAS, CALLER)
-local hold = dispatch(now)
+-- A newcomer may not take a place held for a promised client, not even a free slot.
+local full = HELD > 0 and redis.call('ZCARD', K_QUEUE) + HELD > max_size
+local hold = 0
+if not full then
+  hold = dispatch(now)
+  full = redis.call('ZSCORE', K_QUEUE, rid) and redis.call('ZCARD', K_QUEUE) > max_size
+end
 touch()
-if redis.call('ZSCORE', K_QUEUE, rid) and redis.call('ZCARD', K_QUEUE) + promised > max_size then
+if full then
   drop(rid)
   local last = tonumber(redis.call('HGET', K_STATS, 'retry_horizon') or '0')
-  if promised >= max_size then
-    -- At most a queue's worth of promises (a client that ignores Retry-After must not
-    -- reserve the queue for long): come back when the promised ones are due.
-    return result('full', 0, math.ceil((math.max(now, last) - now) / 1000000) * 1000000)
+  if last - now >= max_promise_us then
+    -- Promises reach at most one queue timeout ahead (clients that ignore Retry-After must
+    -- not push everyone's further out): come back when the promised ones are due.
+    return result('full', 0, math.ceil((last - now) / 1000000) * 1000000)
   end
   -- The next free place after every place already promised: whole seconds, as the client
   -- will wait (Retry-After has one-second resolution).
@@ -293,6 +320,7 @@ if redis.call('ZSCORE', K_QUEUE, rid) and redis.call('ZCARD', K_QUEUE) + promise
   redis.call('HSET', K_STATS, 'retry_horizon', fmt(horizon))
   local retry_us = math.ceil((horizon - now) / 1000000) * 1000000
   redis.call('ZADD', K_RETRIES, now + retry_us, seq)
+  touch()
   return result('full', 0, retry_us)
 end
 return result('ok', hold)

@@ -57,6 +57,8 @@ class _PoolState:
     num_dispatched: int = 0
     retry_horizon_us: int = 0
     promised: list[int] = field(default_factory=list)  # heap of promised return times (us)
+    num_held: int = 0  # queue places held for promised clients
+    num_freed: int = 0  # leases released in the current step
 
     def add(self, request_id: str, score: int, entry: _Entry) -> None:
         self.queue[request_id] = score
@@ -92,6 +94,7 @@ class _PoolState:
     def free_lease(self, request_id: str) -> bool:
         if self.leases.pop(request_id, None) is None:
             return False
+        self.num_freed += 1
         endpoint = self.lease_endpoint.pop(request_id, "")
         self.inflight[endpoint] = self.inflight.get(endpoint, 0) - 1
         if self.inflight[endpoint] <= 0:
@@ -121,17 +124,25 @@ class _PoolState:
             if not request_ids:
                 del self.by_replica[replica]
 
-    def num_promised(self, now_us: int) -> int:
+    def settle_promises(self, now_us: int) -> None:
+        """Promises now due open the places held for them (as ``settle_promises`` in Lua)."""
+        num_due = 0
         while self.promised and self.promised[0] <= now_us:
             heapq.heappop(self.promised)
-        return len(self.promised)
+            num_due += 1
+        self.num_held = min(max(0, self.num_held - num_due), len(self.promised))
 
-    def promise_place(self, now_us: int, drain_gap_us: int, max_promised: int) -> int:
+    def hold_freed_places(self, max_queue_size: int) -> None:
+        """Capacity freed by released leases is held for promised clients (``lua.py``)."""
+        room = max_queue_size - len(self.queue)
+        self.num_held = max(0, min(self.num_held + self.num_freed, len(self.promised), room))
+        self.num_freed = 0
+
+    def promise_place(self, now_us: int, drain_gap_us: int, max_ahead_us: int) -> int:
         """A rejected client's Retry-After (whole seconds, in us): the next place that frees
-        after every place already promised (at most ``max_promised`` of them)."""
-        if len(self.promised) >= max_promised:
-            horizon_us = max(now_us, self.retry_horizon_us)
-            return math.ceil((horizon_us - now_us) / 1_000_000) * 1_000_000
+        after every place already promised, at most ``max_ahead_us`` ahead."""
+        if self.retry_horizon_us - now_us >= max_ahead_us:
+            return math.ceil((self.retry_horizon_us - now_us) / 1_000_000) * 1_000_000
         self.retry_horizon_us = max(now_us, self.retry_horizon_us) + drain_gap_us
         retry_us = math.ceil((self.retry_horizon_us - now_us) / 1_000_000) * 1_000_000
         heapq.heappush(self.promised, now_us + retry_us)
@@ -160,6 +171,7 @@ class InProcessHub:
         self, policy: PoolPolicy, offers: Sequence[EndpointOffer], caller: str, now_us: int
     ) -> DispatchResult:
         state = self.pool(policy.name)
+        state.settle_promises(now_us)
         mine: list[Grant] = []
         hold_us = 0
 
@@ -203,6 +215,7 @@ class InProcessHub:
                 if nxt is None:
                     break
                 grant(nxt[0], nxt[1], ranked[0].url)
+        state.hold_freed_places(policy.max_queue_size)
         return DispatchResult(mine, len(state.queue), state.num_dispatched, hold_us)
 
 
@@ -235,14 +248,21 @@ class InProcessBackend:
         state = self.hub.pool(pool.name)
         if only_if_absent and (request_id in state.queue or request_id in state.leases):
             return DispatchResult([], len(state.queue), state.num_dispatched, 0)
-        promised = state.num_promised(now)
+        state.settle_promises(now)
         state.seq += 1
-        entry = _Entry(self.replica_id, now + timeout_us, now)
-        state.add(request_id, priority * PRIORITY_STRIDE + state.seq, entry)
-        result = self.hub.dispatch(pool, offers, self.replica_id, now)
-        if request_id in state.queue and len(state.queue) + promised > pool.max_queue_size:
+        # A newcomer may not take a place held for a promised client, not even a free slot.
+        full = state.num_held > 0 and len(state.queue) + 1 + state.num_held > pool.max_queue_size
+        result = DispatchResult([], len(state.queue), state.num_dispatched, 0)
+        if not full:
+            entry = _Entry(self.replica_id, now + timeout_us, now)
+            state.add(request_id, priority * PRIORITY_STRIDE + state.seq, entry)
+            result = self.hub.dispatch(pool, offers, self.replica_id, now)
+            full = request_id in state.queue and len(state.queue) > pool.max_queue_size
+        if full:
             state._drop(request_id)
-            retry_us = state.promise_place(now, max(1, drain_gap_us), pool.max_queue_size)
+            retry_us = state.promise_place(
+                now, max(1, drain_gap_us), int(pool.queue_timeout_s * 1_000_000)
+            )
             raise QueueFullError(
                 f"queue of pool {pool.name!r} is full ({pool.max_queue_size} waiting)",
                 queue_depth=len(state.queue),

@@ -147,6 +147,7 @@ class RedisBackend:
             ",".join(str(size) for size in pool.preferred_batch_sizes),
             self.epoch,
             SWEEP_BATCH,
+            pool.max_queue_size,
             len(offers),
         ]
         for offer in offers:
@@ -228,6 +229,7 @@ class RedisBackend:
     ) -> DispatchResult:
         args = [*self._args(pool, offers), request_id, priority, timeout_us, pool.max_queue_size]
         args += [1 if only_if_absent else 0, max(1, drain_gap_us)]
+        args.append(int(pool.queue_timeout_s * 1_000_000))
         reply = await self._run("enqueue", self.keys.pool(pool.name), args)
         result = self._result(reply)
         if reply[0] == "full":
