@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -71,8 +72,11 @@ class PoolOperator:
             allowed_service_accounts=tuple(settings.allowed_service_accounts),
         )
         self._writer: StatusWriter | None = None
-        # kopf passes the same index objects to every handler; the healer's thread keeps them.
+        # kopf passes the same index objects to every handler; the healer's thread keeps them,
+        # and a handler's context, in which kopf.warn() can post events (kopf sets its event
+        # queue per watched object, not for the operator's own tasks).
         self._indexes: dict[str, Any] = {}
+        self._handler_context: contextvars.Context | None = None
         self.healer: Healer[Key] = Healer(
             self._heal, resync_seconds=settings.resync_seconds, keys=self._known_pools
         )
@@ -135,6 +139,7 @@ class PoolOperator:
     def _keep(self, indexes: Mapping[str, Any]) -> None:
         if not self._indexes:
             self._indexes = {name: indexes[name] for name in INDEXES}
+            self._handler_context = contextvars.copy_context()
 
     def _known_pools(self) -> list[Key]:
         pool_index = self._indexes.get("pool_index")
@@ -230,7 +235,16 @@ class PoolOperator:
             raise kopf.PermanentError(problem.message)
 
     def _heal(self, key: Key) -> bool:
-        """The healer's work: converge ``key`` again; False = retry later (with backoff)."""
+        """The healer's work: converge ``key`` again; False = retry later (with backoff).
+
+        Runs in a handler's context (one worker: never entered twice at once) so that the
+        events it posts reach kopf's poster.
+        """
+        if self._handler_context is None:  # no handler has run yet: nothing is known
+            return True
+        return self._handler_context.run(self._heal_in_context, key)
+
+    def _heal_in_context(self, key: Key) -> bool:
         view: PoolView | None = first(self._indexes["pool_index"], key)
         if view is None:
             return True

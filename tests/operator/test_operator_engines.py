@@ -5,8 +5,7 @@ container command (a tiny random Llama from a hostPath volume) as a process on i
 address. What a user would notice: the pool turns Ready with one endpoint per engine, each
 endpoint answers the OpenAI API with the pool's model name, the real gateway (Kubernetes
 discovery) finds the pool and its engines (the kubelet also writes EndpointSlices) and serves it,
-and an engine that dies leaves the
-endpoints at once.
+and an engine that dies leaves the endpoints at once.
 """
 
 from __future__ import annotations

@@ -154,3 +154,16 @@ def test_scale_to_zero_has_a_clear_status(kube: Kube):
     assert pool["status"]["endpoints"] == []
     assert condition(pool, "Degraded")["status"] == "False"
     wait_until(lambda: kube.deployment("chat")["spec"]["replicas"] == 0, WAIT, what="0 replicas")
+
+
+@pytest.mark.usefixtures("operator")
+def test_an_older_pool_taking_a_name_degrades_the_younger_without_its_spec_changing(kube: Kube):
+    kube.create_pool(pool_body("alpha", model={"name": "llama", "source": {"builtin": "smollm2"}}))
+    kube.create_pool(pool_body("beta", model={"name": "qwen", "source": {"builtin": "smollm2"}}))
+    wait_until(lambda: len(kube.deployments()) == 2, WAIT, what="both deployments")
+    # Only alpha changes; beta's conflict is found by re-checking the pools that share a name.
+    kube.patch_pool("alpha", {"spec": {"model": {"name": "qwen"}}})
+    pool = wait_degraded(kube, "beta", "ModelNameConflict")
+    assert "default/alpha" in condition(pool, "Degraded")["message"]
+    assert kube.get_pool("beta")["metadata"]["generation"] == 1
+    assert condition(kube.get_pool("alpha"), "Degraded")["status"] == "False"
