@@ -137,6 +137,12 @@ def test_scaled_to_zero_is_not_ready_but_complete():
     result = status(desired=0, deployment=rolled_out(0))
     assert conditions(result)["Ready"] == ("False", "ScaledToZero")
     assert conditions(result)["Progressing"] == ("False", "RolloutComplete")
+    assert result["endpoints"] == []
+    # Just scaled down: the last pod still serves, but nothing is routed to it any more.
+    stopping = status(desired=0, pods=[pod("a", "10.0.0.1", ready=True)], deployment=rolled_out(0))
+    assert conditions(stopping)["Ready"] == ("False", "ScaledToZero")
+    assert stopping["endpoints"] == [] and stopping["readyReplicas"] == 1
+    assert conditions(stopping)["Progressing"][1] == "Scaling"
 
 
 def test_transition_time_moves_only_when_the_status_flips():
