@@ -102,13 +102,21 @@ def test_pool_becomes_ready_and_serves_a_completion(api: Any, tmp_path: Path):
     core = kubernetes.client.CoreV1Api(api)
     custom = kubernetes.client.CustomObjectsApi(api)
     namespace = f"slotserve-e2e-{secrets.token_hex(3)}"
-    core.create_namespace({"metadata": {"name": namespace}}, _preload_content=False)
+    # Pod Security Admission enforces "restricted": the engine pods must pass the real thing.
+    labels = {"pod-security.kubernetes.io/enforce": "restricted"}
+    core.create_namespace(
+        {"metadata": {"name": namespace, "labels": labels}}, _preload_content=False
+    )
     health_port = free_port()
     log = (tmp_path / "operator.log").open("w")
     env = {
         **os.environ,
         "KUBECONFIG": E2E_KUBECONFIG,
         "SLOTSERVE_OPERATOR_ENGINE_IMAGE": ENGINE_IMAGE,
+        # The test reaches the engine through the API server's service proxy, which connects
+        # from a node address, not from a gateway pod: let it through the pool's NetworkPolicy
+        # (on CNIs that enforce it, such as recent kindnet).
+        "SLOTSERVE_OPERATOR_SCRAPER_PEERS": '[{"ipBlock": {"cidr": "0.0.0.0/0"}}]',
     }
     operator = subprocess.Popen(
         [
@@ -167,7 +175,13 @@ def test_pool_becomes_ready_and_serves_a_completion(api: Any, tmp_path: Path):
         )
         assert status == 200 and answer["choices"][0]["text"].strip()
 
-        # Deleting the pool deletes its Deployment and Service (the real garbage collector).
+        networking = kubernetes.client.NetworkingV1Api(api)
+        (policy,) = json.loads(
+            networking.list_namespaced_network_policy(namespace, _preload_content=False).data
+        )["items"]
+        assert policy["metadata"]["ownerReferences"][0]["name"] == "smollm2"
+
+        # Deleting the pool deletes its children (the real garbage collector).
         custom.delete_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, "smollm2", _preload_content=False
         )
@@ -180,7 +194,10 @@ def test_pool_becomes_ready_and_serves_a_completion(api: Any, tmp_path: Path):
             services = json.loads(
                 core.list_namespaced_service(namespace, _preload_content=False).data
             )["items"]
-            return not deployments and not services
+            policies = json.loads(
+                networking.list_namespaced_network_policy(namespace, _preload_content=False).data
+            )["items"]
+            return not deployments and not services and not policies
 
         wait_until(children_gone, 120, interval=2, what="children garbage-collected")
     finally:
