@@ -238,8 +238,10 @@ def _list_and_watch(
     """One cycle: a full list, then watch events from its resourceVersion until the server ends
     the watch; the caller loops, so the registry is re-listed every ``WATCH_TIMEOUT_S``.
 
-    Objects stay plain JSON (``_preload_content=False``, ``deserialize=False``): the typed
-    client refuses a slice whose ``endpoints`` is null, which is what a Service without pods has.
+    Objects stay plain JSON as the API sends them (``_preload_content=False``; the watch's
+    return type ``object``): one parser for pools and slices, and no reliance on typed models
+    (older clients refuse a slice whose ``endpoints`` is null, as a Service without pods has).
+    ERROR events (410 Gone) still raise, so the caller lists again.
     """
     from kubernetes import watch
 
@@ -253,14 +255,13 @@ def _list_and_watch(
     )
     listing = json.loads(response.data)
     loop.call_soon_threadsafe(on_list, namespace, listing.get("items") or [])
-    stream = watch.Watch().stream(
+    stream = watch.Watch(return_type="object").stream(
         call,
         *args,
         **kwargs,
         resource_version=(listing.get("metadata") or {}).get("resourceVersion"),
         timeout_seconds=WATCH_TIMEOUT_S,
         _request_timeout=(CONNECT_TIMEOUT_S, WATCH_TIMEOUT_S + LIST_TIMEOUT_S),
-        deserialize=False,
     )
     for event in stream:
         if event.get("type") in ("ADDED", "MODIFIED", "DELETED"):

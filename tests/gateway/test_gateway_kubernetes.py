@@ -104,6 +104,7 @@ def test_routes_only_to_ready_pods_of_the_pools_service(spawn, tmp_path):
         sync_slices(api_client, "ml", "other", [Pod(decoy.url, "other-1")])
         a, b = Pod(engines["a"].url, "small-1"), Pod(engines["b"].url, "small-2", ready=False)
         sync_slices(api_client, "ml", "small", [a, b])
+        sync_slices(api_client, "ml", "idle", [])  # a placeholder slice (endpoints null) is listed
 
         port = free_port()
         argv = [str(SLOTSERVE), "gateway", "--discovery", "kubernetes", "--namespaces", "ml"]
@@ -146,6 +147,14 @@ def test_routes_only_to_ready_pods_of_the_pools_service(spawn, tmp_path):
         assert status == 404 and "not served" in body["error"]["message"]
 
         made = gateway_calls_allowed(server.server)
+        # One list of slices, then one watch throughout: no event (a null endpoints list
+        # included) ever broke the watch and forced a re-list.
+        slice_lists = [
+            call
+            for call in server.server.calls
+            if call[:2] == (USER_AGENT, "list") and call[3] == "endpointslices"
+        ]
+        assert len(slice_lists) == 1
         assert (
             "list",
             "discovery.k8s.io",
