@@ -16,6 +16,7 @@ from typing import Any
 
 from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.errors import InvalidRequestError, QueueFullError
+from slotserve.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from slotserve.engine.kv_cache import KVCacheManager
 from slotserve.engine.params import SamplingParams
 from slotserve.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -66,8 +67,11 @@ class LLMEngine:
         model_name: str,
         clock: Callable[[], float] = time.monotonic,
         record_steps: bool = False,
+        generation_defaults: GenerationDefaults | None = None,
     ) -> None:
         self.settings = settings
+        # Defaults for request fields left out (the HTTP layer applies them; see the module).
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -106,6 +110,12 @@ class LLMEngine:
             settings, runner, tokenizer, kv_cache_tokens=kv_cache_tokens, model_name=name, **kwargs
         )
 
+        kwargs.setdefault(
+            "generation_defaults",
+            load_generation_defaults(
+                settings.generation_config, source, settings.override_generation_config
+            ),
+        )
     # -- requests ---------------------------------------------------------------------------
 
     def make_sequence(

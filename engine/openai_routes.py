@@ -18,6 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from slotserve.engine.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
+from slotserve.engine.generation_defaults import GenerationDefaults
 from slotserve.engine.http_state import (
     STATE,
     ApiError,
@@ -64,6 +65,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_model(engine, body.model, state)
     prompt = await _encode(engine, state, body.single_prompt)
     max_tokens = body.requested_max_tokens()
+    if "max_tokens" not in body.model_fields_set:
+        max_tokens = engine.engine.generation_defaults.max_tokens or max_tokens
     if max_tokens is None:  # explicit null: as many tokens as fit
         max_tokens = _room_after(engine, len(prompt))
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", engine.model_name)
@@ -79,7 +82,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt = await engine.prompts.encode_chat(body.template_messages())
     except InvalidRequestError as error:
         raise _invalid(error, state) from error
-    max_tokens = body.requested_max_tokens() or _room_after(engine, len(prompt))
+    room = _room_after(engine, len(prompt))
+    default_max_tokens = engine.engine.generation_defaults.max_tokens
+    max_tokens = body.requested_max_tokens() or min(default_max_tokens or room, room)
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name)
     return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
 
@@ -150,13 +155,18 @@ def _check_model(engine: AsyncEngine, name: str, state: ServerState) -> None:
         )
 
 
-def _sampling_params(body: SamplingRequest, max_tokens: int) -> SamplingParams:
+def _sampling_params(
+    body: SamplingRequest, max_tokens: int, defaults: GenerationDefaults
+) -> SamplingParams:
+    chosen = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k_or_none}
+    for name, value in defaults.as_dict().items():
+        # The model's recommendation replaces OpenAI's default, never a value the client sent.
+        if name in chosen and name not in body.model_fields_set:
+            chosen[name] = value
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k_or_none,
+            **chosen,
             seed=body.seed,
             stop=body.stop_list,
             stop_token_ids=body.stop_token_ids or [],
@@ -176,7 +186,7 @@ async def _generate(
     max_tokens: int,
     fmt: OutputFormat,
 ) -> web.StreamResponse:
-    params = _sampling_params(body, max_tokens)
+    params = _sampling_params(body, max_tokens, engine.engine.generation_defaults)
     try:
         stream = engine.add_request(fmt.request_id, prompt, params)
     except InvalidRequestError as error:

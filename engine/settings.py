@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from slotserve.engine.generation_defaults import parse_override
 from slotserve.pools import BatchingSpec
 
 Policy = Literal["static", "dynamic", "continuous"]
@@ -36,10 +37,26 @@ class EngineSettings(BaseSettings):
     linear_backend: LinearBackend = Field(
         "auto", description="CPU matrix products: auto (measured at start), onednn, aten."
     )
+    generation_config: str = Field(
+        "auto",
+        min_length=1,
+        description="Sampling defaults for fields a request leaves out: auto (the model's "
+        "generation_config.json), none (OpenAI's defaults) or a folder holding that file.",
+    )
+    override_generation_config: str | None = Field(
+        None,
+        description='JSON object over the generation config, e.g. {"temperature": 0.7}.',
+    )
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
     drain_timeout_seconds: float = Field(30, ge=0)
     max_request_body_bytes: int = Field(1_048_576, ge=1024)
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _override_is_a_generation_config(cls, value: str | None) -> str | None:
+        parse_override(value)  # raises ValueError naming the bad key or value
+        return value
 
     @model_validator(mode="after")
     def _preferred_sizes_fit(self) -> EngineSettings:

