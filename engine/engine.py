@@ -79,7 +79,11 @@ class LLMEngine:
         self.vocab_size: int = runner.shape.vocab_size
         self.clock = clock
         # The runner's slots: fewer than max_batch_size when the memory budget holds fewer rows.
-        self.kv_cache = KVCacheManager(num_slots=runner.num_slots, num_tokens_total=kv_cache_tokens)
+        self.kv_cache = KVCacheManager(
+            num_slots=runner.num_slots,
+            num_tokens_total=kv_cache_tokens,
+            enable_prefix_caching=settings.enable_prefix_caching,
+        )
         config = SchedulerConfig(
             policy=settings.policy,
             max_batch_size=runner.num_slots,
@@ -203,6 +207,8 @@ class LLMEngine:
         outputs = [self._finish_output(seq, [], "") for seq in plan.aborted]
         if not plan.chunks:
             return outputs
+        if plan.copies:
+            self.runner.copy_prefixes(plan.copies)  # prefix cache: before the forward
         samples = self.runner.execute(plan.chunks)
         now = self.clock()
         if self._counters.records is not None:
@@ -315,6 +321,8 @@ class LLMEngine:
             prompt_tokens_total=self._counters.prompt_tokens_total,
             generation_tokens_total=self._counters.generation_tokens_total,
             sequence_failures=dict(self._counters.sequence_failures),
+            prefix_cache_queries_total=self.kv_cache.num_prefix_query_tokens,
+            prefix_cache_hits_total=self.kv_cache.num_prefix_hit_tokens,
         )
 
     def generate(

@@ -91,6 +91,16 @@ class EngineStatsCollector(Collector):
         yield counter(
             "vllm:num_preemptions", "Sequences preempted to free KV cache.", stats.num_preemptions
         )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache at admission.",
+            stats.prefix_cache_queries_total,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (their KV reused, not recomputed).",
+            stats.prefix_cache_hits_total,
+        )
         yield gauge(
             "slotserve_slots_total", "Sequence slots (max batch size).", stats.num_slots_total
         )

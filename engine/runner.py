@@ -24,6 +24,7 @@ from slotserve.engine.attention import PrefillChunkInput, SlotStep, register_slo
 from slotserve.engine.linear import LinearBackend, aten_logits, pack_linears
 from slotserve.engine.memory import SYSTEM, MemorySources, size_kv_cache
 from slotserve.engine.memory import available_memory_bytes as host_available_memory_bytes
+from slotserve.engine.prefix_cache import SlotCopy
 from slotserve.engine.sampling import make_generator, sample_tokens
 from slotserve.engine.scheduler import ScheduledChunk
 from slotserve.engine.sequence import SequenceError
@@ -138,6 +139,16 @@ class ModelRunner:
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def copy_prefixes(self, copies: Seq[SlotCopy]) -> None:
+        """Copy prefix rows between slots (prefix caching), in order, before the forward."""
+        for copy in copies:
+            n = copy.num_tokens
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[copy.dst_slot, :, :n] = cache[copy.src_slot, :, :n]
+            # Positions [0, n) are finite now; the row's lazy zeroing must start past them.
+            self._num_finite[copy.dst_slot] = max(self._num_finite[copy.dst_slot], n)
 
     @torch.inference_mode()
     def execute(self, chunks: Seq[ScheduledChunk]) -> list[int | SequenceError]:

@@ -19,6 +19,10 @@ Policies (Triton's names):
 - ``continuous``: every step, finished sequences have left and waiting ones join while a slot,
   their KV and the step's token budget allow; long prompts are prefilled in chunks.
 
+With prefix caching (the engine's default), an admitted sequence starts with the tokens its slot
+row already holds marked computed, and the plan lists the row copies that must run before the
+step's forward (:mod:`slotserve.engine.prefix_cache`).
+
 Every step, running sequences are served oldest first (decodes and unfinished prefills) under the
 token budget; if the KV budget cannot hold a decode's next token, the newest running sequence is
 preempted (its KV freed; it goes back to the front of the waiting queue and is recomputed later).
@@ -33,6 +37,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from slotserve.engine.kv_cache import KVCacheManager
+from slotserve.engine.prefix_cache import SlotCopy
 from slotserve.engine.sequence import FinishReason, Sequence, SequenceError, SequenceStatus
 from slotserve.engine.settings import Policy
 
@@ -63,6 +68,8 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     aborted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
+    # Prefix rows to copy, in order, before the forward (later copies may read earlier ones).
+    copies: list[SlotCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -189,8 +196,11 @@ class Scheduler:
             # its prefills share the budget over the next steps.
             if policy == "continuous" and budget <= 0:
                 break
+            # Continuous only: a static or dynamic batch is admitted whole.
+            if policy == "continuous" and self.kv_cache.should_wait_for_prefix(self.waiting[0]):
+                break
             seq = self.waiting.popleft()
-            self.kv_cache.allocate(seq)
+            plan.copies.extend(self.kv_cache.allocate(seq))
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
@@ -306,7 +316,8 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
-        self.kv_cache.free(seq)
+        # A failed sequence's keys and values may be NaN: its row must not be reused.
+        self.kv_cache.free(seq, keep_prefix=reason != "error")
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = now

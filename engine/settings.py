@@ -47,6 +47,9 @@ class EngineSettings(BaseSettings):
         None,
         description='JSON object over the generation config, e.g. {"temperature": 0.7}.',
     )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV of a prompt prefix that a slot row already holds."
+    )
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
     drain_timeout_seconds: float = Field(30, ge=0)

@@ -64,3 +64,7 @@ class EngineStats:
     # Sequences ended with "error", by reason; steps whose runner raised (each ends all work).
     sequence_failures: dict[str, int] = field(default_factory=dict)
     num_step_failures: int = 0
+    # vLLM's prefix-cache counters, in tokens: prompt tokens looked up at admission, and those
+    # found in a slot row (not recomputed).
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
