@@ -26,6 +26,22 @@ CONFINEMENT_ANNOTATION_PREFIXES = (
     "container.seccomp.security.alpha.kubernetes.io/",
 )
 
+# Environment variables that load code from somewhere other than the image (a library, a
+# Python path on a volume the pool author fills): they would run any program inside an allowed
+# image, and serving a model never needs them.
+CODE_LOADING_ENV = frozenset(
+    {
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "LD_AUDIT",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONSTARTUP",
+        "PYTHONUSERBASE",
+        "PYTHONEXECUTABLE",
+    }
+)
+
 
 def normalize_image(image: str) -> str:
     """The full reference of ``image`` as the container runtime resolves it.
@@ -92,6 +108,12 @@ class Policy:
                 f"ServiceAccount {account!r} matches none of the allowed ServiceAccounts "
                 f"{list(self.allowed_service_accounts)}",
             )
+        for var in engine.env:
+            if var.name in CODE_LOADING_ENV:
+                return Problem(
+                    "EnvNotAllowed",
+                    f"engine.env {var.name} would load code from outside the engine image",
+                )
         for key in engine.pod_annotations:
             if key.startswith(CONFINEMENT_ANNOTATION_PREFIXES):
                 return Problem(

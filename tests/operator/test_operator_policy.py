@@ -106,6 +106,14 @@ def test_annotations_that_lift_confinement_are_refused():
     assert reason(Policy(engine_image=IMAGE), make_pool(podAnnotations={"team": "a"})) is None
 
 
+def test_env_that_loads_foreign_code_is_refused():
+    for name in ("LD_PRELOAD", "PYTHONPATH"):
+        pool = make_pool(env=[{"name": name, "value": "/models/x"}])
+        assert reason(Policy(engine_image=IMAGE), pool) == "EnvNotAllowed"
+    pool = make_pool(env=[{"name": "HF_HUB_OFFLINE", "value": "1"}])
+    assert reason(Policy(engine_image=IMAGE), pool) is None
+
+
 def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setenv("SLOTSERVE_OPERATOR_ALLOWED_IMAGES", "ghcr.io/slotserve/*, quay.io/ml/*")
     monkeypatch.setenv("SLOTSERVE_OPERATOR_GATEWAY_POD_LABELS", '{"app": "gw"}')
