@@ -298,15 +298,11 @@ redis.call('ZADD', K_DEADLINES, deadline, rid)
 redis.call('ZADD', waiting_key(CALLER), deadline, rid)
 redis.call('PEXPIRE', waiting_key(CALLER), STATE_TTL_MS)
 redis.call('SADD', K_REPLICAS, CALLER)
--- A newcomer may not take a place held for a promised client, not even a free slot.
-local full = HELD > 0 and redis.call('ZCARD', K_QUEUE) + HELD > max_size
-local hold = 0
-if not full then
-  hold = dispatch(now)
-  full = redis.call('ZSCORE', K_QUEUE, rid) and redis.call('ZCARD', K_QUEUE) > max_size
-end
+local hold = dispatch(now)
 touch()
-if full then
+-- A free slot takes anyone; a newcomer that has to wait may not take a place held for a
+-- promised client.
+if redis.call('ZSCORE', K_QUEUE, rid) and redis.call('ZCARD', K_QUEUE) + HELD > max_size then
   drop(rid)
   local last = tonumber(redis.call('HGET', K_STATS, 'retry_horizon') or '0')
   if last - now >= max_promise_us then

@@ -134,6 +134,8 @@ class _PoolState:
 
     def hold_freed_places(self, max_queue_size: int) -> None:
         """Capacity freed by released leases is held for promised clients (``lua.py``)."""
+        if self.num_freed == 0:
+            return
         room = max_queue_size - len(self.queue)
         self.num_held = max(0, min(self.num_held + self.num_freed, len(self.promised), room))
         self.num_freed = 0
@@ -250,15 +252,13 @@ class InProcessBackend:
             return DispatchResult([], len(state.queue), state.num_dispatched, 0)
         state.settle_promises(now)
         state.seq += 1
-        # A newcomer may not take a place held for a promised client, not even a free slot.
-        full = state.num_held > 0 and len(state.queue) + 1 + state.num_held > pool.max_queue_size
-        result = DispatchResult([], len(state.queue), state.num_dispatched, 0)
-        if not full:
-            entry = _Entry(self.replica_id, now + timeout_us, now)
-            state.add(request_id, priority * PRIORITY_STRIDE + state.seq, entry)
-            result = self.hub.dispatch(pool, offers, self.replica_id, now)
-            full = request_id in state.queue and len(state.queue) > pool.max_queue_size
-        if full:
+        entry = _Entry(self.replica_id, now + timeout_us, now)
+        state.add(request_id, priority * PRIORITY_STRIDE + state.seq, entry)
+        result = self.hub.dispatch(pool, offers, self.replica_id, now)
+        # A free slot takes anyone; a newcomer that has to wait may not take a place held for
+        # a promised client.
+        waiting = len(state.queue) + state.num_held
+        if request_id in state.queue and waiting > pool.max_queue_size:
             state._drop(request_id)
             retry_us = state.promise_place(
                 now, max(1, drain_gap_us), int(pool.queue_timeout_s * 1_000_000)
