@@ -9,6 +9,10 @@ each ``nn.Linear`` with :class:`PackedLinear` (the same product through
 ``torch.ops.mkldnn._linear_pointwise``, the op torch.compile emits for CPU linears), after a
 calibration on the model's own weights confirms it is faster on this machine.
 
+The calibration alternates the two backends round by round and decides on the median of the
+per-round ratios, so a busy moment slows both sides of a round alike and a spike moves one round,
+not the answer; the engine caches the decision per CPU kind (:mod:`slotserve.engine.calibration`).
+
 Packing converts the weight in place of the original, so memory does not grow, except for a
 tied output projection (its weight is also the input embedding and stays).
 """
@@ -16,6 +20,7 @@ tied output projection (its weight is also the input embedding and stays).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slotserve.engine.calibration import CalibrationCache, CalibrationRecord, Measurement
 from slotserve.engine.settings import LinearBackend
 
 logger = logging.getLogger(__name__)
@@ -60,8 +66,14 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+# Rounds of the interleaved calibration, and calls per side in a round (the best one counts).
+CALIBRATION_ROUNDS = 9
+CALLS_PER_ROUND = 2
+# oneDNN must be this much faster (median per-round ratio) to be chosen: packing is not free.
+ONEDNN_MARGIN = 0.9
+
+
 def _best_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -70,13 +82,58 @@ def _best_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
+def interleaved_timings(
+    first: Callable[[], Any], second: Callable[[], Any], rounds: int, calls: int
+) -> list[tuple[float, float]]:
+    """Per round, the best of ``calls`` timings of each function, their order alternating."""
+    first(), second()  # warm-up: first-call allocations and oneDNN primitive creation
+    timings = []
+    for round_index in range(rounds):
+        if round_index % 2 == 0:
+            a = _best_seconds(first, calls)
+            b = _best_seconds(second, calls)
+        else:
+            b = _best_seconds(second, calls)
+            a = _best_seconds(first, calls)
+        timings.append((a, b))
+    return timings
+
+
 @torch.inference_mode()
-def onednn_is_faster(linears: list[nn.Linear], rows: int) -> bool:
+def measure_linear_backends(linears: list[nn.Linear], rows: int) -> Measurement:
     """Time one layer's products both ways with ``rows`` rows: does packing pay here?
 
-    Best-of-N timings on the real weights; a shared machine makes single timings noisy, and a
-    wrong answer costs speed, never correctness.
+    Interleaved rounds on the real weights, decided on the median per-round ratio; a wrong answer
+    costs speed, never correctness. A oneDNN that cannot run here chooses aten (not cached).
     """
+    try:
+        timings = _time_layer(linears, rows)
+    except RuntimeError:
+        # A oneDNN build that cannot serve this CPU or layout: the stock products still can.
+        logger.warning("oneDNN linear failed in calibration; using aten", exc_info=True)
+        return Measurement("aten", cacheable=False)
+    ratio = statistics.median(onednn / aten for aten, onednn in timings)
+    figures = {
+        "rows": float(rows),
+        "aten_ms": statistics.median(aten for aten, _ in timings) * 1e3,
+        "onednn_ms": statistics.median(onednn for _, onednn in timings) * 1e3,
+        "onednn_over_aten": ratio,
+    }
+    choice = "onednn" if ratio < ONEDNN_MARGIN else "aten"
+    logger.info(
+        "linear calibration, %d rows, %d interleaved rounds: aten %.3f ms, onednn %.3f ms "
+        "(median ratio %.2f): %s",
+        rows,
+        len(timings),
+        figures["aten_ms"],
+        figures["onednn_ms"],
+        ratio,
+        choice,
+    )
+    return Measurement(choice, figures)
+
+
+def _time_layer(linears: list[nn.Linear], rows: int) -> list[tuple[float, float]]:
     weight = linears[0].weight
     inputs = [
         torch.randn(rows, linear.in_features, dtype=weight.dtype, device=weight.device)
@@ -92,15 +149,7 @@ def onednn_is_faster(linears: list[nn.Linear], rows: int) -> bool:
         for linear, x in zip(packed, inputs, strict=True):
             linear(x)
 
-    aten_s = min(_best_seconds(aten, 5), _best_seconds(aten, 5))
-    onednn_s = min(_best_seconds(onednn, 5), _best_seconds(onednn, 5))
-    logger.info(
-        "linear calibration, %d rows: aten %.3f ms, onednn %.3f ms",
-        rows,
-        aten_s * 1e3,
-        onednn_s * 1e3,
-    )
-    return onednn_s < 0.9 * aten_s
+    return interleaved_timings(aten, onednn, CALIBRATION_ROUNDS, CALLS_PER_ROUND)
 
 
 # MLPs whose forward is exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``.
@@ -227,32 +276,70 @@ def _first_layer_linears(decoder: nn.Module) -> list[nn.Linear]:
     return [m for m in scope.modules() if type(m) is nn.Linear]
 
 
+def choose_linear_backend(
+    model: Any, backend: LinearBackend, *, max_rows: int, cache: CalibrationCache | None = None
+) -> tuple[LinearBackend, CalibrationRecord | None]:
+    """Resolve ``auto`` to ``onednn`` or ``aten`` for this model and machine.
+
+    ``auto`` chooses oneDNN when it serves this dtype and device and the calibration (at
+    ``max_rows`` rows, the widest decode step) finds it faster; with a ``cache`` the decision
+    is read from, or written to, the calibration cache. Returns the backend and the record of
+    the decision (None when nothing was decided: an explicit backend, or nothing to pack).
+    """
+    param = next(model.parameters())
+    if backend != "auto":
+        return backend, None
+    if not onednn_supported(param.device, param.dtype):
+        return "aten", None
+    decoder = model.get_decoder()
+    linears = _first_layer_linears(decoder)
+    if not linears:
+        # Packed already (a second runner on the same model) or nothing to pack.
+        packed = any(isinstance(m, PackedLinear) for m in decoder.modules())
+        return ("onednn" if packed else "aten"), None
+    rows = max(2, max_rows)
+    question = {
+        "dtype": str(param.dtype),
+        "rows": rows,
+        "threads": torch.get_num_threads(),
+        "shapes": [[linear.out_features, linear.in_features] for linear in linears],
+    }
+
+    def measure() -> Measurement:
+        return measure_linear_backends(linears, rows)
+
+    start = time.perf_counter()
+    if cache is None:
+        measurement = measure()
+        record = CalibrationRecord(
+            "linear_backend",
+            measurement.choice,
+            "measured",
+            time.perf_counter() - start,
+            measurement.figures,
+        )
+    else:
+        record = cache.decide("linear_backend", question, measure)
+    return ("onednn" if record.choice == "onednn" else "aten"), record
+
+
 def pack_linears(
     model: Any, backend: LinearBackend, *, max_rows: int
 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """Replace the decoder's ``nn.Linear`` modules with :class:`PackedLinear` when it pays.
 
-    ``auto`` packs when oneDNN serves this dtype and device and the calibration (at
-    ``max_rows`` rows, the widest decode step) finds it faster; ``onednn`` always packs where
+    ``auto`` measures (see :func:`choose_linear_backend`); ``onednn`` always packs where
     supported; ``aten`` never packs. Returns a packed output projection for the logits (the
     model's own may be tied to the input embedding, so it is left in place), or None.
     """
     param = next(model.parameters())
+    backend, _record = choose_linear_backend(model, backend, max_rows=max_rows)
     if backend == "aten" or not onednn_supported(param.device, param.dtype):
         return None
     decoder = model.get_decoder()
     linears = _first_layer_linears(decoder)
     if not linears and not any(isinstance(m, PackedLinear) for m in decoder.modules()):
         return None
-    if backend == "auto" and linears:
-        try:
-            faster = onednn_is_faster(linears, max(2, max_rows))
-        except RuntimeError:
-            # A oneDNN build that cannot serve this CPU or layout: the stock products still can.
-            logger.warning("oneDNN linear failed in calibration; using aten", exc_info=True)
-            faster = False
-        if not faster:
-            return None
     fuse_gated_mlps(decoder)
     fuse_qkv(decoder)
     count = 0

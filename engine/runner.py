@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -21,13 +22,15 @@ os.environ.update(openmp_environment())  # libgomp reads it when torch loads
 import torch
 
 from slotserve.engine.attention import PrefillChunkInput, SlotStep, register_slot_attention
-from slotserve.engine.linear import LinearBackend, aten_logits, pack_linears
+from slotserve.engine.calibration import CalibrationCache, CalibrationRecord
+from slotserve.engine.linear import LinearBackend, aten_logits, choose_linear_backend, pack_linears
 from slotserve.engine.memory import SYSTEM, MemorySources, size_kv_cache
 from slotserve.engine.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.prefix_cache import SlotCopy
 from slotserve.engine.sampling import make_generator, sample_tokens
 from slotserve.engine.scheduler import ScheduledChunk
 from slotserve.engine.sequence import SequenceError
+from slotserve.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +106,7 @@ class ModelRunner:
         num_slots: int,
         max_model_len: int,
         linear_backend: LinearBackend = "auto",
+        calibration: CalibrationCache | None = None,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -113,7 +117,12 @@ class ModelRunner:
         model.set_attn_implementation(register_slot_attention())
         self.decoder = model.get_decoder()
         # Logits for the sampling rows only: oneDNN-packed when that pays, else the stock layer.
-        self.logits = pack_linears(model, linear_backend, max_rows=num_slots) or aten_logits(
+        # ``auto`` is decided here (measured, or read from the calibration cache) and reported.
+        backend, record = choose_linear_backend(
+            model, linear_backend, max_rows=num_slots, cache=calibration
+        )
+        self.calibrations: list[CalibrationRecord] = [record] if record is not None else []
+        self.logits = pack_linears(model, backend, max_rows=num_slots) or aten_logits(
             model.get_output_embeddings()
         )
         cache_shape = (num_slots, self.shape.num_kv_heads, max_model_len, self.shape.head_dim)
@@ -277,6 +286,7 @@ def build_runner(
     """
     if settings.num_threads is not None:
         torch.set_num_threads(settings.num_threads)
+    load_start = time.perf_counter()
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     model, tokenizer = load_model(source, device, dtype)
@@ -314,12 +324,26 @@ def build_runner(
         num_slots=size.num_slots,
         max_model_len=max_model_len,
         linear_backend=settings.linear_backend,
+        calibration=CalibrationCache(CommonSettings().home / "calibration"),
     )
+    for record in runner.calibrations:
+        logger.info(
+            "calibrated at load: %s=%s (%s, %.3f s) %s",
+            record.name,
+            record.choice,
+            record.source,
+            record.seconds,
+            {name: round(value, 3) for name, value in record.figures.items()},
+        )
     logger.info(
-        "loaded %s on %s/%s: %d slots x %d positions, KV budget %d tokens",
+        "loaded %s on %s/%s in %.1f s (%d calibrations, %.2f s): %d slots x %d positions,"
+        " KV budget %d tokens",
         source,
         device,
         dtype,
+        time.perf_counter() - load_start,
+        len(runner.calibrations),
+        sum(record.seconds for record in runner.calibrations),
         size.num_slots,
         max_model_len,
         size.num_tokens,

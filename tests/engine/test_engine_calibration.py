@@ -1,0 +1,196 @@
+"""Choices calibrated at load are cached per CPU kind, so every engine on a node chooses alike.
+
+No timing is asserted: the measurement is replaced where a test needs a given answer, and the
+tests check who measured, who read, and what was chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from slotserve.engine import linear
+from slotserve.engine.calibration import CalibrationCache, Measurement, cpu_identity
+from slotserve.engine.linear import PackedLinear, onednn_supported
+from slotserve.engine.runner import ModelRunner
+
+CPU_A = {"cpu_model": "Test CPU A", "cpu_flags": "avx2 fma", "machine": "x86_64", "torch": "t"}
+CPU_B = {**CPU_A, "cpu_flags": "avx2 avx512f fma"}
+QUESTION = {"rows": 8, "shapes": [[64, 64]]}
+
+
+class CountingMeasure:
+    def __init__(self, choice: str = "onednn", delay: float = 0.0) -> None:
+        self.choice = choice
+        self.delay = delay
+        self.calls = 0
+
+    def __call__(self) -> Measurement:
+        self.calls += 1
+        time.sleep(self.delay)
+        return Measurement(self.choice, {"aten_ms": 2.0, "onednn_ms": 1.0})
+
+
+def test_a_second_load_reads_the_decision(tmp_path):
+    measure = CountingMeasure("onednn")
+    first = CalibrationCache(tmp_path, CPU_A).decide("linear_backend", QUESTION, measure)
+    # Another engine, another moment: a measurement now would say aten; the cache says onednn.
+    again = CountingMeasure("aten")
+    second = CalibrationCache(tmp_path, CPU_A).decide("linear_backend", QUESTION, again)
+    assert (first.source, first.choice) == ("measured", "onednn")
+    assert (second.source, second.choice) == ("cached", "onednn")
+    assert second.figures == {"aten_ms": 2.0, "onednn_ms": 1.0}
+    assert (measure.calls, again.calls) == (1, 0)
+    (stored,) = tmp_path.glob("linear_backend-*.json")
+    assert json.loads(stored.read_text())["identity"] == CPU_A
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        ("linear_backend", CPU_B, QUESTION),  # another CPU kind (flags)
+        ("linear_backend", {**CPU_A, "torch": "u"}, QUESTION),  # another torch
+        ("linear_backend", CPU_A, {**QUESTION, "rows": 32}),  # another question
+        ("other_choice", CPU_A, QUESTION),
+    ],
+)
+def test_a_different_key_measures_again(tmp_path, other):
+    CalibrationCache(tmp_path, CPU_A).decide("linear_backend", QUESTION, CountingMeasure())
+    name, identity, question = other
+    measure = CountingMeasure("aten")
+    record = CalibrationCache(tmp_path, identity).decide(name, question, measure)
+    assert (record.source, record.choice, measure.calls) == ("measured", "aten", 1)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_engines_starting_together_measure_once_and_agree(tmp_path):
+    measure = CountingMeasure("onednn", delay=0.3)
+    records = []
+
+    def load() -> None:
+        cache = CalibrationCache(tmp_path, CPU_A)
+        records.append(cache.decide("linear_backend", QUESTION, measure))
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert measure.calls == 1
+    assert sorted(r.source for r in records) == ["cached", "cached", "measured"]
+    assert {r.choice for r in records} == {"onednn"}
+
+
+def test_unreadable_or_unwritable_caches_cost_the_cache_not_the_start(tmp_path, caplog):
+    CalibrationCache(tmp_path, CPU_A).decide("linear_backend", QUESTION, CountingMeasure())
+    (stored,) = tmp_path.glob("*.json")
+    stored.write_text("{not json")
+    record = CalibrationCache(tmp_path, CPU_A).decide("linear_backend", QUESTION, CountingMeasure())
+    assert record.source == "measured"
+    assert "measuring again" in caplog.text
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    record = CalibrationCache(blocked / "sub", CPU_A).decide(
+        "linear_backend", QUESTION, CountingMeasure("aten")
+    )
+    assert (record.source, record.choice) == ("measured", "aten")
+
+
+def test_a_failed_measurement_is_not_cached(tmp_path):
+    failing = lambda: Measurement("aten", cacheable=False)  # noqa: E731
+    CalibrationCache(tmp_path, CPU_A).decide("linear_backend", QUESTION, failing)
+    measure = CountingMeasure("onednn")
+    record = CalibrationCache(tmp_path, CPU_A).decide("linear_backend", QUESTION, measure)
+    assert (record.source, record.choice, measure.calls) == ("measured", "onednn", 1)
+
+
+def test_cpu_identity_reads_model_and_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fma avx2 sse\n"
+        "processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fma avx2 sse\n"
+    )
+    identity = cpu_identity(cpuinfo)
+    assert identity["cpu_model"] == "AMD EPYC 7B13"
+    assert identity["cpu_flags"] == "avx2 fma sse"
+    assert identity["torch"] == torch.__version__
+
+
+# -- the runner ------------------------------------------------------------------------------
+
+needs_onednn = pytest.mark.skipif(
+    not onednn_supported(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
+)
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def runner(cache: CalibrationCache) -> ModelRunner:
+    return ModelRunner(tiny_llama(), num_slots=4, max_model_len=64, calibration=cache)
+
+
+def is_packed(r: ModelRunner) -> bool:
+    return isinstance(r.model.model.layers[0].self_attn.o_proj, PackedLinear)
+
+
+@needs_onednn
+def test_runners_follow_the_cached_decision_without_timing(tmp_path, monkeypatch):
+    first = runner(CalibrationCache(tmp_path, CPU_A))
+    (record,) = first.calibrations
+    assert record.source == "measured" and record.name == "linear_backend"
+    assert is_packed(first) == (record.choice == "onednn")
+    assert {"aten_ms", "onednn_ms", "onednn_over_aten"} <= set(record.figures)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a cached decision must not be measured again")
+
+    monkeypatch.setattr(linear, "measure_linear_backends", no_timing)
+    for _ in range(2):
+        later = runner(CalibrationCache(tmp_path, CPU_A))
+        assert later.calibrations[0].source == "cached"
+        assert later.calibrations[0].choice == record.choice
+        assert is_packed(later) == is_packed(first)
+
+
+@needs_onednn
+@pytest.mark.parametrize("choice", ["onednn", "aten"])
+def test_the_cached_choice_is_what_the_runner_does(tmp_path, monkeypatch, choice):
+    monkeypatch.setattr(linear, "measure_linear_backends", lambda *a: Measurement(choice))
+    runner(CalibrationCache(tmp_path, CPU_A))
+    monkeypatch.setattr(linear, "measure_linear_backends", lambda *a: Measurement("neither"))
+    later = runner(CalibrationCache(tmp_path, CPU_A))
+    assert is_packed(later) == (choice == "onednn")
+    # Another CPU kind measures for itself (here: "neither", which is not oneDNN).
+    other = runner(CalibrationCache(tmp_path, CPU_B))
+    assert other.calibrations[0].source == "measured"
+    assert not is_packed(other)
+    assert type(other.model.model.layers[0].self_attn.o_proj) is nn.Linear
+
+
+def test_explicit_backends_calibrate_nothing(tmp_path):
+    r = ModelRunner(
+        tiny_llama(),
+        num_slots=2,
+        max_model_len=32,
+        linear_backend="aten",
+        calibration=CalibrationCache(tmp_path, CPU_A),
+    )
+    assert r.calibrations == []
+    assert list(tmp_path.iterdir()) == []
