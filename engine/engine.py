@@ -323,6 +323,7 @@ class LLMEngine:
             sequence_failures=dict(self._counters.sequence_failures),
             prefix_cache_queries_total=self.kv_cache.num_prefix_query_tokens,
             prefix_cache_hits_total=self.kv_cache.num_prefix_hit_tokens,
+            calibrations=tuple(getattr(self.runner, "calibrations", ())),
         )
 
     def generate(

@@ -129,6 +129,22 @@ class EngineStatsCollector(Collector):
             "Steps whose runner raised: each ends all work and marks the engine broken.",
             stats.num_step_failures,
         )
+        calibrations = CounterMetricFamily(
+            "slotserve_load_calibrations",
+            "Choices made at load, by name and how: measured, or read from the calibration cache.",
+            labels=[MODEL_LABEL, "name", "source", "choice"],
+        )
+        calibration_seconds = GaugeMetricFamily(
+            "slotserve_load_calibration_seconds",
+            "Seconds each choice made at load cost (measuring, or waiting for and reading it).",
+            labels=[MODEL_LABEL, "name", "source", "choice"],
+        )
+        for record in stats.calibrations:
+            record_labels = [name, record.name, record.source, record.choice]
+            calibrations.add_metric(record_labels, 1)
+            calibration_seconds.add_metric(record_labels, record.seconds)
+        yield calibrations
+        yield calibration_seconds
         info = InfoMetricFamily(
             "slotserve_policy", "Batching policy of this engine.", labels=labels
         )

@@ -218,6 +218,8 @@ async def _load(request: web.Request) -> web.Response:
             "waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_cache_usage,
             "draining": state.draining,
+            # Choices made at load (e.g. linear_backend) and what each cost.
+            "calibrations": [record.as_dict() for record in stats.calibrations],
         },
         headers=slot_headers(stats),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slotserve.engine.calibration import CalibrationRecord
 from slotserve.engine.sequence import FinishReason, Sequence, SequenceError
 
 
@@ -68,3 +69,5 @@ class EngineStats:
     # found in a slot row (not recomputed).
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # What was calibrated at load (measured, or read from the calibration cache), and its cost.
+    calibrations: tuple[CalibrationRecord, ...] = ()
