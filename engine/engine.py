@@ -18,6 +18,7 @@ from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.errors import InvalidRequestError, QueueFullError
 from slotserve.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from slotserve.engine.kv_cache import KVCacheManager
+from slotserve.engine.logprobs import TokenTexts
 from slotserve.engine.params import SamplingParams
 from slotserve.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from slotserve.engine.sequence import Sequence, SequenceError
@@ -100,6 +101,7 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._counters = _Counters(records=[] if record_steps else None)
+        self._token_texts = TokenTexts(tokenizer)  # for logprobs: token id -> text, cached
 
     @classmethod
     def load(cls, settings: EngineSettings, **kwargs: Any) -> LLMEngine:
@@ -110,16 +112,16 @@ class LLMEngine:
         source = resolve_model(settings.model)
         runner, tokenizer, kv_cache_tokens = build_runner(settings, source)
         name = settings.served_model_name or default_served_name(settings.model)
-        return cls(
-            settings, runner, tokenizer, kv_cache_tokens=kv_cache_tokens, model_name=name, **kwargs
-        )
-
         kwargs.setdefault(
             "generation_defaults",
             load_generation_defaults(
                 settings.generation_config, source, settings.override_generation_config
             ),
         )
+        return cls(
+            settings, runner, tokenizer, kv_cache_tokens=kv_cache_tokens, model_name=name, **kwargs
+        )
+
     # -- requests ---------------------------------------------------------------------------
 
     def make_sequence(
@@ -214,10 +216,22 @@ class LLMEngine:
         if self._counters.records is not None:
             self._record(plan, now)
         self.scheduler.postprocess(plan, samples, now)
+        logprobs = getattr(self.runner, "last_logprobs", None) or [None] * len(samples)
         with self.tokenizer_lock:
-            for chunk, sample in zip(plan.sampling_chunks, samples, strict=True):
-                outputs.append(self._sample_output(chunk.seq, sample, now))
+            for chunk, sample, sampled in zip(plan.sampling_chunks, samples, logprobs, strict=True):
+                output = self._sample_output(chunk.seq, sample, now)
+                # A stop token adds no text, so it has no logprobs entry either (as OpenAI).
+                if sampled is not None and output.token_ids and not self._is_stop_token(chunk.seq):
+                    output.logprobs = [self._token_texts.decode(sampled)]
+                outputs.append(output)
         return outputs
+
+    def _is_stop_token(self, seq: Sequence) -> bool:
+        params = seq.params
+        token_id = seq.token_ids[-1]
+        return token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.scheduler.eos_token_ids
+        )
 
     def fail_all(self, error: SequenceError) -> list[RequestOutput]:
         """End every request the engine holds with ``error``, running nothing (after a step

@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response bodies for the engine's HTTP API.
 
 Requests are validated strictly from JSON: wrong types, out-of-range values, unknown fields and
-OpenAI features the engine does not implement (``n > 1``, logprobs, tools, ...) are rejected with a
+OpenAI features the engine does not implement (``n > 1``, tools, ...) are rejected with a
 message that names the field, never silently ignored. Fields that cannot change the answer (such
 as ``user``) are accepted.
 """
@@ -20,7 +20,14 @@ from pydantic import (
     field_validator,
 )
 
-from slotserve.engine.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from slotserve.engine.logprobs import ChatLogprobs, CompletionLogprobs
+from slotserve.engine.params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from slotserve.engine.sequence import FinishReason
 
 
@@ -61,11 +68,16 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored: it cannot change the answer
 
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    # vLLM's extensions.
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
+
     # OpenAI features the engine does not implement: any non-default value is a 400.
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
 
     _check_n = field_validator("n")(
         _reject_unless(
@@ -74,15 +86,25 @@ class SamplingRequest(RequestModel):
             "are not supported; send several requests",
         )
     )
-    _check_presence = field_validator("presence_penalty")(
-        _reject_unless(lambda v: v == 0, "is not supported (must be 0)")
-    )
-    _check_frequency = field_validator("frequency_penalty")(
-        _reject_unless(lambda v: v == 0, "is not supported (must be 0)")
-    )
-    _check_logit_bias = field_validator("logit_bias")(
-        _reject_unless(lambda v: not v, "is not supported")
-    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"'logit_bias' keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError("'logit_bias' values must be between -100 and 100")
+        return value
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many top alternatives per token to return; None: no logprobs."""
+        raise NotImplementedError
 
     @field_validator("stop")
     @classmethod
@@ -128,14 +150,11 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's legacy limit
     best_of: int | None = None
     suffix: str | None = None
 
     _check_echo = field_validator("echo")(_reject_unless(lambda v: not v, "is not supported"))
-    _check_logprobs = field_validator("logprobs")(
-        _reject_unless(lambda v: v is None, "is not supported")
-    )
     _check_best_of = field_validator("best_of")(
         _reject_unless(lambda v: v in (None, 1), "must be 1 (best_of is not supported)")
     )
@@ -166,6 +185,10 @@ class CompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
 
 class TextPart(RequestModel):
     type: Literal["text"]
@@ -195,7 +218,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -203,12 +226,17 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
-    _check_logprobs = field_validator("logprobs")(
-        _reject_unless(lambda v: not v, "is not supported")
-    )
-    _check_top_logprobs = field_validator("top_logprobs")(
-        _reject_unless(lambda v: v is None, "is not supported")
-    )
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs", False):
+            raise ValueError("'top_logprobs' requires 'logprobs': true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     _check_tools = field_validator("tools", "functions")(
         _reject_unless(lambda v: not v, "(tool and function calling) is not supported")
     )
@@ -254,7 +282,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -277,7 +305,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -298,7 +326,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

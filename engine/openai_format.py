@@ -6,6 +6,7 @@ import time
 
 from pydantic import BaseModel
 
+from slotserve.engine.logprobs import TokenLogprobs, chat_logprobs, completion_logprobs
 from slotserve.engine.openai_api import (
     ChatChoice,
     ChatChunkChoice,
@@ -14,6 +15,7 @@ from slotserve.engine.openai_api import (
     ChatDelta,
     ChatMessageOut,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     FinishReason,
     Usage,
@@ -33,12 +35,18 @@ class OutputFormat:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
+        self.text_offset = 0  # completions' logprobs: characters of tokens already sent
 
     def first_chunk(self) -> bytes:
         """Bytes sent as soon as the stream opens (chat announces the assistant role)."""
         return b""
 
-    def chunk(self, text: str, finish_reason: FinishReason | None) -> bytes:
+    def chunk(
+        self,
+        text: str,
+        finish_reason: FinishReason | None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> bytes:
         raise NotImplementedError
 
     def usage_chunk(self, num_prompt_tokens: int, num_generated_tokens: int) -> bytes:
@@ -50,6 +58,7 @@ class OutputFormat:
         finish_reason: FinishReason | None,
         num_prompt_tokens: int,
         num_generated_tokens: int,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> str:
         raise NotImplementedError
 
@@ -60,8 +69,22 @@ class CompletionFormat(OutputFormat):
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def chunk(self, text: str, finish_reason: FinishReason | None) -> bytes:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+    def _logprobs(self, logprobs: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        out = completion_logprobs(logprobs, self.text_offset)
+        self.text_offset += sum(len(entry.token) for entry in logprobs)
+        return out
+
+    def chunk(
+        self,
+        text: str,
+        finish_reason: FinishReason | None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> bytes:
+        choice = CompletionChoice(
+            text=text, finish_reason=finish_reason, logprobs=self._logprobs(logprobs)
+        )
         return sse_event(self._body([choice], None))
 
     def usage_chunk(self, num_prompt_tokens: int, num_generated_tokens: int) -> bytes:
@@ -73,8 +96,11 @@ class CompletionFormat(OutputFormat):
         finish_reason: FinishReason | None,
         num_prompt_tokens: int,
         num_generated_tokens: int,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> str:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        choice = CompletionChoice(
+            text=text, finish_reason=finish_reason, logprobs=self._logprobs(logprobs)
+        )
         usage = Usage.of(num_prompt_tokens, num_generated_tokens)
         return self._body([choice], usage).model_dump_json()
 
@@ -94,9 +120,19 @@ class ChatFormat(OutputFormat):
     def first_chunk(self) -> bytes:
         return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))], None)
 
-    def chunk(self, text: str, finish_reason: FinishReason | None) -> bytes:
+    def chunk(
+        self,
+        text: str,
+        finish_reason: FinishReason | None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> bytes:
         delta = ChatDelta(content=text) if text or finish_reason is None else ChatDelta()
-        return self._chunk([ChatChunkChoice(delta=delta, finish_reason=finish_reason)], None)
+        choice = ChatChunkChoice(
+            delta=delta,
+            finish_reason=finish_reason,
+            logprobs=chat_logprobs(logprobs) if logprobs is not None else None,
+        )
+        return self._chunk([choice], None)
 
     def usage_chunk(self, num_prompt_tokens: int, num_generated_tokens: int) -> bytes:
         return self._chunk([], Usage.of(num_prompt_tokens, num_generated_tokens))
@@ -107,11 +143,17 @@ class ChatFormat(OutputFormat):
         finish_reason: FinishReason | None,
         num_prompt_tokens: int,
         num_generated_tokens: int,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> str:
+        choice = ChatChoice(
+            message=ChatMessageOut(content=text),
+            finish_reason=finish_reason,
+            logprobs=chat_logprobs(logprobs) if logprobs is not None else None,
+        )
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish_reason)],
+            choices=[choice],
             usage=Usage.of(num_prompt_tokens, num_generated_tokens),
         ).model_dump_json()

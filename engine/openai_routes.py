@@ -47,6 +47,7 @@ from slotserve.engine.tokenize import PromptTooLongError
 
 if TYPE_CHECKING:
     from slotserve.engine.async_engine import AsyncEngine, RequestStream
+    from slotserve.engine.logprobs import TokenLogprobs
     from slotserve.engine.stats import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,13 @@ def _check_model(engine: AsyncEngine, name: str, state: ServerState) -> None:
 def _sampling_params(
     body: SamplingRequest, max_tokens: int, defaults: GenerationDefaults
 ) -> SamplingParams:
-    chosen = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k_or_none}
+    chosen = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k_or_none,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+    }
     for name, value in defaults.as_dict().items():
         # The model's recommendation replaces OpenAI's default, never a value the client sent.
         if name in chosen and name not in body.model_fields_set:
@@ -171,6 +178,11 @@ def _sampling_params(
             stop=body.stop_list,
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
+            logprobs=body.num_logprobs,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logit_bias=body.logit_bias_ids,
+            min_tokens=body.min_tokens,
         )
     except ValidationError as error:
         message, param, code = describe_validation_error(error)
@@ -187,6 +199,14 @@ async def _generate(
     fmt: OutputFormat,
 ) -> web.StreamResponse:
     params = _sampling_params(body, max_tokens, engine.engine.generation_defaults)
+    if any(token_id >= engine.engine.vocab_size for token_id in params.logit_bias):
+        state.metrics.reject("invalid")
+        raise ApiError(
+            400,
+            f"'logit_bias' token ids must be below the vocabulary size {engine.engine.vocab_size}",
+            param="logit_bias",
+            code="invalid_value",
+        )
     try:
         stream = engine.add_request(fmt.request_id, prompt, params)
     except InvalidRequestError as error:
@@ -212,7 +232,7 @@ async def _generate(
             return await _stream_sse(
                 request, state, engine, stream, fmt, body.include_usage, outcome
             )
-        return await _collect(state, engine, stream, fmt, outcome)
+        return await _collect(state, engine, stream, fmt, outcome, params.logprobs is not None)
     finally:
         if not outcome.finished:
             engine.abort(fmt.request_id)  # client gone (or an error): free the slot now
@@ -261,10 +281,14 @@ async def _collect(
     stream: RequestStream,
     fmt: OutputFormat,
     outcome: _Outcome,
+    wants_logprobs: bool,
 ) -> web.Response:
     text: list[str] = []
+    logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
     async for output in stream:
         text.append(output.text)
+        if logprobs is not None and output.logprobs:
+            logprobs.extend(output.logprobs)
         if output.finished:
             outcome.record(state, output)
             if output.finish_reason in ("abort", "error"):
@@ -274,6 +298,7 @@ async def _collect(
                 output.finish_reason,
                 output.num_prompt_tokens,
                 output.num_generated_tokens,
+                logprobs,
             )
             return web.json_response(text=body, headers=slot_headers(engine.stats()))
     raise _aborted()  # a stream always ends with a finished output; never hang the client
@@ -302,8 +327,8 @@ async def _stream_sse(
             await response.write(first)
         async for output in stream:
             if not output.finished:
-                if output.text:
-                    await response.write(fmt.chunk(output.text, None))
+                if output.text or output.logprobs:
+                    await response.write(fmt.chunk(output.text, None, output.logprobs))
                 continue
             outcome.record(state, output)
             if output.finish_reason in ("abort", "error"):
@@ -312,7 +337,7 @@ async def _stream_sse(
                 await response.write(sse_event(_ended_early(output).body))
                 await response.write_eof()
                 return response
-            await response.write(fmt.chunk(output.text, output.finish_reason))
+            await response.write(fmt.chunk(output.text, output.finish_reason, output.logprobs))
             if include_usage:
                 await response.write(
                     fmt.usage_chunk(output.num_prompt_tokens, output.num_generated_tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Temperatures below this are greedy (vLLM's threshold): the distribution is a point mass to
 # within float precision, and dividing logits by e.g. 1e-40 would overflow.
@@ -14,6 +14,9 @@ GREEDY_TEMPERATURE_EPSILON = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# OpenAI's limits: chat top_logprobs 0-20 (completions logprobs 0-5), logit_bias -100..100.
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 class SamplingParams(BaseModel):
@@ -34,6 +37,15 @@ class SamplingParams(BaseModel):
         default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="Extra stop token ids."
     )
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x top prob.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Return the token's logprob and this many top."
+    )
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="HF/vLLM; 1 = off.")
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    min_tokens: int = Field(0, ge=0, description="No EOS or stop token before this many tokens.")
 
     @field_validator("stop")
     @classmethod
@@ -51,6 +63,30 @@ class SamplingParams(BaseModel):
             raise ValueError("stop_token_ids must not be negative")
         return ids
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, bias: dict[int, float]) -> dict[int, float]:
+        if any(token_id < 0 for token_id in bias):
+            raise ValueError("logit_bias token ids must not be negative")
+        if any(not -100.0 <= value <= 100.0 for value in bias.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
+        return bias
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        return self
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPSILON
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling must know which tokens the sequence has seen (costs a count row)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -24,10 +24,11 @@ import torch
 from slotserve.engine.attention import PrefillChunkInput, SlotStep, register_slot_attention
 from slotserve.engine.calibration import CalibrationCache, CalibrationRecord
 from slotserve.engine.linear import LinearBackend, aten_logits, choose_linear_backend, pack_linears
+from slotserve.engine.logprobs import SampledLogprobs
 from slotserve.engine.memory import SYSTEM, MemorySources, size_kv_cache
 from slotserve.engine.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.prefix_cache import SlotCopy
-from slotserve.engine.sampling import make_generator, sample_tokens
+from slotserve.engine.sampling import Sampler
 from slotserve.engine.scheduler import ScheduledChunk
 from slotserve.engine.sequence import SequenceError
 from slotserve.settings import CommonSettings
@@ -134,6 +135,14 @@ class ModelRunner:
         # holds; masked positions still enter ``0 * value``, so they must hold finite numbers.
         # Rows are zeroed lazily in blocks, which also keeps untouched CPU pages uncommitted.
         self._num_finite = [0] * num_slots
+        from slotserve.engine.engine import eos_token_ids  # the engine's rule, not duplicated
+
+        # min_tokens bans the model's EOS ids (the tokenizer's equal them for the models served).
+        self.sampler = Sampler(
+            num_slots, self.shape.vocab_size, self.device, frozenset(eos_token_ids(model, None))
+        )
+        # Per sampling chunk of the last step: its logprobs, for rows that asked (else None).
+        self.last_logprobs: list[SampledLogprobs | None] = []
 
     def _ensure_finite(self, num_rows: int, kv_len: int) -> None:
         block = 256
@@ -177,14 +186,8 @@ class ModelRunner:
         index = torch.tensor(sample_index, device=self.device)
         logits = self.logits(hidden.index_select(0, index))
         sampling = [chunk for chunk in chunks if chunk.samples]
-        params = [chunk.seq.params for chunk in sampling]
-        generators = []
-        for chunk in sampling:
-            seq = chunk.seq
-            if not seq.params.is_greedy and seq.generator is None:
-                seq.generator = make_generator(seq.params, self.device)
-            generators.append(seq.generator)
-        samples = sample_tokens(logits, params, generators)
+        result = self.sampler.sample(logits, [chunk.seq for chunk in sampling])
+        samples, self.last_logprobs = result.tokens, result.logprobs
         for chunk, sample in zip(sampling, samples, strict=True):
             if isinstance(sample, SequenceError) and chunk.seq.slot is not None:
                 # Its keys and values may hold NaN, which masked attention turns into NaN

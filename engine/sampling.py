@@ -1,24 +1,52 @@
-"""Turn the last-position logits of a step into one token per sequence (greedy, top-k, top-p).
+"""Turn the last-position logits of a step into one token per sequence, batched.
 
-Sampling is total: every row gets a token or a :class:`SequenceError` of its own, and no row's
-trouble reaches another. A row whose logits are not usable (NaN or +inf anywhere, or all -inf)
-never reaches ``torch.multinomial``; temperatures below ``GREEDY_TEMPERATURE_EPSILON`` are
-greedy (see :mod:`slotserve.engine.params`), and sampled rows are shifted by their maximum
-before dividing by the temperature, so no finite row can overflow.
+The pipeline runs on the whole ``[rows, vocab]`` tensor: ``min_tokens``, ``logit_bias`` and the
+penalties (:mod:`slotserve.engine.penalties`), the temperature (greedy rows keep theirs at 1),
+``top_k`` / ``top_p`` / ``min_p`` masks, then a draw per row. Python only builds the per-row
+parameter columns and reads the results back.
+
+Draws use the exponential race (as vLLM): ``argmax(probs / q)`` with ``q ~ Exp(1)`` picks token
+``i`` with probability ``probs[i]``. Rows without a ``seed`` share one generator and one
+``exponential_`` call; a seeded row draws its ``q`` from its own generator, so a seeded request
+gives the same tokens alone or in any batch.
+
+Sampling is total: every row gets a token or a :class:`SequenceError` of its own. A row whose raw
+logits are not usable (NaN or +inf anywhere, or all -inf) gets ``non_finite_logits``;
+temperatures below ``GREEDY_TEMPERATURE_EPSILON`` are greedy; rows are shifted by their maximum
+before the temperature divides them, so no finite row can overflow. Should the batched draw
+raise, each row is drawn alone so that only the row at fault fails.
+
+Logprobs follow vLLM's ``processed_logprobs`` (see :mod:`slotserve.engine.logprobs`).
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from slotserve.engine.logprobs import SampledLogprobs
 from slotserve.engine.params import SamplingParams
+from slotserve.engine.penalties import PenaltyState, process_logits
 from slotserve.engine.sequence import SequenceError
+
+if TYPE_CHECKING:
+    from slotserve.engine.sequence import Sequence
 
 NON_FINITE_LOGITS = SequenceError(
     "non_finite_logits", "the model produced non-finite logits (NaN or inf) for this request"
 )
+
+
+@dataclass
+class SampleResult:
+    """Per row: the token (or why there is none) and, if asked for, its logprobs."""
+
+    tokens: list[int | SequenceError]
+    logprobs: list[SampledLogprobs | None]
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
@@ -29,56 +57,171 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
+class Sampler:
+    """The runner's sampler: penalty state per slot and the generator of unseeded rows."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        vocab_size: int,
+        device: torch.device,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.penalties = PenaltyState(num_slots, vocab_size, device)
+        self.shared_generator = make_generator(SamplingParams(), device)
+
+    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SampleResult:
+        """Row ``i`` of ``logits`` (``[rows, vocab]``) is sampled for ``seqs[i]``."""
+        params = [seq.params for seq in seqs]
+        for seq in seqs:
+            if seq.generator is None and seq.params.seed is not None:
+                seq.generator = make_generator(seq.params, self.device)
+        scores = process_logits(logits.float(), seqs, self.penalties, self.eos_token_ids)
+        return sample(
+            scores, params, [seq.generator for seq in seqs], self.shared_generator, raw=logits
+        )
+
+
 def sample_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> list[int | SequenceError]:
-    """``logits`` is ``[B, vocab]``; row ``i`` is sampled with ``params[i]``/``generators[i]``.
-
-    Returns, per row, the token or why that row has none.
-    """
-    # One pass gives the greedy tokens and the check: max propagates NaN, so a row is usable
-    # exactly when its maximum is finite (costs nothing over the argmax it replaces).
-    row_max, greedy_t = logits.max(dim=-1)
-    usable = torch.isfinite(row_max).tolist()
-    greedy = greedy_t.tolist()
-    samples: list[int | SequenceError] = []
-    for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
-        if not usable[row]:
-            samples.append(NON_FINITE_LOGITS)
-        elif row_params.is_greedy:
-            samples.append(greedy[row])
-        elif generator is None:
-            raise ValueError("a sampled (temperature > 0) row needs a generator")
-        else:
-            samples.append(_sample_row_safely(logits[row], row_params, generator))
-    return samples
+    """The tokens of :func:`sample` for logits that need no penalties (tests, benchmarks)."""
+    shared = make_generator(SamplingParams(), logits.device)
+    return sample(logits.float(), params, generators, shared).tokens
 
 
-def _sample_row_safely(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> int | SequenceError:
+def sample(
+    scores: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    shared: torch.Generator,
+    raw: torch.Tensor | None = None,
+) -> SampleResult:
+    """Sample every row of the processed ``scores``; ``raw`` (default: ``scores``) are the model's
+    own logits, whose maximum says whether a row is usable."""
+    # One pass over the raw logits tells the usable rows: max propagates NaN.
+    row_max = (scores if raw is None else raw).amax(dim=-1)
+    usable_t = torch.isfinite(row_max)
+    usable = usable_t.tolist()
+    if not all(usable):  # rare: keep NaN out of the batched ops; these rows get no token
+        scores = scores.masked_fill(~usable_t.unsqueeze(1), 0.0)
     try:
-        return _sample_row(logits, params, generator)
-    except Exception as error:  # e.g. multinomial on invalid probabilities: this row only
-        return SequenceError("sampling", f"sampling failed: {type(error).__name__}")
+        tokens, logprobs = _draw(scores, params, generators, shared)
+    except Exception:  # e.g. a row's values break a kernel: find the row by drawing one by one
+        tokens, logprobs = [], []
+        for row in range(scores.shape[0]):
+            try:
+                one = _draw(
+                    scores[row : row + 1], params[row : row + 1], generators[row : row + 1], shared
+                )
+            except Exception as error:
+                tokens.append(SequenceError("sampling", f"sampling failed: {type(error).__name__}"))
+                logprobs.append(None)
+            else:
+                tokens.extend(one[0])
+                logprobs.extend(one[1])
+    results: list[int | SequenceError] = [
+        token if ok else NON_FINITE_LOGITS for token, ok in zip(tokens, usable, strict=True)
+    ]
+    return SampleResult(
+        results, [lp if ok else None for lp, ok in zip(logprobs, usable, strict=True)]
+    )
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    scores = logits.float()
-    # Shifted so the maximum is 0: dividing by any temperature > 0 then gives values <= 0 (at
-    # worst -inf), never +inf or NaN, and softmax is unchanged by the shift.
-    scores = (scores - scores.max()) / params.temperature
-    if params.top_k is not None and params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-        drop = cumulative - sorted_scores.softmax(dim=-1) >= params.top_p
-        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-    probs = scores.softmax(dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+def _draw(
+    scores: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    shared: torch.Generator,
+) -> tuple[list[int | SequenceError], list[SampledLogprobs | None]]:
+    num_rows, vocab_size = scores.shape
+    greedy = [p.is_greedy for p in params]
+    wants_logprobs = [p.logprobs is not None for p in params]
+    if all(greedy) and not any(wants_logprobs):
+        return scores.argmax(dim=-1).tolist(), [None] * num_rows  # the common greedy step
+    device = scores.device
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=scores.dtype, device=device).unsqueeze(1)
+
+    # Shifted so each row's maximum is 0: any temperature > 0 then gives values <= 0 (at worst
+    # -inf), never +inf or NaN; softmax and argmax are unchanged by the shift.
+    temperature = column([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
+    # Masks apply to sampled rows only (a greedy row's choice and logprobs ignore them).
+    top_k = [
+        p.top_k if not g and p.top_k and p.top_k < vocab_size else 0
+        for p, g in zip(params, greedy, strict=True)
+    ]
+    top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
+    min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
+    if any(top_k):
+        scores = _top_k(scores, top_k, vocab_size)
+    if any(value < 1.0 for value in top_p):
+        scores = _top_p(scores, column(top_p))
+    if any(min_p):
+        probs = scores.softmax(dim=-1)
+        threshold = column(min_p) * probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(probs < threshold, float("-inf"))
+
+    chosen = scores.argmax(dim=-1)
+    if not all(greedy):
+        q = torch.empty_like(scores).exponential_(generator=shared)
+        for row, generator in enumerate(generators):
+            if generator is not None and not greedy[row]:
+                q[row].exponential_(generator=generator)
+        drawn = (scores.softmax(dim=-1) / q).argmax(dim=-1)
+        chosen = torch.where(torch.tensor(greedy, device=device), chosen, drawn)
+    tokens: list[int | SequenceError] = list(chosen.tolist())
+    return tokens, _logprobs(scores, chosen, params, wants_logprobs)
+
+
+def _top_k(scores: torch.Tensor, top_k: list[int], vocab_size: int) -> torch.Tensor:
+    """Keep each row's k best (k = 0: all); one topk at the batch's largest k, no full sort."""
+    k = torch.tensor([value or vocab_size for value in top_k], device=scores.device)
+    best = scores.topk(min(max(top_k), vocab_size), dim=-1).values
+    kth = best.gather(1, (k.clamp(max=best.shape[1]) - 1).unsqueeze(1))
+    keep_all = (k >= vocab_size).unsqueeze(1)
+    return scores.masked_fill((scores < kth) & ~keep_all, float("-inf"))
+
+
+def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of best tokens whose mass reaches top_p (always the best one)."""
+    ascending, order = scores.sort(dim=-1)
+    mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = mass_below <= 1.0 - top_p
+    drop[:, -1] = False
+    return scores.scatter(1, order, ascending.masked_fill(drop, float("-inf")))
+
+
+def _logprobs(
+    scores: torch.Tensor,
+    chosen: torch.Tensor,
+    params: list[SamplingParams],
+    wants: list[bool],
+) -> list[SampledLogprobs | None]:
+    if not any(wants):
+        return [None] * len(params)
+    rows = [row for row, want in enumerate(wants) if want]
+    index = torch.tensor(rows, device=scores.device)
+    logprobs = scores.index_select(0, index).log_softmax(dim=-1)
+    chosen_rows = chosen.index_select(0, index)
+    chosen_lp = logprobs.gather(1, chosen_rows.unsqueeze(1)).squeeze(1).tolist()
+    chosen_ids = chosen_rows.tolist()
+    num_top = max(params[row].logprobs or 0 for row in rows)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+    top_v = top_values.tolist() if top_values is not None else [[]] * len(rows)
+    top_i = top_ids.tolist() if top_ids is not None else [[]] * len(rows)
+    out: list[SampledLogprobs | None] = [None] * len(params)
+    for i, row in enumerate(rows):
+        n = params[row].logprobs or 0
+        out[row] = SampledLogprobs(
+            token_id=chosen_ids[i],
+            logprob=chosen_lp[i],
+            top=tuple(zip(top_i[i][:n], top_v[i][:n], strict=True)),
+        )
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slotserve.engine.calibration import CalibrationRecord
+from slotserve.engine.logprobs import TokenLogprobs
 from slotserve.engine.sequence import FinishReason, Sequence, SequenceError
 
 
@@ -44,6 +45,7 @@ class RequestOutput:
     num_generated_tokens: int
     metrics: RequestMetrics | None = None
     error: SequenceError | None = None  # with finish_reason "error": why, for the client
+    logprobs: list[TokenLogprobs] | None = None  # one per token of ``text``, when asked for
 
 
 @dataclass(frozen=True)

@@ -49,18 +49,14 @@ def test_batched_prompts_are_refused():
     assert "one request per prompt" in message
 
 
+# logprobs, penalties and logit_bias are supported now: tests/engine/test_engine_openai_*.py
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"n": 2}, "n"),
-        ({"logprobs": 1}, "logprobs"),
         ({"echo": True}, "echo"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "x"}, "suffix"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ],
 )
 def test_unsupported_completion_fields_are_named(extra, param):
@@ -77,8 +73,6 @@ def test_unsupported_completion_fields_are_named(extra, param):
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 2}, "top_logprobs"),
         ({"n": 3}, "n"),
         ({"modalities": ["audio"]}, "modalities"),
     ],

@@ -190,7 +190,7 @@ async def post(engine, path: str, body, headers=None):
         ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p", "invalid_value"),
         ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature", "invalid_value"),
         ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n", "unsupported_parameter"),
-        ({"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs", "unsupported_parameter"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 6}, 400, "logprobs", "invalid_value"),
         ({"model": "tiny", "prompt": "x", "bogus": 1}, 400, "bogus", "unsupported_parameter"),
         ({"model": "nope", "prompt": "x"}, 404, "model", "model_not_found"),
         ({"model": "tiny", "prompt": "x" * 70_000}, 413, None, "request_too_large"),
