@@ -132,6 +132,15 @@ async def _parse_body(request: web.Request, model: type[RequestT], state: Server
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as error:
         raise _too_large(limit, state) from error
+    except web.RequestPayloadError as error:  # e.g. "Content-Encoding: gzip" that is not gzip
+        state.metrics.reject("invalid")
+        # The connection's parser is left mid-body: a next request on it would be misread.
+        raise ApiError(
+            400,
+            f"the request body could not be read: {error}",
+            code="invalid_body",
+            headers={"Connection": "close"},
+        ) from error
     try:
         return model.model_validate_json(raw)
     except ValidationError as error:
@@ -170,6 +179,13 @@ def _sampling_params(
         # The model's recommendation replaces OpenAI's default, never a value the client sent.
         if name in chosen and name not in body.model_fields_set:
             chosen[name] = value
+    if body.min_tokens > max_tokens:
+        raise ApiError(
+            400,
+            f"'min_tokens' ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            param="min_tokens",
+            code="invalid_value",
+        )
     try:
         return SamplingParams(
             max_tokens=max_tokens,
