@@ -110,6 +110,7 @@ def test_a_1mb_prompt_is_refused_at_once(smollm2_engine):
         assert status == 400, answer
         assert answer["error"]["code"] == "context_length_exceeded"
         assert answer["error"]["param"] in {"prompt", "messages"}
+        print(f"{path}: 1 MB prompt refused in {seconds * 1000:.0f} ms")
         assert seconds < 0.3, f"{path}: refused after {seconds:.3f} s"
 
 
@@ -172,5 +173,8 @@ def test_streams_and_load_carry_on_while_a_huge_prompt_is_tokenized(smollm2_engi
     )
     assert hostile_end - hostile_start > 1.0  # the prompts really were tokenized meanwhile
     assert len(during) >= 5
-    assert max(during) <= 2 * normal, (normal, sorted(during)[-5:])
+    # On a machine shared with other work, gaps also spike with no big prompt in flight: the
+    # worst gap before the prompts tells a noisy machine from a stalled engine.
+    before = [g for s in streams for g in s.gaps(0, hostile_start)]
+    assert max(during) <= 2 * normal, (normal, sorted(during)[-5:], "before:", max(before))
     assert max(sampler.latencies) < 0.2, sorted(sampler.latencies)[-5:]
