@@ -1,15 +1,16 @@
 """The admission front: how one gateway replica waits for, holds and gives back engine slots.
 
 A request is queued in the shared backend (Redis or in-process), then waits on a local future.
-Grants arrive three ways: in the result of this replica's own atomic steps (enqueue, release,
+Grants arrive three ways: from this replica's own atomic steps (enqueue, release,
 tick), through the backend's wake-up channel for grants made by another replica, and from the
 short periodic tick that also sweeps expired leases and dead replicas' queue entries. No request
 polls the backend on its own.
 
 Ownership: a grant is either delivered to a waiter that is still there or released at once.
-The enqueue step runs in its own task, so a caller cancelled while it is in flight (the client
-went away) does not drop a grant in its reply; a caller that leaves without a lease hands its
-request to ``_abandon``, which takes the entry out or gives the late grant back. Keeping leases
+The backends hand every grant to ``_on_grant`` as the step finishes, not to the caller, so a
+caller cancelled while its enqueue step is in flight (the client went away) drops nothing; a
+caller that leaves without a lease hands its request to ``_abandon``, which takes the entry out
+or gives the late grant back. Keeping leases
 alive and putting them back after an outage is ``admission_recovery.LeaseKeeper``'s job.
 """
 
@@ -144,15 +145,10 @@ class Admission:
         request_id = uuid.uuid4().hex
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.waiters[request_id] = Waiter(pool, future, priority, started + timeout_s)
-        # Its own task: if we are cancelled while the step is in flight, the task still routes
-        # the grants of its reply (to nobody here: so they are released at once).
-        enqueue = asyncio.get_running_loop().create_task(
-            self._enqueue(pool, request_id, priority, timeout_s)
-        )
         owned = settled = False
         try:
             try:
-                await asyncio.shield(enqueue)
+                await self._enqueue(pool, request_id, priority, timeout_s)
             except QueueFullError:
                 settled = True  # the step took the entry out again
                 raise
@@ -171,7 +167,9 @@ class Admission:
         finally:
             self.waiters.pop(request_id, None)
             if not owned and not settled:
-                self.spawn(self._abandon(pool, request_id, enqueue))
+                # Cancelled (client gone) or failed: a grant made meanwhile reaches
+                # ``_on_grant``, finds no waiter and is released; take the entry out too.
+                self.spawn(self._abandon(pool, request_id))
         now = time.monotonic()
         return Lease(request_id, pool, endpoint, now - started, now)
 
@@ -230,15 +228,8 @@ class Admission:
             retry_after_s=self.retry_after(pool.name),
         )
 
-    async def _abandon(
-        self, pool: PoolPolicy, request_id: str, enqueue: asyncio.Task[None]
-    ) -> None:
+    async def _abandon(self, pool: PoolPolicy, request_id: str) -> None:
         """The waiter left without a lease: take its entry out or give its grant back."""
-        # Let the enqueue step finish first: its reply may hold our grant (released by
-        # ``_on_grant``, since the waiter is gone) and the cancel must come after it.
-        await asyncio.wait([enqueue])
-        if not enqueue.cancelled() and isinstance(enqueue.exception(), QueueFullError):
-            return
         delay_s, give_up_at = 0.1, time.monotonic() + self.lease_ttl_s
         while True:
             try:
@@ -267,9 +258,7 @@ class Admission:
         self.release_soon(Lease(request_id, policy, endpoint, 0.0))
 
     def apply(self, pool: PoolPolicy, result: DispatchResult) -> None:
-        """Take in what one backend step did: grants, queue depth, hold-back, lost state."""
-        for grant in result.grants:
-            self._on_grant(pool.name, grant.request_id, grant.endpoint)
+        """Take in what one backend step did: queue depth, hold-back, lost state."""
         self._observe(pool.name, result.queue_depth, result.num_dispatched_total)
         if result.state_lost:
             self.keeper.request_restore()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from slotserve.gateway.routing import EndpointOffer
@@ -38,18 +38,10 @@ class PoolPolicy:
 
 
 @dataclass(frozen=True)
-class Grant:
-    """A slot lease on ``endpoint`` given to request ``request_id`` of this replica."""
-
-    request_id: str
-    endpoint: str
-
-
-@dataclass(frozen=True)
 class DispatchResult:
-    """What one atomic backend step did, as seen by the calling replica."""
+    """What one atomic backend step did, as seen by the calling replica (its grants, this
+    replica's included, went to the replicas' ``on_grant`` callbacks as the step finished)."""
 
-    grants: list[Grant] = field(default_factory=list)
     queue_depth: int = 0
     num_dispatched_total: int = 0
     # > 0: a dynamic/static group is held back (or the admission epoch is not ready yet);
@@ -108,8 +100,9 @@ GrantCallback = Callable[[str, str, str], None]  # (pool, request_id, endpoint)
 class AdmissionBackend(Protocol):
     """Shared queue and slot state. Every method is one atomic step across all replicas.
 
-    Grants for requests of the calling replica come back in the result; grants for requests
-    of other replicas reach them through their ``on_grant`` callback.
+    Every grant reaches its replica through that replica's ``on_grant`` callback as soon as the
+    step is done, the calling replica's included and even if its caller was cancelled meanwhile
+    (the client went away): so no grant is ever lost with a caller.
     """
 
     replica_id: str

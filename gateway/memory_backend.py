@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from slotserve.gateway.admission_types import (
     CancelOutcome,
     DispatchResult,
-    Grant,
     GrantCallback,
     PoolPolicy,
     QueueFullError,
@@ -164,7 +163,10 @@ class InProcessHub:
         self.listeners: dict[str, GrantCallback] = {}
 
     def pool(self, name: str) -> _PoolState:
-        return self.pools.setdefault(name, _PoolState())
+        state = self.pools.get(name)
+        if state is None:
+            state = self.pools[name] = _PoolState()
+        return state
 
     def is_alive(self, replica: str, now_us: int) -> bool:
         return self.alive_until.get(replica, 0) > now_us
@@ -174,7 +176,6 @@ class InProcessHub:
     ) -> DispatchResult:
         state = self.pool(policy.name)
         state.settle_promises(now_us)
-        mine: list[Grant] = []
         hold_us = 0
 
         def alive(replica: str) -> bool:
@@ -186,9 +187,7 @@ class InProcessHub:
             state.lease_endpoint[request_id] = endpoint
             state.inflight[endpoint] = state.inflight.get(endpoint, 0) + 1
             state.num_dispatched += 1
-            if entry.replica == caller:
-                mine.append(Grant(request_id, endpoint))
-            elif entry.replica in self.listeners:
+            if entry.replica in self.listeners:
                 self.listeners[entry.replica](policy.name, request_id, endpoint)
 
         idle_only = policy.policy != "continuous"
@@ -218,7 +217,7 @@ class InProcessHub:
                     break
                 grant(nxt[0], nxt[1], ranked[0].url)
         state.hold_freed_places(policy.max_queue_size)
-        return DispatchResult(mine, len(state.queue), state.num_dispatched, hold_us)
+        return DispatchResult(len(state.queue), state.num_dispatched, hold_us)
 
 
 class InProcessBackend:
@@ -249,7 +248,7 @@ class InProcessBackend:
         now = self.hub.clock_us()
         state = self.hub.pool(pool.name)
         if only_if_absent and (request_id in state.queue or request_id in state.leases):
-            return DispatchResult([], len(state.queue), state.num_dispatched, 0)
+            return DispatchResult(len(state.queue), state.num_dispatched, 0)
         state.settle_promises(now)
         state.seq += 1
         entry = _Entry(self.replica_id, now + timeout_us, now)

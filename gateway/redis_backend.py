@@ -25,7 +25,6 @@ from slotserve.gateway.admission_types import (
     BackendUnavailableError,
     CancelOutcome,
     DispatchResult,
-    Grant,
     GrantCallback,
     PoolPolicy,
     QueueFullError,
@@ -40,6 +39,7 @@ _UNAVAILABLE = (RedisError, OSError, TimeoutError)
 # The longest any caller waits for one Redis step (socket timeouts are shorter; this also
 # bounds the wait for a free connection under a burst).
 CALL_TIMEOUT_S = 4.0
+DISPATCHING_SCRIPTS = frozenset({"enqueue", "release", "tick"})  # replies carry grants
 SWEEP_BATCH = 100  # entries one script may sweep: a few ms of Redis time at most
 
 
@@ -190,6 +190,8 @@ class RedisBackend:
             log.exception("Redis pipeline failed")
             replies = [exc] * len(calls)
         for call, reply in zip(calls, replies, strict=True):
+            if call.name in DISPATCHING_SCRIPTS and not isinstance(reply, BaseException):
+                self._route_grants(str(call.args[1]), list(reply))  # type: ignore[call-overload]
             if call.future.done():
                 continue
             if isinstance(reply, BaseException):
@@ -205,11 +207,20 @@ class RedisBackend:
             pipe.evalsha(self.scripts[call.name].sha, len(call.keys), *call.keys, *call.args)
         return list(await pipe.execute(raise_on_error=False))
 
+    def _route_grants(self, pool_name: str, reply: list[object]) -> None:
+        """This replica's grants in a script's reply go to ``on_grant`` right here, not to the
+        caller: a caller cancelled meanwhile (client gone) cannot drop them."""
+        if self._on_grant is None:
+            return
+        for i in range(6, len(reply) - 1, 2):
+            try:
+                self._on_grant(pool_name, str(reply[i]), str(reply[i + 1]))
+            except Exception:  # one failing delivery must not lose the others
+                log.exception("could not deliver grant %r", reply[i])
+
     def _result(self, reply: list[object]) -> DispatchResult:
-        grants = [Grant(str(reply[i]), str(reply[i + 1])) for i in range(6, len(reply) - 1, 2)]
         epoch = str(reply[4])
         return DispatchResult(
-            grants,
             int(reply[1]),  # type: ignore[call-overload]
             int(reply[2]),  # type: ignore[call-overload]
             int(reply[3]),  # type: ignore[call-overload]
@@ -271,13 +282,9 @@ class RedisBackend:
                 if not future.done():
                     future.set_exception(exc)
             return
-        # The grants go to one caller only; the others learn the queue state.
-        rest = DispatchResult(
-            [], result.queue_depth, result.num_dispatched_total, result.hold_us, result.state_lost
-        )
-        for i, future in enumerate(batch.futures):
+        for future in batch.futures:
             if not future.done():
-                future.set_result(result if i == 0 else rest)
+                future.set_result(result)
 
     async def cancel(self, pool: PoolPolicy, request_id: str) -> CancelOutcome:
         args = [*self._args(pool, []), request_id]
