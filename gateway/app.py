@@ -28,6 +28,7 @@ from slotserve.gateway.admission_types import (
     AdmissionBackend,
     AdmissionError,
 )
+from slotserve.gateway.admission_window import AdmissionWindowWriter
 from slotserve.gateway.api_keys import ApiKeys
 from slotserve.gateway.config import PoolRegistry, load_pools, watch_pool_file
 from slotserve.gateway.discovery import PoolCatalog, start_kubernetes_watch
@@ -47,6 +48,8 @@ MONITOR = web.AppKey("monitor", EngineMonitor)
 ADMISSION = web.AppKey("admission", Admission)
 PROXY = web.AppKey("proxy", ProxyContext)
 API_KEYS = web.AppKey("api_keys", ApiKeys)
+# Admission counts for the operator's status.admission: with Redis only (None without).
+WINDOW: web.AppKey[AdmissionWindowWriter | None] = web.AppKey("admission_window")
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Probes never carry credentials; /metrics joins them unless metrics_require_api_key is set.
@@ -193,8 +196,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         timeout_s = min(timeout_s, deadline_ms / 1000)  # a client may only shorten it
     deadline = time.monotonic() + timeout_s
     admission = request.app[ADMISSION]
+    window = request.app[WINDOW]
     if not request.app[MONITOR].offers(model):
         m.rejected.labels(model, "no_ready_endpoint").inc()
+        if window is not None:
+            window.rejected(model, "no_ready_endpoint")
         return error_response(
             503, f"no engine of pool {model!r} is ready", "no_ready_endpoint", retry_after_s=1
         )
@@ -202,9 +208,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         lease = await admission.acquire(policy, priority or settings.default_priority, timeout_s)
     except AdmissionError as exc:
         m.rejected.labels(model, exc.code).inc()
+        if window is not None:
+            window.rejected(model, exc.code)
         return error_response(exc.status, exc.message, exc.code, retry_after_s=exc.retry_after_s)
     m.admitted.labels(model).inc()
     m.queue_wait.labels(model).observe(lease.queue_wait_s)
+    if window is not None:
+        window.admitted(model, lease.queue_wait_s)
     try:
         return await proxy_request(request, request.app[PROXY], lease, body, deadline)
     except ConnectionResetError:
@@ -277,6 +287,15 @@ async def admission_ctx(app: web.Application) -> AsyncIterator[None]:
     await admission.close()
 
 
+async def admission_window_ctx(app: web.Application) -> AsyncIterator[None]:
+    window = app[WINDOW]
+    if window is not None:
+        window.start()
+    yield
+    if window is not None:
+        await window.close()
+
+
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     # No total: a long generation streams for as long as it needs. What is bounded is silence:
@@ -315,7 +334,14 @@ def create_app(settings: GatewaySettings) -> web.Application:
         pools=registry.policies,
         lease_ttl_s=settings.lease_ttl_seconds,
     )
-    app.cleanup_ctx.extend([api_keys_ctx, pools_ctx, monitor_ctx, admission_ctx, upstream_ctx])
+    app[WINDOW] = None
+    if settings.redis_url:
+        from slotserve.gateway.redis_backend import make_client
+
+        app[WINDOW] = AdmissionWindowWriter(make_client(settings.redis_url), settings.redis_prefix)
+    app.cleanup_ctx.extend(
+        [api_keys_ctx, pools_ctx, monitor_ctx, admission_ctx, admission_window_ctx, upstream_ctx]
+    )
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -18,12 +18,15 @@ replica leaves nothing behind for long:
 | ``P:{pool}:replicas`` | SET | replicas that may have requests waiting in the pool | STATE |
 | ``P:{pool}:retries`` | ZSET | places promised to rejected clients; score = return (us) | STATE |
 | ``P:{pool}:waiting:{id}`` | ZSET | replica ``id``'s waiting request ids (dead: swept) | STATE |
+| ``P:{pool}:window:{n}`` | HASH | admitted, rejected, queue waits in window ``n`` (3) | 90 s |
 | ``P:epoch`` | HASH | admission epoch: ``id``, ``created``, ``ready`` (us) (2) | STATE |
 | ``P:replica:{id}`` | STRING | present while replica ``id`` heartbeats | lease TTL |
 | ``P:grants:{id}`` | LIST | grants made for replica ``id`` by others (1) | lease TTL |
 
 (1) each item is ``pool``, request id and endpoint joined by ``\\x1f``.
 (2) recreated when Redis lost its data; nobody dispatches before ``ready`` (see ``lua.py``).
+(3) written by every replica, read by the operator for ``status.admission``
+(``slotserve.admission_stats``).
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
 write. Times are Redis server time (``TIME``) in microseconds, so replica clocks never matter.
 """
@@ -61,6 +64,10 @@ class Keys:
     def pool_key(self, pool_name: str, name: str) -> str:
         """One of the pool's keys, by its name in ``POOL_KEY_NAMES``."""
         return f"{self.prefix}:{{{pool_name}}}:{name}"
+
+    def window(self, pool_name: str, number: int) -> str:
+        """The pool's admission counts of window ``number`` (``slotserve.admission_stats``)."""
+        return self.pool_key(pool_name, f"window:{number}")
 
     def replica(self, replica_id: str) -> str:
         return f"{self.prefix}:replica:{replica_id}"

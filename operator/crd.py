@@ -34,6 +34,7 @@ HEADER = (
 _EXTRA_BOUNDS: dict[tuple[str, ...], dict[str, Any]] = {
     ("spec", "batching", "preferredBatchSizes"): {"maxItems": 64},
     ("status", "endpoints"): {"maxItems": 10_000},
+    ("status", "admission", "rejectedPerMinute"): {"maxProperties": 32},
     ("status", "conditions"): {
         "maxItems": 8,
         "x-kubernetes-list-type": "map",
@@ -46,6 +47,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Policy", "type": "string", "jsonPath": ".spec.batching.policy"},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
+    {"name": "Queued", "type": "integer", "jsonPath": ".status.admission.queued"},
+    {"name": "In-Flight", "type": "integer", "jsonPath": ".status.admission.inFlight"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -25,6 +25,9 @@ import kubernetes.client
 from kubernetes.client.exceptions import ApiException
 
 from slotserve.operator import builders, drift, kube
+from slotserve.operator.admission import Saturation
+from slotserve.operator.admission_monitor import AdmissionMonitor, Target
+from slotserve.operator.admission_redis import AdmissionReader
 from slotserve.operator.healer import Healer
 from slotserve.operator.models import GROUP, PLURAL, VERSION, InferencePool
 from slotserve.operator.network import build_network_policy
@@ -80,6 +83,7 @@ class PoolOperator:
         self.healer: Healer[Key] = Healer(
             self._heal, resync_seconds=settings.resync_seconds, keys=self._known_pools
         )
+        self.admission_monitor: AdmissionMonitor | None = None
 
     @property
     def writer(self) -> StatusWriter:
@@ -119,9 +123,25 @@ class PoolOperator:
         self._writer = StatusWriter(kube.Children(api_client))
         # Started here, in kopf's context, so that its threads can post kopf events.
         self.healer.start()
+        if self.settings.redis_url:
+            password = self.settings.redis_password
+            self.admission_monitor = AdmissionMonitor(
+                AdmissionReader(
+                    self.settings.redis_url,
+                    prefix=self.settings.redis_prefix,
+                    password=password.get_secret_value() if password else None,
+                ),
+                refresh_s=self.settings.admission_refresh_seconds,
+                max_age_s=self.settings.admission_max_age_seconds,
+                targets=self._admission_targets,
+                publish=self._publish_admission,
+            )
+            self.admission_monitor.start()
 
     async def cleanup(self, **_: Any) -> None:
         await self.healer.stop()
+        if self.admission_monitor is not None:
+            await self.admission_monitor.stop()
 
     # --- indexes: in-memory views fed by the watches ---------------------------------------
 
@@ -319,3 +339,57 @@ class PoolOperator:
             deployment_index=self._indexes["deployment_index"],
             observed_generation=observed_generation,
         )
+
+    # --- admission status (the gateways' Redis) ----------------------------------------------
+
+    def _admission_targets(self) -> list[Target]:
+        """Pools that serve their model name: the ones whose Redis queue is theirs."""
+        if not self._indexes or self._writer is None:
+            return []
+        targets = []
+        for view in all_views(self._indexes["pool_index"]):
+            key = (view.owner["metadata"]["namespace"], view.owner["metadata"]["name"])
+            if view.pool is None or key in self.writer.problems:
+                continue
+            pods = self._indexes["pod_index"].get(key, [])
+            num_ready = sum(1 for pod in pods if pod.serving) if view.desired_replicas else 0
+            slots = num_ready * view.pool.spec.batching.max_batch_size
+            targets.append(Target(key, view.pool.spec.model.name, slots))
+        return targets
+
+    def _publish_admission(
+        self,
+        target: Target,
+        admission: dict[str, Any] | None,
+        saturation: Saturation,
+        previous: Saturation | None,
+    ) -> None:
+        """Write the admission status (thread; in a handler's context for kopf's events)."""
+        if self._handler_context is None:
+            return
+        self._handler_context.run(
+            self._publish_admission_in_context, target, admission, saturation, previous
+        )
+
+    def _publish_admission_in_context(
+        self,
+        target: Target,
+        admission: dict[str, Any] | None,
+        saturation: Saturation,
+        previous: Saturation | None,
+    ) -> None:
+        if admission is not None:
+            self.writer.admission[target.key] = admission
+        self.writer.saturation[target.key] = saturation
+        self._refresh(target.key)
+        view: PoolView | None = first(self._indexes["pool_index"], target.key)
+        before = previous.status if previous is not None else "False"
+        if view is None or before == saturation.status:
+            return
+        if saturation.status == "True":
+            kopf.warn(view.owner, reason="Saturated", message=saturation.message)
+        elif saturation.status == "Unknown":
+            kopf.warn(view.owner, reason=saturation.reason, message=saturation.message)
+        elif before == "True":
+            # kopf.info would be filtered by posting.level (WARNING keeps log noise out).
+            kopf.event(view.owner, type="Normal", reason="Unsaturated", message=saturation.message)

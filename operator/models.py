@@ -252,7 +252,7 @@ class InferencePoolSpec(WireModel):
     admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
 
 
-ConditionType = Literal["Ready", "Progressing", "Degraded"]
+ConditionType = Literal["Ready", "Progressing", "Degraded", "Saturated"]
 
 
 class Condition(WireModel):
@@ -269,6 +269,33 @@ class Condition(WireModel):
     observed_generation: int | None = Field(None, ge=0)
 
 
+class AdmissionStatus(WireModel):
+    """The pool's admission state, summed over every gateway replica (read from their Redis)."""
+
+    queued: int = Field(0, ge=0, description="Requests waiting in the shared queue.")
+    in_flight: int = Field(0, ge=0, description="Requests holding a slot on an engine.")
+    slots_total: int = Field(
+        0, ge=0, description="Slots of the ready engines (readyReplicas x maxBatchSize)."
+    )
+    admitted_per_minute: int = Field(0, ge=0, description="Requests given a slot, last minute.")
+    rejected_per_minute: dict[str, int] = Field(
+        default_factory=dict,
+        description="Requests refused in the last minute, by reason (queue_full, ...).",
+    )
+    queue_wait_seconds_p95: float | None = Field(
+        None, ge=0, description="95th percentile of queue waits in the last minute."
+    )
+    saturated: bool = Field(
+        False,
+        description="Every slot busy with requests waiting, or the "
+        "queue refused requests as full in the last minute.",
+    )
+    observed_time: str = Field(
+        description="RFC 3339 time of the Redis read these numbers come from.",
+        json_schema_extra={"format": "date-time"},
+    )
+
+
 class InferencePoolStatus(WireModel):
     """What the operator observed; endpoints are for people (the gateway uses EndpointSlices)."""
 
@@ -280,6 +307,9 @@ class InferencePoolStatus(WireModel):
         default_factory=list, description='"IP:PORT" of every ready engine pod.'
     )
     conditions: list[Condition] = Field(default_factory=list)
+    admission: AdmissionStatus | None = Field(
+        None, description="Admission state from the gateways' Redis (operator redisUrl set)."
+    )
 
 
 class ObjectMeta(WireModel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from slotserve.operator.policy import image_allowed
@@ -82,6 +82,28 @@ class OperatorSettings(BaseSettings):
         default_factory=list,
         description="More NetworkPolicyPeers allowed to reach the engine port, e.g. Prometheus "
         "(JSON list).",
+    )
+    # --- admission status and autoscaling (the gateways' Redis) --------------------------------
+    redis_url: str | None = Field(
+        None,
+        description="The Redis the gateways share (read-only here): status.admission and the "
+        "built-in autoscaler; unset = neither.",
+    )
+    redis_password: SecretStr | None = Field(
+        None, description="Redis password, when the URL carries none."
+    )
+    redis_prefix: str = Field(
+        "slotserve", min_length=1, description="Key prefix: the gateways' redis_prefix."
+    )
+    admission_refresh_seconds: float = Field(
+        5.0, ge=0.1, le=300, description="How often the admission state is read from Redis."
+    )
+    admission_max_age_seconds: float = Field(
+        60.0,
+        ge=1,
+        le=3600,
+        description="status.admission is rewritten at least this often while Redis answers "
+        "(fresh observedTime), even when nothing moved beyond the thresholds.",
     )
     # --- self-healing -------------------------------------------------------------------------
     resync_seconds: float = Field(

@@ -20,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from slotserve.operator import kube
+from slotserve.operator.admission import Saturation, saturated_condition
 from slotserve.operator.models import API_VERSION, InferencePool
 from slotserve.operator.policy import ModelClaim
 from slotserve.operator.status import DeploymentView, PodView, Problem, compute_status
@@ -137,6 +138,10 @@ class StatusWriter:
 
     children: kube.Children
     problems: dict[Key, Problem] = field(default_factory=dict)
+    # Published by the admission monitor; written with the rest of the status.
+    admission: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    saturation: dict[Key, Saturation] = field(default_factory=dict)
+    num_status_writes: int = 0
     _written: dict[Key, _Written] = field(default_factory=dict)
     _locks: dict[Key, threading.Lock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
@@ -171,10 +176,25 @@ class StatusWriter:
             )
             if observed_generation is not None:
                 status["observedGeneration"] = observed_generation
-            if kube.is_subset(status, previous):
+            saturation = self.saturation.get(key)
+            if saturation is not None:
+                before = {c.get("type"): c for c in previous.get("conditions") or []}
+                status["conditions"].append(
+                    saturated_condition(saturation, before.get("Saturated"), _now())
+                )
+            admission = self.admission.get(key)
+            if admission is not None:
+                status["admission"] = admission
+            if kube.is_subset(status, previous) and (
+                admission is None or previous.get("admission") == admission
+            ):
                 return
+            patch = dict(status)
+            if admission is not None:  # reasons no longer seen are removed, not merged
+                patch["admission"] = kube.replacing_patch(previous.get("admission"), admission)
             try:
-                self.children.patch_pool_status(key[0], key[1], status)
+                self.children.patch_pool_status(key[0], key[1], patch)
+                self.num_status_writes += 1
             except ApiException as error:
                 if error.status == 404:  # deleted meanwhile
                     self.forget(key)
@@ -185,6 +205,8 @@ class StatusWriter:
     def forget(self, key: Key) -> None:
         self._written.pop(key, None)
         self.problems.pop(key, None)
+        self.admission.pop(key, None)
+        self.saturation.pop(key, None)
 
 
 def all_views(pool_index: kopf.Index[Key, PoolView]) -> Iterator[PoolView]:

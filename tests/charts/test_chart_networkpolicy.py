@@ -29,7 +29,8 @@ def operator_settings(rendered: Rendered, monkeypatch) -> OperatorSettings:
     for name in [n for n in os.environ if n.startswith("SLOTSERVE_")]:
         monkeypatch.delenv(name)
     for name, var in env_of(container).items():
-        monkeypatch.setenv(name, var["value"])
+        if "value" in var:  # Secret references (the Redis password) are the cluster's to fill
+            monkeypatch.setenv(name, var["value"])
     return OperatorSettings()
 
 
@@ -117,16 +118,27 @@ def test_extra_engine_ingress_lets_monitoring_scrape(render, monkeypatch):
     assert not admits(policy, {"app": "prometheus"}, "default", "http")
 
 
-def test_only_the_gateway_reaches_redis(render):
+def test_only_the_gateway_and_the_operator_reach_redis(render):
     rendered = render()
     policy = rendered.get("NetworkPolicy", REDIS)
     redis_pods = rendered.get("StatefulSet", REDIS)["spec"]["template"]["metadata"]["labels"]
     assert matches(policy["spec"]["podSelector"], redis_pods)
     assert admits(policy, gateway_labels(rendered), NAMESPACE, "redis")
-    # The operator never talks to Redis, so it is not let in.
+    # The operator reads the admission state (status.admission, the built-in autoscaler).
+    operator = rendered.get("Deployment", OPERATOR)["spec"]["template"]["metadata"]["labels"]
+    assert admits(policy, operator, NAMESPACE, "redis")
+    assert not admits(policy, {"app": "curl"}, NAMESPACE, "redis")
+    engine = {**gateway_labels(rendered), "app.kubernetes.io/component": "engine"}
+    assert not admits(policy, engine, NAMESPACE, "redis")
+    assert not admits(policy, operator, "elsewhere", "redis")
+
+
+def test_without_the_operator_only_the_gateway_reaches_redis(render):
+    rendered = render(extra=["--set", "operator.enabled=false"])
+    policy = rendered.get("NetworkPolicy", REDIS)
     operator = {**gateway_labels(rendered), "app.kubernetes.io/component": "operator"}
     assert not admits(policy, operator, NAMESPACE, "redis")
-    assert not admits(policy, {"app": "curl"}, NAMESPACE, "redis")
+    assert admits(policy, gateway_labels(rendered), NAMESPACE, "redis")
 
 
 def test_default_install_renders_every_network_policy(render, monkeypatch):

@@ -58,8 +58,16 @@ def test_default_install_generates_a_redis_password_and_everyone_uses_it(render)
     names = [var["name"] for var in gateway["env"]]
     assert names.index("SLOTSERVE_REDIS_PASSWORD") < names.index("SLOTSERVE_GATEWAY_REDIS_URL")
     assert ":$(SLOTSERVE_REDIS_PASSWORD)@" in env["SLOTSERVE_GATEWAY_REDIS_URL"]["value"]
-    # The operator never talks to Redis: it gets no password.
-    assert "SLOTSERVE_REDIS_PASSWORD" not in env_of(container(rendered, "Deployment", OPERATOR))
+    # The operator reads the same Redis (status.admission, autoscaling): same Secret, same URL.
+    operator = container(rendered, "Deployment", OPERATOR)
+    operator_env = env_of(operator)
+    assert secret_ref(operator_env["SLOTSERVE_REDIS_PASSWORD"]) == (REDIS, "redis-password")
+    names = [var["name"] for var in operator["env"]]
+    assert names.index("SLOTSERVE_REDIS_PASSWORD") < names.index("SLOTSERVE_OPERATOR_REDIS_URL")
+    assert (
+        operator_env["SLOTSERVE_OPERATOR_REDIS_URL"]["value"]
+        == env["SLOTSERVE_GATEWAY_REDIS_URL"]["value"]
+    )
 
 
 def test_the_generated_password_survives_upgrades():
@@ -107,13 +115,19 @@ def test_external_redis_url_with_credentials_comes_from_a_secret(render):
     env = env_of(container(rendered, "Deployment", GATEWAY))
     assert secret_ref(env["SLOTSERVE_GATEWAY_REDIS_URL"]) == ("slotserve-redis-url", "url")
     assert "SLOTSERVE_REDIS_PASSWORD" not in env
+    operator_env = env_of(container(rendered, "Deployment", OPERATOR))
+    assert secret_ref(operator_env["SLOTSERVE_OPERATOR_REDIS_URL"]) == (
+        "slotserve-redis-url",
+        "url",
+    )
 
 
 def operator_settings(rendered, monkeypatch) -> OperatorSettings:
     for name in [n for n in os.environ if n.startswith("SLOTSERVE_")]:
         monkeypatch.delenv(name)
     for name, var in env_of(container(rendered, "Deployment", OPERATOR)).items():
-        monkeypatch.setenv(name, var["value"])
+        if "value" in var:  # Secret references are the cluster's to fill
+            monkeypatch.setenv(name, var["value"])
     return OperatorSettings()
 
 

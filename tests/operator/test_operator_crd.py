@@ -72,8 +72,11 @@ def test_crd_names_subresources_and_columns():
         "labelSelectorPath": ".status.selector",
     }
     assert "status" in version["subresources"]
-    columns = [column["name"] for column in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "Policy", "Ready", "Desired", "Age"]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert list(columns) == ["Model", "Policy", "Ready", "Desired", "Queued", "In-Flight", "Age"]
+    # kubectl get ipool: QUEUED and IN-FLIGHT from status.admission (empty without Redis).
+    assert columns["Queued"] == ".status.admission.queued"
+    assert columns["In-Flight"] == ".status.admission.inFlight"
 
 
 def test_schema_is_structural():

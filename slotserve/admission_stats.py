@@ -1,0 +1,138 @@
+"""Admission statistics shared through Redis: what the gateway records, what the operator reads.
+
+The gateway's replicas already share each pool's queue and slot leases in Redis
+(``slotserve.gateway.keys``). For the pool's ``status.admission`` the operator also needs rates
+and queue waits over the last minute, summed over every gateway replica. Each replica adds its
+counts to one small hash per pool and 10-second window (``Keys.window``), every second, with
+``HINCRBY`` + ``EXPIRE`` in one ``MULTI``/``EXEC`` (atomic; the hash tag keeps it in one cluster
+slot). Fields:
+
+| field | meaning |
+|---|---|
+| ``admitted`` | requests given a slot |
+| ``rejected:<reason>`` | requests refused (``queue_full``, ``queue_timeout``, ...) |
+| ``wait:<i>`` | admitted requests that waited within ``WAIT_BUCKETS_S[i]`` (last: longer) |
+
+A window lives ``WINDOW_TTL_S``, so a pool nobody calls leaves nothing behind. Windows are
+numbered by wall-clock time (``unix seconds // WINDOW_SECONDS``): replicas' clocks only need to
+agree to within a fraction of a window. Everything here is pure except ``record``/``read``'s
+Redis calls, which the gateway and the operator make with their own clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+WINDOW_SECONDS = 10
+NUM_WINDOWS = 6  # one minute of complete windows, plus the current one
+WINDOW_TTL_S = WINDOW_SECONDS * (NUM_WINDOWS + 3)
+# Upper bounds (seconds) of the queue-wait buckets: the gateway's Prometheus histogram's.
+WAIT_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
+)  # fmt: skip
+ADMITTED = "admitted"
+REJECTED_PREFIX = "rejected:"
+WAIT_PREFIX = "wait:"
+
+
+def window_of(unix_s: float) -> int:
+    """The number of the window that contains ``unix_s``."""
+    return int(unix_s // WINDOW_SECONDS)
+
+
+def wait_bucket(wait_s: float) -> int:
+    """Index of the first bucket whose upper bound holds ``wait_s`` (len = above all)."""
+    for index, bound in enumerate(WAIT_BUCKETS_S):
+        if wait_s <= bound:
+            return index
+    return len(WAIT_BUCKETS_S)
+
+
+@dataclass
+class WindowCounts:
+    """Counts one gateway replica has not written yet, per pool (hash field -> increment)."""
+
+    fields: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def admitted(self, pool: str, wait_s: float) -> None:
+        counts = self.fields.setdefault(pool, {})
+        counts[ADMITTED] = counts.get(ADMITTED, 0) + 1
+        bucket = f"{WAIT_PREFIX}{wait_bucket(wait_s)}"
+        counts[bucket] = counts.get(bucket, 0) + 1
+
+    def rejected(self, pool: str, reason: str) -> None:
+        counts = self.fields.setdefault(pool, {})
+        name = f"{REJECTED_PREFIX}{reason}"
+        counts[name] = counts.get(name, 0) + 1
+
+    def take(self) -> dict[str, dict[str, int]]:
+        taken, self.fields = self.fields, {}
+        return taken
+
+    def put_back(self, taken: Mapping[str, Mapping[str, int]]) -> None:
+        """Counts a failed write did not store: added to the next one."""
+        for pool, counts in taken.items():
+            mine = self.fields.setdefault(pool, {})
+            for name, value in counts.items():
+                mine[name] = mine.get(name, 0) + value
+
+
+@dataclass(frozen=True)
+class WindowSummary:
+    """One pool's last minute, summed over every gateway replica."""
+
+    admitted_per_minute: int
+    rejected_per_minute: dict[str, int]
+    queue_wait_p95_s: float | None  # None: nothing admitted in the window
+
+
+def summarize(windows: Sequence[Mapping[str, str]], covered_s: float) -> WindowSummary:
+    """Rates per minute and the queue-wait p95 from the hashes of the windows read.
+
+    ``covered_s`` is the time those windows span (the complete ones plus the elapsed part of
+    the current one), so counts scale to a minute whatever the moment of the read.
+    """
+    totals: dict[str, int] = {}
+    for window in windows:
+        for name, value in window.items():
+            totals[name] = totals.get(name, 0) + int(value)
+    scale = 60.0 / max(covered_s, 1.0)
+    rejected = {
+        name.removeprefix(REJECTED_PREFIX): round(count * scale)
+        for name, count in sorted(totals.items())
+        if name.startswith(REJECTED_PREFIX) and count > 0
+    }
+    waits = [totals.get(f"{WAIT_PREFIX}{i}", 0) for i in range(len(WAIT_BUCKETS_S) + 1)]
+    return WindowSummary(
+        admitted_per_minute=round(totals.get(ADMITTED, 0) * scale),
+        rejected_per_minute=rejected,
+        queue_wait_p95_s=quantile(waits, 0.95),
+    )
+
+
+def quantile(bucket_counts: Sequence[int], q: float) -> float | None:
+    """The ``q`` quantile of bucketed waits, interpolated inside its bucket as Prometheus'
+    ``histogram_quantile`` does; waits above the last bound report that bound."""
+    total = sum(bucket_counts)
+    if total == 0:
+        return None
+    rank = q * total
+    below = 0
+    for index, count in enumerate(bucket_counts):
+        if count and below + count >= rank:
+            if index == len(WAIT_BUCKETS_S):
+                return WAIT_BUCKETS_S[-1]
+            lower = WAIT_BUCKETS_S[index - 1] if index else 0.0
+            upper = WAIT_BUCKETS_S[index]
+            return lower + (upper - lower) * (rank - below) / count
+        below += count
+    return WAIT_BUCKETS_S[-1]
+
+
+def windows_to_read(now_unix_s: float) -> tuple[list[int], float]:
+    """The windows a reader sums (the current one last) and the seconds they span."""
+    current = window_of(now_unix_s)
+    elapsed = now_unix_s - current * WINDOW_SECONDS
+    numbers = list(range(current - NUM_WINDOWS, current + 1))
+    return numbers, NUM_WINDOWS * WINDOW_SECONDS + elapsed

@@ -1,0 +1,251 @@
+"""status.admission follows real traffic: two real gateway processes share a real Redis in front
+of an engine double; the operator (real kopf, on the API emulator) reads the same Redis.
+
+What a user would notice: ``kubectl get ipool`` shows QUEUED and IN-FLIGHT as the load comes and
+goes, the Saturated condition and its Warning/Normal events follow, status writes stay few under
+steady load, and a Redis the operator cannot reach leaves the numbers stale with Saturated
+Unknown while the pool's children are still reconciled.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from operator_harness import ApiServerThread, Kube
+from support import RedisServer, free_port, wait_until
+
+from slotserve.operator import kube as kube_io
+from slotserve.operator.models import API_VERSION, KIND
+from slotserve.operator.settings import OperatorSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+from gateway_support import Spawner, pool, write_pools
+
+pytestmark = pytest.mark.slow
+MODEL = "chat"
+SLOTS = 2
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawner]:
+    spawner = Spawner(tmp_path)
+    try:
+        yield spawner
+    finally:
+        spawner.stop_all()
+
+
+@pytest.fixture
+def operator_settings(redis_server: RedisServer) -> OperatorSettings:
+    return OperatorSettings(
+        engine_image="registry.test/slotserve/engine:test",
+        health_port=free_port(),
+        redis_url=redis_server.url,
+        admission_refresh_seconds=0.5,
+        admission_max_age_seconds=60,
+    )
+
+
+def create_pool(kube: Kube, name: str = "chat", **spec: Any) -> None:
+    kube.create_pool(
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": name},
+            "spec": {
+                "model": {"name": MODEL, "source": {"builtin": "smollm2"}},
+                "replicas": 1,
+                "batching": {"maxBatchSize": SLOTS},
+                **spec,
+            },
+        }
+    )
+
+
+def serve_one_pod(kube: Kube, name: str = "chat") -> None:
+    wait_until(lambda: kube.deployments(), 15, what="deployment")
+    pod = kube.start_pod(kube.deployment(name), 0, "10.0.0.5")
+    kube.set_pod_ready(pod, "default", ip="10.0.0.5", ready=True)
+
+
+def admission(kube: Kube, name: str = "chat") -> dict[str, Any]:
+    return (kube.get_pool(name).get("status") or {}).get("admission") or {}
+
+
+def condition(kube: Kube, kind: str, name: str = "chat") -> dict[str, Any]:
+    conditions = (kube.get_pool(name).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == kind), {})
+
+
+def status_writes(apiserver: ApiServerThread) -> int:
+    return sum(
+        1
+        for agent, verb, _, plural, _ in apiserver.server.calls
+        if agent.startswith(kube_io.USER_AGENT) and verb == "patch" and plural.endswith("/status")
+    )
+
+
+class Load:
+    """``clients`` closed-loop clients spread over the gateways, until stopped."""
+
+    def __init__(self, gateways: list[str], clients: int, delay_s: float) -> None:
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._body = json.dumps(
+            {"model": MODEL, "prompt": "hi", "max_tokens": 2, "x_delay": delay_s}
+        ).encode()
+        self._threads = [
+            threading.Thread(target=self._client, args=(gateways[i % len(gateways)],), daemon=True)
+            for i in range(clients)
+        ]
+
+    def _client(self, url: str) -> None:
+        while not self._stop.is_set():
+            request = urllib.request.Request(
+                f"{url}/v1/completions", self._body, {"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    self.statuses.append(response.status)
+            except urllib.error.HTTPError as error:
+                self.statuses.append(error.code)
+                time.sleep(0.2)
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(70)
+
+
+@pytest.mark.usefixtures("operator")
+def test_status_admission_follows_the_traffic_with_few_writes(
+    kube: Kube, apiserver: ApiServerThread, redis_server: RedisServer, spawn: Spawner, tmp_path
+):
+    double = spawn.double(slots=SLOTS, delay=0.05, model=MODEL)
+    pools = write_pools(tmp_path / "pools.yaml", [pool(MODEL, [double.url])])
+    gateways = [spawn.gateway(pools, redis_url=redis_server.url).url for _ in range(2)]
+    create_pool(kube)
+    serve_one_pod(kube)
+    wait_until(
+        lambda: admission(kube).get("slotsTotal") == SLOTS, 15, what="status.admission appears"
+    )
+    assert admission(kube)["queued"] == 0 and admission(kube)["saturated"] is False
+    assert condition(kube, "Saturated")["status"] == "False"
+
+    # 8 clients, 2 slots, 1 s per request: 2 in flight, ~6 waiting across both gateways.
+    with Load(gateways, clients=8, delay_s=1.0) as load:
+        wait_until(
+            lambda: admission(kube).get("queued", 0) >= 3 and admission(kube)["inFlight"] == SLOTS,
+            20,
+            what="queued and in-flight in status.admission",
+        )
+        saturated = condition(kube, "Saturated")
+        assert (saturated["status"], saturated["reason"]) == ("True", "SlotsFull")
+        assert admission(kube)["saturated"] is True
+        # Steady load: the numbers barely move, so the operator writes rarely.
+        writes_before, started = status_writes(apiserver), time.monotonic()
+        time.sleep(15)
+        writes = status_writes(apiserver) - writes_before
+        elapsed = time.monotonic() - started
+    refreshes = elapsed / 0.5
+    print(f"steady load: {writes} status writes in {elapsed:.1f} s ({refreshes:.0f} refreshes)")
+    assert writes <= refreshes / 3, f"{writes} writes in {refreshes:.0f} refreshes"
+    assert 200 in load.statuses
+
+    wait_until(
+        lambda: admission(kube).get("queued") == 0 and admission(kube)["inFlight"] == 0,
+        15,
+        what="the queue drains in status.admission",
+    )
+    wait_until(
+        lambda: condition(kube, "Saturated").get("status") == "False", 10, what="unsaturated"
+    )
+    status = admission(kube)
+    assert status["admittedPerMinute"] >= 8
+    assert status["queueWaitSecondsP95"] > 0.5  # most waited behind two 1 s requests
+    wanted = {("Warning", "Saturated"), ("Normal", "Unsaturated")}
+    wait_until(
+        lambda: wanted <= {(e["type"], e["reason"]) for e in kube.events()},
+        5,
+        what="Saturated and Unsaturated events",
+    )
+
+    # Idle: nothing moves, so nothing is written (until admission_max_age_seconds).
+    idle_before = status_writes(apiserver)
+    time.sleep(4)
+    assert status_writes(apiserver) == idle_before
+
+
+@pytest.mark.usefixtures("operator")
+def test_full_queue_rejections_by_reason(
+    kube: Kube, redis_server: RedisServer, spawn: Spawner, tmp_path
+):
+    double = spawn.double(slots=SLOTS, delay=0.05, model=MODEL)
+    pools = write_pools(tmp_path / "pools.yaml", [pool(MODEL, [double.url], maxQueueSize=1)])
+    gateway = spawn.gateway(pools, redis_url=redis_server.url).url
+    create_pool(kube)
+    serve_one_pod(kube)
+    with Load([gateway], clients=8, delay_s=1.0) as load:
+        wait_until(
+            lambda: admission(kube).get("rejectedPerMinute", {}).get("queue_full", 0) > 0,
+            20,
+            what="queue_full rejections in status.admission",
+        )
+    assert 429 in load.statuses
+    assert condition(kube, "Saturated")["reason"] in {"QueueFull", "SlotsFull"}
+
+
+def test_unreachable_redis_leaves_admission_stale_and_children_reconciled(
+    kube: Kube, apiserver: ApiServerThread, tmp_path
+):
+    from operator_harness import OperatorThread
+
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    settings = OperatorSettings(
+        engine_image="registry.test/slotserve/engine:test",
+        health_port=free_port(),
+        redis_url=redis.url,
+        admission_refresh_seconds=0.3,
+    )
+    operator = OperatorThread(settings).start()
+    try:
+        create_pool(kube)
+        serve_one_pod(kube)
+        wait_until(lambda: admission(kube).get("slotsTotal") == SLOTS, 15, what="admission")
+        seen = admission(kube)["observedTime"]
+        redis.stop()
+        wait_until(
+            lambda: condition(kube, "Saturated").get("status") == "Unknown",
+            15,
+            what="Saturated Unknown",
+        )
+        assert condition(kube, "Saturated")["reason"] == "AdmissionUnavailable"
+        assert admission(kube)["observedTime"] == seen  # stale, not invented
+        # Children are still reconciled: a spec change reaches the Deployment.
+        kube.patch_pool("chat", {"spec": {"replicas": 3}})
+        wait_until(lambda: kube.deployment("chat")["spec"]["replicas"] == 3, 15, what="reconciled")
+        redis.start()
+        wait_until(
+            lambda: condition(kube, "Saturated").get("status") == "False",
+            15,
+            what="Redis back: Saturated False",
+        )
+        assert admission(kube)["observedTime"] != seen
+    finally:
+        operator.stop()
+        redis.stop()
