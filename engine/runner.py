@@ -172,6 +172,9 @@ class ModelRunner:
     def execute(self, chunks: Seq[ScheduledChunk]) -> list[int | SequenceError]:
         """Run one step; returns, per chunk that samples (in chunk order), the sampled token or
         why that sequence has none. Raises only when the step as a whole fails."""
+        # A step that samples nothing (a prefill chunk alone) must not leave the previous
+        # step's logprobs for the engine to pair with this step's (empty) samples.
+        self.last_logprobs = []
         if not chunks:
             return []
         step, input_ids, positions, sample_index = self._prepare(chunks)

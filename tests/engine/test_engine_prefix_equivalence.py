@@ -63,8 +63,10 @@ def run(model_dir, enable: bool, **settings) -> tuple[list[list[int]], object]:
         # Chunked prefill from a reused prefix, and preemptions that resume from their rows.
         {"max_batch_size": 4, "max_batched_tokens": 24, "kv_cache_tokens": 400},
         {"max_batch_size": 3, "linear_backend": "onednn"},
+        # Batches admitted whole: rows copied from sequences admitted in the same step.
+        {"max_batch_size": 3, "policy": "static", "max_batched_tokens": 64},
     ],
-    ids=["plain", "chunked-preempted", "onednn"],
+    ids=["plain", "chunked-preempted", "onednn", "static"],
 )
 def test_greedy_outputs_are_identical_with_and_without_the_cache(model_dir, settings):
     without, stats_off = run(model_dir, False, **settings)
