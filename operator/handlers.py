@@ -25,10 +25,11 @@ import kubernetes.client
 from kubernetes.client.exceptions import ApiException
 
 from slotserve.operator import builders, drift, kube
-from slotserve.operator.admission import Saturation
-from slotserve.operator.admission_monitor import AdmissionMonitor, Target
+from slotserve.operator.admission_monitor import AdmissionMonitor
 from slotserve.operator.admission_redis import AdmissionReader
+from slotserve.operator.autoscaling import AutoscalingHandlers
 from slotserve.operator.healer import Healer
+from slotserve.operator.keda import KEDA_CRD, build_scaled_object
 from slotserve.operator.models import GROUP, PLURAL, VERSION, InferencePool
 from slotserve.operator.network import build_network_policy
 from slotserve.operator.policy import Policy, model_name_problem, model_name_winner
@@ -63,7 +64,7 @@ def retry_delay(retry: int) -> float:
     return float(min(60, 2**retry))
 
 
-class PoolOperator:
+class PoolOperator(AutoscalingHandlers):
     """The handlers of one operator process, registered on their own kopf registry."""
 
     def __init__(self, settings: OperatorSettings) -> None:
@@ -84,6 +85,8 @@ class PoolOperator:
             self._heal, resync_seconds=settings.resync_seconds, keys=self._known_pools
         )
         self.admission_monitor: AdmissionMonitor | None = None
+        self._stabilizers = {}
+        self._scaled_to = {}
 
     @property
     def writer(self) -> StatusWriter:
@@ -135,6 +138,7 @@ class PoolOperator:
                 max_age_s=self.settings.admission_max_age_seconds,
                 targets=self._admission_targets,
                 publish=self._publish_admission,
+                on_reading=self._autoscale,
             )
             self.admission_monitor.start()
 
@@ -184,6 +188,9 @@ class PoolOperator:
                     scraper_peers=self.settings.scraper_peers,
                 )
             )
+        autoscaling = pool.spec.autoscaling
+        if autoscaling is not None and autoscaling.provider == "keda":
+            children.append(build_scaled_object(pool))
         kopf.adopt(children, owner=dict(owner))
         return children
 
@@ -198,9 +205,38 @@ class PoolOperator:
             winner = model_name_winner(view.claim, [c for c in claims if c is not None])
             if winner is not None:
                 problem = model_name_problem(winner, view.claim.model)
+        if problem is None:
+            problem = self._autoscaling_problem(view.pool)
         if problem is not None:
             raise InvalidPoolError(problem.reason, problem.message)
         return view.pool
+
+    def _autoscaling_problem(self, pool: InferencePool) -> Problem | None:
+        """What the CRD's rules cannot see: KEDA missing, another HPA, no Redis to read."""
+        autoscaling = pool.spec.autoscaling
+        if autoscaling is None:
+            return None
+        children = self.writer.children
+        if autoscaling.provider == "keda":
+            if not children.crd_exists(KEDA_CRD):
+                return Problem(
+                    "KedaNotInstalled",
+                    f"autoscaling.provider is keda but the CRD {KEDA_CRD} is not installed",
+                )
+            return None
+        if not self.settings.redis_url:
+            return Problem(
+                "AutoscalingUnavailable",
+                "the built-in autoscaler reads the gateways' Redis: the operator has no redis_url",
+            )
+        others = children.autoscalers_of_pool(pool.metadata.namespace, pool.metadata.name)
+        if others:
+            return Problem(
+                "AutoscalerConflict",
+                f"HorizontalPodAutoscaler {', '.join(sorted(others))} also scales this pool: "
+                "remove it, or remove spec.autoscaling (use provider keda for KEDA)",
+            )
+        return None
 
     def _converge(self, key: Key, view: PoolView, generation: int | None) -> Problem | None:
         """Check and apply one pool; record the outcome in its status (and an event).
@@ -339,57 +375,3 @@ class PoolOperator:
             deployment_index=self._indexes["deployment_index"],
             observed_generation=observed_generation,
         )
-
-    # --- admission status (the gateways' Redis) ----------------------------------------------
-
-    def _admission_targets(self) -> list[Target]:
-        """Pools that serve their model name: the ones whose Redis queue is theirs."""
-        if not self._indexes or self._writer is None:
-            return []
-        targets = []
-        for view in all_views(self._indexes["pool_index"]):
-            key = (view.owner["metadata"]["namespace"], view.owner["metadata"]["name"])
-            if view.pool is None or key in self.writer.problems:
-                continue
-            pods = self._indexes["pod_index"].get(key, [])
-            num_ready = sum(1 for pod in pods if pod.serving) if view.desired_replicas else 0
-            slots = num_ready * view.pool.spec.batching.max_batch_size
-            targets.append(Target(key, view.pool.spec.model.name, slots))
-        return targets
-
-    def _publish_admission(
-        self,
-        target: Target,
-        admission: dict[str, Any] | None,
-        saturation: Saturation,
-        previous: Saturation | None,
-    ) -> None:
-        """Write the admission status (thread; in a handler's context for kopf's events)."""
-        if self._handler_context is None:
-            return
-        self._handler_context.run(
-            self._publish_admission_in_context, target, admission, saturation, previous
-        )
-
-    def _publish_admission_in_context(
-        self,
-        target: Target,
-        admission: dict[str, Any] | None,
-        saturation: Saturation,
-        previous: Saturation | None,
-    ) -> None:
-        if admission is not None:
-            self.writer.admission[target.key] = admission
-        self.writer.saturation[target.key] = saturation
-        self._refresh(target.key)
-        view: PoolView | None = first(self._indexes["pool_index"], target.key)
-        before = previous.status if previous is not None else "False"
-        if view is None or before == saturation.status:
-            return
-        if saturation.status == "True":
-            kopf.warn(view.owner, reason="Saturated", message=saturation.message)
-        elif saturation.status == "Unknown":
-            kopf.warn(view.owner, reason=saturation.reason, message=saturation.message)
-        elif before == "True":
-            # kopf.info would be filtered by posting.level (WARNING keeps log noise out).
-            kopf.event(view.owner, type="Normal", reason="Unsaturated", message=saturation.message)

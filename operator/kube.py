@@ -24,13 +24,18 @@ import kubernetes.config
 from kubernetes.client.exceptions import ApiException
 
 from slotserve.operator.drift import in_sync, is_subset
-from slotserve.operator.models import GROUP, PLURAL, VERSION
+from slotserve.operator.models import GROUP, KIND, PLURAL, VERSION
 
 __all__ = ["ChildConflictError", "Children", "in_sync", "is_subset", "replacing_patch"]
 
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "slotserve-operator"
 Outcome = Literal["created", "patched", "unchanged"]
+# Children that are custom resources of other projects: (apiVersion, kind) -> (group, version,
+# plural). Keyed by apiVersion too: the Gateway API's InferencePool shares our kind name.
+CUSTOM_CHILDREN: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("keda.sh/v1alpha1", "ScaledObject"): ("keda.sh", "v1alpha1", "scaledobjects"),
+}
 
 
 class ChildConflictError(Exception):
@@ -125,10 +130,71 @@ class Children:
                 ("*",),
             ),
         }
+        self._custom_kinds = {
+            key: self._custom_kind(*resource) for key, resource in CUSTOM_CHILDREN.items()
+        }
+        self._extensions = kubernetes.client.ApiextensionsV1Api(api_client)
+        self._autoscaling = kubernetes.client.AutoscalingV2Api(api_client)
+
+    def _custom_kind(self, group: str, version: str, plural: str) -> _Kind:
+        custom = self._custom
+        return _Kind(
+            lambda name, ns, **kw: custom.get_namespaced_custom_object(
+                group, version, ns, plural, name, **kw
+            ),
+            lambda ns, body, **kw: custom.create_namespaced_custom_object(
+                group, version, ns, plural, body, **kw
+            ),
+            lambda name, ns, body, **kw: custom.patch_namespaced_custom_object(
+                group, version, ns, plural, name, body, **kw
+            ),
+            ("*",),
+        )
+
+    def crd_exists(self, name: str) -> bool:
+        """Whether the CustomResourceDefinition ``name`` is installed (e.g. KEDA's)."""
+        try:
+            self._extensions.read_custom_resource_definition(name, _preload_content=False)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
+    def autoscalers_of_pool(self, namespace: str, name: str) -> list[str]:
+        """Names of the HorizontalPodAutoscalers whose target is the pool."""
+        listed = _json(
+            self._autoscaling.list_namespaced_horizontal_pod_autoscaler(
+                namespace, _preload_content=False
+            )
+        )
+        return [
+            hpa["metadata"]["name"]
+            for hpa in listed.get("items") or []
+            if (ref := (hpa.get("spec") or {}).get("scaleTargetRef") or {}).get("kind") == KIND
+            and ref.get("name") == name
+            and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")
+        ]
+
+    def scale_pool(self, namespace: str, name: str, replicas: int) -> None:
+        """Set the pool's replicas through its scale subresource (what an HPA does)."""
+        self._custom.patch_namespaced_custom_object_scale(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            {"spec": {"replicas": replicas}},
+            _content_type=MERGE_PATCH,
+            _preload_content=False,
+        )
 
     def apply(self, desired: dict[str, Any], *, owner_uid: str) -> Outcome:
         """Create ``desired`` or patch the live object towards it; raises ChildConflictError."""
-        kind = self._kinds[desired["kind"]]
+        kind = (
+            self._custom_kinds.get((desired["apiVersion"], desired["kind"]))
+            or self._kinds[desired["kind"]]
+        )
         name, namespace = desired["metadata"]["name"], desired["metadata"]["namespace"]
         try:
             live = _json(kind.read(name, namespace, _preload_content=False))

@@ -21,6 +21,24 @@ REQUIRED_RULES: list[dict[str, Any]] = [
         "resources": ["inferencepools/status"],
         "verbs": ["get", "patch", "update"],
     },
+    # The built-in autoscaler sets replicas through the scale subresource, as an HPA does.
+    {
+        "apiGroups": ["slotserve.dev"],
+        "resources": ["inferencepools/scale"],
+        "verbs": ["get", "patch"],
+    },
+    # autoscaling.provider keda: the pool's ScaledObject (created, patched).
+    {
+        "apiGroups": ["keda.sh"],
+        "resources": ["scaledobjects"],
+        "verbs": ["get", "create", "patch"],
+    },
+    # The built-in autoscaler refuses to run beside another HPA of the same pool.
+    {
+        "apiGroups": ["autoscaling"],
+        "resources": ["horizontalpodautoscalers"],
+        "verbs": ["list"],
+    },
     # Children: created, patched, watched for status. Deletion is the garbage collector's job.
     {
         "apiGroups": ["apps"],
@@ -42,11 +60,12 @@ REQUIRED_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     # Events about pools (invalid specs, conflicts), posted by the operator and by kopf.
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
-    # kopf: discovers the CRDs it serves and watches namespaces when given patterns.
+    # kopf: discovers the CRDs it serves and watches namespaces when given patterns; the
+    # operator reads KEDA's CRD (provider keda needs it installed).
     {
         "apiGroups": ["apiextensions.k8s.io"],
         "resources": ["customresourcedefinitions"],
-        "verbs": ["list", "watch"],
+        "verbs": ["get", "list", "watch"],
     },
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     # kopf peering: replicas see each other so that only the highest-priority one is active.

@@ -85,6 +85,9 @@ class WindowSummary:
     admitted_per_minute: int
     rejected_per_minute: dict[str, int]
     queue_wait_p95_s: float | None  # None: nothing admitted in the window
+    # Rejections in the current and the previous window only (10-20 s): demand right now, for
+    # the autoscaler (a minute's rejections would hold a pool up long after they stopped).
+    recent_rejected: dict[str, int] = field(default_factory=dict)
 
 
 def summarize(windows: Sequence[Mapping[str, str]], covered_s: float) -> WindowSummary:
@@ -104,10 +107,17 @@ def summarize(windows: Sequence[Mapping[str, str]], covered_s: float) -> WindowS
         if name.startswith(REJECTED_PREFIX) and count > 0
     }
     waits = [totals.get(f"{WAIT_PREFIX}{i}", 0) for i in range(len(WAIT_BUCKETS_S) + 1)]
+    recent: dict[str, int] = {}
+    for window in windows[-2:]:  # the reader passes the current window last
+        for name, value in window.items():
+            if name.startswith(REJECTED_PREFIX):
+                reason = name.removeprefix(REJECTED_PREFIX)
+                recent[reason] = recent.get(reason, 0) + int(value)
     return WindowSummary(
         admitted_per_minute=round(totals.get(ADMITTED, 0) * scale),
         rejected_per_minute=rejected,
         queue_wait_p95_s=quantile(waits, 0.95),
+        recent_rejected=recent,
     )
 
 

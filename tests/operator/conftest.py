@@ -32,8 +32,14 @@ ENGINE_IMAGE = "registry.test/slotserve/engine:test"
 
 
 @pytest.fixture
-def apiserver() -> Iterator[ApiServerThread]:
-    server = ApiServerThread([crd.build_crd()]).start()
+def extra_crds() -> list[dict]:
+    """More CRDs the API server serves (a test parametrizes this, e.g. with KEDA's)."""
+    return []
+
+
+@pytest.fixture
+def apiserver(extra_crds: list[dict]) -> Iterator[ApiServerThread]:
+    server = ApiServerThread([crd.build_crd(), *extra_crds]).start()
     KUBECONFIG.write_text(server.kubeconfig())
     try:
         yield server

@@ -10,6 +10,18 @@ compares them and fails on any difference; update both together).
 - apiGroups: ["slotserve.dev"]
   resources: ["inferencepools/status"]
   verbs: ["get", "patch", "update"]
+# The built-in autoscaler sets replicas through the scale subresource, as an HPA does.
+- apiGroups: ["slotserve.dev"]
+  resources: ["inferencepools/scale"]
+  verbs: ["get", "patch"]
+# autoscaling.provider keda: the pool's ScaledObject.
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "create", "patch"]
+# The built-in autoscaler refuses to run beside another HPA of the same pool.
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["list"]
 # Children: created, patched, watched; deletion is the garbage collector's job.
 - apiGroups: ["apps"]
   resources: ["deployments"]
@@ -29,10 +41,10 @@ compares them and fails on any difference; update both together).
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
-# kopf: CRD discovery and namespace watching.
+# kopf: CRD discovery and namespace watching; the operator reads KEDA's CRD.
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
-  verbs: ["list", "watch"]
+  verbs: ["get", "list", "watch"]
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
