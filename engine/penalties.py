@@ -6,11 +6,12 @@ and ``logit_bias`` first, then ``repetition_penalty`` (HF's rule, over prompt an
 a seen token's logit is divided by the penalty when positive, multiplied when negative), then
 OpenAI's ``frequency_penalty`` x count and ``presence_penalty`` x (count > 0) over output tokens.
 
-Which tokens a sequence has produced lives in a count row per slot (``[slots, vocab]`` int32,
-allocated on the first request that needs it), updated incrementally: one batched scatter of each
-row's newest token per step. A row is rebuilt from the sequence's tokens when its owner changed
-(a new sequence in the slot, a preempted one back in another), so preemption and slot reuse by
-the prefix cache need no hooks.
+The penalties touch only the tokens a sequence has seen: its tokens are mirrored per slot in a
+padded ``[slots, length]`` tensor, updated incrementally (one batched write of each row's newest
+token per step) and copied again when a row's owner changed (a new sequence in the slot, a
+preempted one back in another), so preemption and slot reuse by the prefix cache need no hooks.
+Each step gathers the penalized rows' tokens and adds into the flat logits at ``row x vocab +
+token``: the cost grows with the tokens seen, not with the vocabulary (49,152 for SmolLM2).
 """
 
 from __future__ import annotations
@@ -26,59 +27,48 @@ if TYPE_CHECKING:
 
 
 class PenaltyState:
-    """Per-slot output-token counts and prompt-token masks for the sequences that need them."""
+    """A mirror of each penalized sequence's tokens (prompt then output) per slot, padded."""
 
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         self.num_slots = num_slots
         self.vocab_size = vocab_size
         self.device = device
-        self._counts: torch.Tensor | None = None
-        self._prompt_mask: torch.Tensor | None = None
-        # Which sequence each row describes, and how many of its output tokens are counted.
+        self._tokens = torch.zeros((num_slots, 0), dtype=torch.long, device=device)
+        # Which sequence each row mirrors, and how many of its tokens are copied.
         self._owner: list[Sequence | None] = [None] * num_slots
-        self._num_counted = [0] * num_slots
+        self._num_copied = [0] * num_slots
 
-    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._counts is None or self._prompt_mask is None:
-            shape = (self.num_slots, self.vocab_size)
-            self._counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-            self._prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        return self._counts, self._prompt_mask
-
-    def sync(self, seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bring the rows of ``seqs`` up to date; returns their (counts, prompt masks)."""
-        counts, prompt_mask = self._tensors()
+    def sync(self, seqs: Seq[Sequence]) -> torch.Tensor:
+        """Bring the rows of ``seqs`` up to date; returns their tokens ``[len(seqs), longest]``
+        (positions past a sequence's length hold stale values: mask them by length)."""
+        longest = max(seq.num_tokens for seq in seqs)
+        if longest > self._tokens.shape[1]:  # grows by doubling: a handful of copies per run
+            wider = torch.zeros(
+                (self.num_slots, max(256, 2 * longest)), dtype=torch.long, device=self.device
+            )
+            wider[:, : self._tokens.shape[1]] = self._tokens
+            self._tokens = wider
         add_slots: list[int] = []
+        add_positions: list[int] = []
         add_tokens: list[int] = []
         for seq in seqs:
             slot = seq.slot
             assert slot is not None  # the runner refuses slotless chunks before sampling
-            num_generated = seq.num_generated_tokens
-            if self._owner[slot] is seq and self._num_counted[slot] == num_generated:
-                continue
-            if self._owner[slot] is seq and self._num_counted[slot] == num_generated - 1:
+            num_tokens = seq.num_tokens
+            copied = self._num_copied[slot] if self._owner[slot] is seq else -1
+            if copied == num_tokens - 1:  # the steady state: one new token
                 add_slots.append(slot)
+                add_positions.append(num_tokens - 1)
                 add_tokens.append(seq.token_ids[-1])
-            else:
-                self._rebuild(slot, seq)
+            elif copied != num_tokens:  # a new owner, or back from preemption
+                self._tokens[slot, :num_tokens] = self._index(seq.token_ids)
             self._owner[slot] = seq
-            self._num_counted[slot] = num_generated
+            self._num_copied[slot] = num_tokens
         if add_slots:
-            index = (self._index(add_slots), self._index(add_tokens))
-            ones = torch.ones(len(add_slots), dtype=torch.int32, device=self.device)
-            counts.index_put_(index, ones, accumulate=True)
+            index = (self._index(add_slots), self._index(add_positions))
+            self._tokens.index_put_(index, self._index(add_tokens))
         slots = self._index([seq.slot for seq in seqs])  # type: ignore[misc]
-        return counts.index_select(0, slots), prompt_mask.index_select(0, slots)
-
-    def _rebuild(self, slot: int, seq: Sequence) -> None:
-        counts, prompt_mask = self._tensors()
-        counts[slot].zero_()
-        prompt_mask[slot].zero_()
-        generated = seq.generated_token_ids
-        if generated:
-            ids = self._index(generated)
-            counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-        prompt_mask[slot, self._index(seq.prompt_token_ids)] = True
+        return self._tokens.index_select(0, slots)[:, :longest]
 
     def _index(self, values: Iterable[int]) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=self.device)
@@ -123,7 +113,8 @@ def process_logits(
             penalized.append(row)
     if not (ban_rows or bias_rows or penalized):
         return scores
-    scores = scores.clone()  # the caller's logits stay as the model produced them
+    # A contiguous copy: the caller keeps its logits, and the penalties index the flat view.
+    scores = scores.clone(memory_format=torch.contiguous_format)
     if bias_rows:
         index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
         values = torch.tensor(bias_values, dtype=scores.dtype, device=device)
@@ -139,22 +130,44 @@ def process_logits(
 def _apply_penalties(
     scores: torch.Tensor, seqs: list[Sequence], rows: list[int], state: PenaltyState
 ) -> None:
+    """Touch only the tokens each row has seen (``[rows, length]`` gathers and scatters into
+    the flat ``scores``), never whole ``[rows, vocab]`` tensors: O(tokens), not O(vocabulary)."""
     device = scores.device
-    counts, prompt_mask = state.sync(seqs)
-    row_index = torch.tensor(rows, device=device)
-    sub = scores.index_select(0, row_index)
+    vocab_size = scores.shape[1]
+    tokens = state.sync(seqs)
+    positions = torch.arange(tokens.shape[1], device=device)
+    lengths = torch.tensor([seq.num_tokens for seq in seqs], device=device)
+    prompt_lengths = torch.tensor([seq.num_prompt_tokens for seq in seqs], device=device)
+    valid = positions < lengths.unsqueeze(1)
+    output = valid & (positions >= prompt_lengths.unsqueeze(1))
+    flat = torch.tensor(rows, device=device).unsqueeze(1) * vocab_size + tokens
+    flat_scores = scores.view(-1)
 
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=sub.dtype, device=device).unsqueeze(1)
+    def per_token(values: list[float]) -> torch.Tensor:
+        column = torch.tensor(values, dtype=scores.dtype, device=device).unsqueeze(1)
+        return column.expand(tokens.shape)
 
     repetition = [seq.params.repetition_penalty for seq in seqs]
     if any(value != 1.0 for value in repetition):
-        penalty = column(repetition)
-        seen = prompt_mask | (counts > 0)
-        sub = torch.where(seen, torch.where(sub < 0, sub * penalty, sub / penalty), sub)
+        # HF's rule over prompt and output: each distinct seen token once.
+        first = _first(flat, valid)
+        index, penalty = flat[first], per_token(repetition)[first]
+        seen = flat_scores[index]
+        flat_scores[index] = torch.where(seen < 0, seen * penalty, seen / penalty)
     frequency = [seq.params.frequency_penalty for seq in seqs]
+    if any(frequency):  # once per occurrence in the output: index_add accumulates repeats
+        flat_scores.index_add_(0, flat[output], -per_token(frequency)[output])
     presence = [seq.params.presence_penalty for seq in seqs]
-    if any(frequency) or any(presence):
-        counts_f = counts.to(sub.dtype)
-        sub = sub - column(frequency) * counts_f - column(presence) * (counts_f > 0).to(sub.dtype)
-    scores.index_copy_(0, row_index, sub)
+    if any(presence):  # once per distinct output token
+        first = _first(flat, output)
+        flat_scores.index_add_(0, flat[first], -per_token(presence)[first])
+
+
+def _first(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Of the masked positions, those holding the first occurrence of their value in the row."""
+    masked = torch.where(mask, flat, torch.full_like(flat, -1))
+    ordered, order = masked.sort(dim=1, stable=True)
+    first_sorted = torch.ones_like(mask)
+    first_sorted[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    first = torch.zeros_like(mask).scatter_(1, order, first_sorted)
+    return first & mask

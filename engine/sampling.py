@@ -5,10 +5,10 @@ penalties (:mod:`slotserve.engine.penalties`), the temperature (greedy rows keep
 ``top_k`` / ``top_p`` / ``min_p`` masks, then a draw per row. Python only builds the per-row
 parameter columns and reads the results back.
 
-Draws use the exponential race (as vLLM): ``argmax(probs / q)`` with ``q ~ Exp(1)`` picks token
-``i`` with probability ``probs[i]``. Rows without a ``seed`` share one generator and one
-``exponential_`` call; a seeded row draws its ``q`` from its own generator, so a seeded request
-gives the same tokens alone or in any batch.
+Draws invert each row's CDF with one uniform number: rows without a ``seed`` share one
+generator and one call, a seeded row draws its number from its own generator, so a seeded
+request gives the same tokens alone or in any batch. (vLLM's exponential race, ``argmax(probs /
+q)``, needs a random number per vocabulary entry: 9 ms at batch 8 on this CPU.)
 
 Sampling is total: every row gets a token or a :class:`SequenceError` of its own. A row whose raw
 logits are not usable (NaN or +inf anywhere, or all -inf) gets ``non_finite_logits``;
@@ -35,6 +35,9 @@ from slotserve.engine.sequence import SequenceError
 
 if TYPE_CHECKING:
     from slotserve.engine.sequence import Sequence
+
+# top_p looks for its cut among this many best tokens first (see _top_k_top_p).
+TOP_P_CANDIDATES = 256
 
 NON_FINITE_LOGITS = SequenceError(
     "non_finite_logits", "the model produced non-finite logits (NaN or inf) for this request"
@@ -159,10 +162,8 @@ def _draw(
     ]
     top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
     min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
-    if any(top_k):
-        scores = _top_k(scores, top_k, vocab_size)
-    if any(value < 1.0 for value in top_p):
-        scores = _top_p(scores, column(top_p))
+    if any(top_k) or any(value < 1.0 for value in top_p):
+        scores = _top_k_top_p(scores, top_k, top_p)
     if any(min_p):
         probs = scores.softmax(dim=-1)
         threshold = column(min_p) * probs.amax(dim=-1, keepdim=True)
@@ -170,27 +171,61 @@ def _draw(
 
     chosen = scores.argmax(dim=-1)
     if not all(greedy):
-        q = torch.empty_like(scores).exponential_(generator=shared)
+        # Inverse CDF: one uniform per row (shared generator in one call; a seeded row's own).
+        cdf = scores.softmax(dim=-1).cumsum(dim=-1)
+        uniform = torch.rand(num_rows, generator=shared, device=device)
         for row, generator in enumerate(generators):
             if generator is not None and not greedy[row]:
-                q[row].exponential_(generator=generator)
-        drawn = (scores.softmax(dim=-1) / q).argmax(dim=-1)
+                uniform[row] = torch.rand(1, generator=generator, device=device)[0]
+        # > 0, so a token of probability 0 (its cdf equals its predecessor's) is never found.
+        target = uniform.clamp(min=1e-7).to(cdf.dtype).unsqueeze(1) * cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, target).squeeze(1).clamp(max=vocab_size - 1)
         chosen = torch.where(torch.tensor(greedy, device=device), chosen, drawn)
     tokens: list[int | SequenceError] = list(chosen.tolist())
     return tokens, _logprobs(scores, chosen, params, wants_logprobs)
 
 
-def _top_k(scores: torch.Tensor, top_k: list[int], vocab_size: int) -> torch.Tensor:
-    """Keep each row's k best (k = 0: all); one topk at the batch's largest k, no full sort."""
-    k = torch.tensor([value or vocab_size for value in top_k], device=scores.device)
-    best = scores.topk(min(max(top_k), vocab_size), dim=-1).values
-    kth = best.gather(1, (k.clamp(max=best.shape[1]) - 1).unsqueeze(1))
-    keep_all = (k >= vocab_size).unsqueeze(1)
-    return scores.masked_fill((scores < kth) & ~keep_all, float("-inf"))
+def _top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Keep each row's ``top_k`` best tokens (0: all), then the smallest set of best tokens
+    whose mass reaches ``top_p`` (always the best one), as HF and vLLM do.
+
+    A full sort of the vocabulary costs ~4 ms a row on this CPU, so the cut is found among the
+    best ``TOP_P_CANDIDATES`` (one ``topk``); only a row whose nucleus is wider than that (a
+    flat distribution) is sorted whole.
+    """
+    num_rows, vocab_size = scores.shape
+    device = scores.device
+    wants_p = [value < 1.0 for value in top_p]
+    num_candidates = min(vocab_size, max([*top_k, TOP_P_CANDIDATES if any(wants_p) else 1]))
+    best = scores.topk(num_candidates, dim=-1).values  # descending
+    has_k = torch.tensor([bool(k) for k in top_k], device=device)
+    keep = torch.tensor([min(k, num_candidates) or num_candidates for k in top_k], device=device)
+    needs_sort = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    if any(wants_p):
+        p = torch.tensor(top_p, dtype=scores.dtype, device=device).unsqueeze(1)
+        in_k = torch.arange(num_candidates, device=device).unsqueeze(0) < keep.unsqueeze(1)
+        kept = best.masked_fill(~in_k, float("-inf"))
+        # Masses after top_k: renormalised over the k kept for rows with top_k.
+        normaliser = torch.where(has_k, kept.logsumexp(dim=-1), scores.logsumexp(dim=-1))
+        probs = (kept - normaliser.unsqueeze(1)).exp()
+        mass = probs.cumsum(dim=-1)
+        num_nucleus = ((mass - probs) < p).sum(dim=-1).clamp(min=1)
+        wants_p_t = torch.tensor(wants_p, device=device)
+        covered = has_k | (mass[:, -1:] >= p).squeeze(1)
+        keep = torch.where(wants_p_t & covered, torch.minimum(keep, num_nucleus), keep)
+        needs_sort = wants_p_t & ~covered
+    cut = has_k | (torch.tensor(wants_p, device=device) & ~needs_sort)
+    threshold = best.gather(1, (keep - 1).unsqueeze(1))
+    scores = scores.masked_fill((scores < threshold) & cut.unsqueeze(1), float("-inf"))
+    if bool(needs_sort.any()):
+        rows = needs_sort.nonzero().squeeze(1)
+        p_rows = torch.tensor(top_p, dtype=scores.dtype, device=device)[rows].unsqueeze(1)
+        scores[rows] = _top_p_sorted(scores[rows], p_rows)
+    return scores
 
 
-def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of best tokens whose mass reaches top_p (always the best one)."""
+def _top_p_sorted(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p over whole rows, by a full sort."""
     ascending, order = scores.sort(dim=-1)
     mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
     drop = mass_below <= 1.0 - top_p

@@ -1,0 +1,178 @@
+"""What penalties, logit_bias and logprobs cost per engine step, at batch 8 and 32.
+
+    .venv/bin/python bench/sampling_bench.py --out results/sampling [--steps 24] [--repeats 3]
+
+Two measurements, side by side in one process (ratios carry over between machines, absolute
+figures do not): the sampler alone on ``[batch, vocab]`` logits (SmolLM2's 49,152 tokens, each
+sequence with 128 prompt and 64 generated tokens), and whole decode steps of the real engine on
+SmolLM2 with every sequence using the parameters. Configurations alternate within each repeat;
+medians are reported. Prints a table and writes ``results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from slotserve.engine.openmp import openmp_environment
+
+os.environ.update(openmp_environment())  # libgomp reads it when torch loads
+
+import torch
+
+from slotserve.engine.engine import LLMEngine
+from slotserve.engine.params import SamplingParams
+from slotserve.engine.sampling import Sampler
+from slotserve.engine.sequence import Sequence
+from slotserve.engine.settings import EngineSettings
+
+VOCAB = 49_152
+PROMPT_LEN = 128
+CONFIGS: dict[str, dict[str, object]] = {
+    "plain greedy": {"temperature": 0.0},
+    "plain sampled (top_p 0.9)": {"temperature": 0.7, "top_p": 0.9, "seed": 1},
+    "penalties, greedy": {
+        "temperature": 0.0,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.1,
+    },
+    "penalties + logit_bias + min_tokens, sampled": {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.1,
+        "logit_bias": {i * 97: 1.5 for i in range(20)},
+        "min_tokens": 1000,
+    },
+    "logprobs (top 5), greedy": {"temperature": 0.0, "logprobs": 5},
+}
+
+
+def params_for(name: str, max_tokens: int) -> SamplingParams:
+    extra = dict(CONFIGS[name])
+    extra.setdefault("min_tokens", 0)
+    extra["min_tokens"] = min(int(extra["min_tokens"]), max_tokens)  # type: ignore[arg-type]
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)  # type: ignore[arg-type]
+
+
+def sampler_ms(batch: int, name: str, steps: int) -> float:
+    """Median milliseconds of Sampler.sample over ``steps`` consecutive decode steps."""
+    generator = torch.Generator().manual_seed(0)
+    sampler = Sampler(batch, VOCAB, torch.device("cpu"), frozenset({2}))
+    params = params_for(name, 4096)
+    seqs = []
+    for slot in range(batch):
+        prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=generator).tolist()
+        seq = Sequence(f"s{slot}", prompt, params, arrival_time=0.0)
+        seq.token_ids.extend(torch.randint(0, VOCAB, (64,), generator=generator).tolist())
+        seq.slot = slot
+        seqs.append(seq)
+    times = []
+    for _ in range(steps):
+        logits = torch.randn(batch, VOCAB, generator=generator) * 5
+        started = time.perf_counter()
+        result = sampler.sample(logits, seqs)
+        times.append(time.perf_counter() - started)
+        for seq, token in zip(seqs, result.tokens, strict=True):
+            seq.token_ids.append(token)  # type: ignore[arg-type]
+    return 1000 * statistics.median(times[2:])  # the first steps build the count rows
+
+
+def engine_step_ms(engine: LLMEngine, batch: int, name: str, steps: int) -> float:
+    """Median milliseconds of a decode step of ``batch`` sequences using ``name``'s params."""
+    generator = torch.Generator().manual_seed(1)
+    params = params_for(name, steps + 4)
+    for i in range(batch):
+        prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=generator).tolist()
+        engine.add_request(f"{name}-{i}-{time.monotonic_ns()}", prompt, params)
+    while engine.stats().num_waiting or any(
+        seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running
+    ):
+        engine.step()  # prefill, not measured
+    times = []
+    while engine.has_unfinished():
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times[1:-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--out", type=Path, default=Path("results/sampling"))
+    parser.add_argument("--batches", type=int, nargs="*", default=[8, 32])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--skip-engine", action="store_true", help="the sampler alone")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = None
+    if not args.skip_engine:
+        settings = EngineSettings(
+            model=args.model, max_batch_size=max(args.batches), max_model_len=512
+        )
+        engine = LLMEngine.load(settings)
+    sampler: dict[str, dict[str, list[float]]] = {}
+    steps: dict[str, dict[str, list[float]]] = {}
+    for _ in range(args.repeats):
+        for batch in args.batches:
+            for name in CONFIGS:  # alternated within a repeat: load drifts hit all alike
+                key = str(batch)
+                sampler.setdefault(key, {}).setdefault(name, []).append(
+                    sampler_ms(batch, name, args.steps)
+                )
+                if engine is not None:
+                    steps.setdefault(key, {}).setdefault(name, []).append(
+                        engine_step_ms(engine, batch, name, args.steps)
+                    )
+    rows = []
+    print(f"{'batch':>5}  {'configuration':<46} {'sampler ms':>10} {'step ms':>8} {'vs plain':>9}")
+    for batch in args.batches:
+        key = str(batch)
+        plain_step = statistics.median(steps[key]["plain greedy"]) if engine else None
+        for name in CONFIGS:
+            sampler_median = statistics.median(sampler[key][name])
+            step_median = statistics.median(steps[key][name]) if engine else None
+            overhead = (
+                100 * (step_median - plain_step) / plain_step
+                if step_median is not None and plain_step
+                else None
+            )
+            rows.append(
+                {
+                    "batch": batch,
+                    "configuration": name,
+                    "sampler_ms": sampler_median,
+                    "step_ms": step_median,
+                    "step_overhead_percent": overhead,
+                }
+            )
+            step_text = f"{step_median:8.1f}" if step_median is not None else f"{'-':>8}"
+            over_text = f"{overhead:+8.1f}%" if overhead is not None else f"{'-':>9}"
+            print(f"{batch:>5}  {name:<46} {sampler_median:10.2f} {step_text} {over_text}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "model": args.model,
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "configurations": CONFIGS,
+        "rows": rows,
+        "raw": {"sampler_ms": sampler, "step_ms": steps},
+    }
+    (args.out / "results.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {args.out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
