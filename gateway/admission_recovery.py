@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from slotserve.gateway.admission_types import BackendUnavailableError, QueueFullError
 
 if TYPE_CHECKING:
-    from slotserve.gateway.admission import Admission
+    from slotserve.gateway.admission import Admission, Waiter
 
 log = logging.getLogger(__name__)
 RESTORE_RETRY_S = 0.2
@@ -100,25 +100,27 @@ class LeaseKeeper:
         return held
 
     async def _requeue_waiters(self) -> None:
-        admission = self.admission
+        """Put back every waiter whose entry is gone, all at once (one pipeline)."""
         now = time.monotonic()
-        for request_id, waiter in list(admission.waiters.items()):
-            if waiter.future.done():
-                continue
-            remaining_us = max(1, int((waiter.deadline - now) * 1_000_000))
-            try:
-                result = await admission.call(
-                    admission.backend.enqueue(
-                        waiter.pool,
-                        admission.offers(waiter.pool.name),
-                        request_id,
-                        waiter.priority,
-                        remaining_us,
-                        only_if_absent=True,
-                    )
+        waiting = [(rid, w) for rid, w in self.admission.waiters.items() if not w.future.done()]
+        await asyncio.gather(*(self._requeue(rid, w, now) for rid, w in waiting))
+
+    async def _requeue(self, request_id: str, waiter: Waiter, now: float) -> None:
+        admission = self.admission
+        remaining_us = max(1, int((waiter.deadline - now) * 1_000_000))
+        try:
+            result = await admission.call(
+                admission.backend.enqueue(
+                    waiter.pool,
+                    admission.offers(waiter.pool.name),
+                    request_id,
+                    waiter.priority,
+                    remaining_us,
+                    only_if_absent=True,
                 )
-            except QueueFullError as exc:
-                if not waiter.future.done():
-                    waiter.future.set_exception(exc)
-                continue
-            admission.apply(waiter.pool, result)
+            )
+        except QueueFullError as exc:
+            if not waiter.future.done():
+                waiter.future.set_exception(exc)
+            return
+        admission.apply(waiter.pool, result)

@@ -202,8 +202,8 @@ local function hold_freed_places()
   FREED = 0
 end
 
-local function grant(rid, replica, url, now)
-  drop(rid)
+local function grant(rid, replica, url, now, queued)
+  if queued ~= false then drop(rid) end
   redis.call('ZADD', K_LEASES, now + LEASE_TTL_US, rid)
   redis.call('HSET', K_LEASE_EP, rid, url)
   redis.call('HINCRBY', K_INFLIGHT, url, 1)
@@ -288,6 +288,16 @@ if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
     or redis.call('ZSCORE', K_LEASES, rid)) then
   EPOCH_ID = check_epoch(now)
   return result('ok', 0)
+end
+-- Fast path: nobody waits and a slot is free: the lease at once, no queue entry to write.
+if POLICY == 'continuous' and redis.call('ZCARD', K_QUEUE) == 0 then
+  EPOCH_ID, READY_AT = check_epoch(now)
+  local ep = now >= READY_AT and best_endpoint(false)
+  if ep then
+    grant(rid, CALLER, ep.url, now, false)
+    touch()
+    return result('ok', 0)
+  end
 end
 settle_promises(now)
 local seq = redis.call('INCR', K_SEQ)
