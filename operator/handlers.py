@@ -28,6 +28,7 @@ from slotserve.operator import builders, drift, kube
 from slotserve.operator.admission_monitor import AdmissionMonitor
 from slotserve.operator.admission_redis import AdmissionReader
 from slotserve.operator.autoscaling import AutoscalingHandlers
+from slotserve.operator.gateway_api import GATEWAY_CRD, build_gateway_inference_pool
 from slotserve.operator.healer import Healer
 from slotserve.operator.keda import KEDA_CRD, build_scaled_object
 from slotserve.operator.models import GROUP, PLURAL, VERSION, InferencePool
@@ -191,6 +192,8 @@ class PoolOperator(AutoscalingHandlers):
         autoscaling = pool.spec.autoscaling
         if autoscaling is not None and autoscaling.provider == "keda":
             children.append(build_scaled_object(pool))
+        if pool.spec.gateway_api.inference_pool.enabled:
+            children.append(build_gateway_inference_pool(pool))
         kopf.adopt(children, owner=dict(owner))
         return children
 
@@ -207,6 +210,15 @@ class PoolOperator(AutoscalingHandlers):
                 problem = model_name_problem(winner, view.claim.model)
         if problem is None:
             problem = self._autoscaling_problem(view.pool)
+        if (
+            problem is None
+            and view.pool.spec.gateway_api.inference_pool.enabled
+            and not self.writer.children.crd_exists(GATEWAY_CRD)
+        ):
+            problem = Problem(
+                "GatewayAPINotInstalled",
+                f"gatewayAPI.inferencePool is enabled but the CRD {GATEWAY_CRD} is not installed",
+            )
         if problem is not None:
             raise InvalidPoolError(problem.reason, problem.message)
         return view.pool

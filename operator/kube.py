@@ -35,6 +35,11 @@ Outcome = Literal["created", "patched", "unchanged"]
 # plural). Keyed by apiVersion too: the Gateway API's InferencePool shares our kind name.
 CUSTOM_CHILDREN: dict[tuple[str, str], tuple[str, str, str]] = {
     ("keda.sh/v1alpha1", "ScaledObject"): ("keda.sh", "v1alpha1", "scaledobjects"),
+    ("inference.networking.k8s.io/v1", "InferencePool"): (
+        "inference.networking.k8s.io",
+        "v1",
+        "inferencepools",
+    ),
 }
 
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StringConstraints, WithJsonSchema, model_validator
 
+from slotserve.operator.platform_models import AutoscalingSpec, GatewayAPISpec
 from slotserve.pools import AdmissionSpec, BatchingSpec, WireModel
 
 GROUP = "slotserve.dev"
@@ -234,68 +235,6 @@ class EngineSpec(WireModel):
         return self
 
 
-class KedaSpec(WireModel):
-    """Where KEDA reads the gateways' metrics (provider: keda)."""
-
-    server_address: str = Field(
-        pattern=r"^https?://[^\s]+$",
-        max_length=2048,
-        description="Prometheus that scrapes the gateways, e.g. http://prometheus.monitoring:9090.",
-    )
-    polling_interval_seconds: int = Field(
-        15, ge=1, le=3600, description="How often KEDA runs the query (its pollingInterval)."
-    )
-
-
-class AutoscalingSpec(WireModel):
-    """Replicas from the admission queue: desired = ceil((queued + in-flight) / target)."""
-
-    model_config: ClassVar = WireModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.minReplicas <= self.maxReplicas",
-                    "message": "minReplicas must not exceed maxReplicas",
-                },
-                {
-                    "rule": "self.provider != 'keda' || has(self.keda)",
-                    "message": "provider keda needs keda.serverAddress",
-                },
-            ]
-        }
-    }
-
-    provider: Literal["builtin", "keda"] = Field(
-        "builtin",
-        description="builtin: the operator writes the scale subresource; keda: the operator "
-        "renders a KEDA ScaledObject against it instead.",
-    )
-    min_replicas: int = Field(1, ge=0, le=1000, description="0 lets an idle pool scale to zero.")
-    max_replicas: int = Field(ge=1, le=1000, description="Never more engine pods than this.")
-    target_requests_per_replica: int | None = Field(
-        None,
-        ge=1,
-        le=1_000_000,
-        description="Queued + in-flight requests one replica should carry; default: "
-        "batching.maxBatchSize (its slots).",
-    )
-    scale_up_window_seconds: int = Field(
-        0, ge=0, le=3600, description="Scale up to the lowest recommendation of this window."
-    )
-    scale_down_window_seconds: int = Field(
-        300, ge=0, le=3600, description="Scale down to the highest recommendation of this window."
-    )
-    keda: KedaSpec | None = None
-
-    @model_validator(mode="after")
-    def _bounds(self) -> AutoscalingSpec:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("minReplicas must not exceed maxReplicas")
-        if self.provider == "keda" and self.keda is None:
-            raise ValueError("provider keda needs keda.serverAddress")
-        return self
-
-
 class InferencePoolSpec(WireModel):
     """The desired state: a model served by a number of engine pods with one batching policy."""
 
@@ -312,6 +251,12 @@ class InferencePoolSpec(WireModel):
         ),
     )
     admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
+    gateway_api: GatewayAPISpec = Field(
+        default_factory=GatewayAPISpec,
+        alias="gatewayAPI",
+        description="Also expose the engines to Gateway API inference routing (bypasses "
+        "slotserve's admission).",
+    )
     autoscaling: AutoscalingSpec | None = Field(
         None,
         description="Scale replicas from the admission queue (spec.replicas is then set "

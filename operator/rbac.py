@@ -33,6 +33,12 @@ REQUIRED_RULES: list[dict[str, Any]] = [
         "resources": ["scaledobjects"],
         "verbs": ["get", "create", "patch"],
     },
+    # gatewayAPI.inferencePool: the Gateway API InferencePool over the engines.
+    {
+        "apiGroups": ["inference.networking.k8s.io"],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "create", "patch"],
+    },
     # The built-in autoscaler refuses to run beside another HPA of the same pool.
     {
         "apiGroups": ["autoscaling"],

@@ -18,6 +18,10 @@ compares them and fails on any difference; update both together).
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: ["get", "create", "patch"]
+# gatewayAPI.inferencePool: the Gateway API InferencePool over the engines.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "patch"]
 # The built-in autoscaler refuses to run beside another HPA of the same pool.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
