@@ -20,6 +20,7 @@ from pydantic import (
     field_validator,
 )
 
+from slotserve.engine.choices import MAX_CHOICES
 from slotserve.engine.logprobs import ChatLogprobs, CompletionLogprobs
 from slotserve.engine.params import (
     MAX_LOGIT_BIAS_ENTRIES,
@@ -76,16 +77,7 @@ class SamplingRequest(RequestModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0)
 
-    # OpenAI features the engine does not implement: any non-default value is a 400.
-    n: int = 1
-
-    _check_n = field_validator("n")(
-        _reject_unless(
-            lambda v: v == 1,
-            "must be 1: several choices per request (n > 1) "
-            "are not supported; send several requests",
-        )
-    )
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # each choice takes a slot (checked per engine)
 
     @field_validator("logit_bias")
     @classmethod

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
@@ -24,6 +26,15 @@ from slotserve.engine.openai_api import (
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """One whole choice of a response (``n`` of them with ``n > 1``)."""
+
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprobs] | None = None
+
+
 def sse_event(model: BaseModel) -> bytes:
     return b"data: " + model.model_dump_json().encode() + b"\n\n"
 
@@ -35,9 +46,10 @@ class OutputFormat:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
-        self.text_offset = 0  # completions' logprobs: characters of tokens already sent
+        # Completions' logprobs, per choice: characters of the tokens already sent.
+        self.text_offset: defaultdict[int, int] = defaultdict(int)
 
-    def first_chunk(self) -> bytes:
+    def first_chunk(self, index: int = 0) -> bytes:
         """Bytes sent as soon as the stream opens (chat announces the assistant role)."""
         return b""
 
@@ -46,6 +58,7 @@ class OutputFormat:
         text: str,
         finish_reason: FinishReason | None,
         logprobs: list[TokenLogprobs] | None = None,
+        index: int = 0,
     ) -> bytes:
         raise NotImplementedError
 
@@ -53,12 +66,7 @@ class OutputFormat:
         raise NotImplementedError
 
     def response(
-        self,
-        text: str,
-        finish_reason: FinishReason | None,
-        num_prompt_tokens: int,
-        num_generated_tokens: int,
-        logprobs: list[TokenLogprobs] | None = None,
+        self, choices: list[ChoiceOutput], num_prompt_tokens: int, num_generated_tokens: int
     ) -> str:
         raise NotImplementedError
 
@@ -69,11 +77,13 @@ class CompletionFormat(OutputFormat):
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def _logprobs(self, logprobs: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
+    def _logprobs(
+        self, logprobs: list[TokenLogprobs] | None, index: int
+    ) -> CompletionLogprobs | None:
         if logprobs is None:
             return None
-        out = completion_logprobs(logprobs, self.text_offset)
-        self.text_offset += sum(len(entry.token) for entry in logprobs)
+        out = completion_logprobs(logprobs, self.text_offset[index])
+        self.text_offset[index] += sum(len(entry.token) for entry in logprobs)
         return out
 
     def chunk(
@@ -81,9 +91,13 @@ class CompletionFormat(OutputFormat):
         text: str,
         finish_reason: FinishReason | None,
         logprobs: list[TokenLogprobs] | None = None,
+        index: int = 0,
     ) -> bytes:
         choice = CompletionChoice(
-            text=text, finish_reason=finish_reason, logprobs=self._logprobs(logprobs)
+            index=index,
+            text=text,
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(logprobs, index),
         )
         return sse_event(self._body([choice], None))
 
@@ -91,18 +105,19 @@ class CompletionFormat(OutputFormat):
         return sse_event(self._body([], Usage.of(num_prompt_tokens, num_generated_tokens)))
 
     def response(
-        self,
-        text: str,
-        finish_reason: FinishReason | None,
-        num_prompt_tokens: int,
-        num_generated_tokens: int,
-        logprobs: list[TokenLogprobs] | None = None,
+        self, choices: list[ChoiceOutput], num_prompt_tokens: int, num_generated_tokens: int
     ) -> str:
-        choice = CompletionChoice(
-            text=text, finish_reason=finish_reason, logprobs=self._logprobs(logprobs)
-        )
+        out = [
+            CompletionChoice(
+                index=index,
+                text=choice.text,
+                finish_reason=choice.finish_reason,
+                logprobs=self._logprobs(choice.logprobs, index),
+            )
+            for index, choice in enumerate(choices)
+        ]
         usage = Usage.of(num_prompt_tokens, num_generated_tokens)
-        return self._body([choice], usage).model_dump_json()
+        return self._body(out, usage).model_dump_json()
 
 
 class ChatFormat(OutputFormat):
@@ -117,17 +132,20 @@ class ChatFormat(OutputFormat):
             )
         )
 
-    def first_chunk(self) -> bytes:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))], None)
+    def first_chunk(self, index: int = 0) -> bytes:
+        delta = ChatDelta(role="assistant", content="")
+        return self._chunk([ChatChunkChoice(index=index, delta=delta)], None)
 
     def chunk(
         self,
         text: str,
         finish_reason: FinishReason | None,
         logprobs: list[TokenLogprobs] | None = None,
+        index: int = 0,
     ) -> bytes:
         delta = ChatDelta(content=text) if text or finish_reason is None else ChatDelta()
         choice = ChatChunkChoice(
+            index=index,
             delta=delta,
             finish_reason=finish_reason,
             logprobs=chat_logprobs(logprobs) if logprobs is not None else None,
@@ -138,22 +156,21 @@ class ChatFormat(OutputFormat):
         return self._chunk([], Usage.of(num_prompt_tokens, num_generated_tokens))
 
     def response(
-        self,
-        text: str,
-        finish_reason: FinishReason | None,
-        num_prompt_tokens: int,
-        num_generated_tokens: int,
-        logprobs: list[TokenLogprobs] | None = None,
+        self, choices: list[ChoiceOutput], num_prompt_tokens: int, num_generated_tokens: int
     ) -> str:
-        choice = ChatChoice(
-            message=ChatMessageOut(content=text),
-            finish_reason=finish_reason,
-            logprobs=chat_logprobs(logprobs) if logprobs is not None else None,
-        )
+        out = [
+            ChatChoice(
+                index=index,
+                message=ChatMessageOut(content=choice.text),
+                finish_reason=choice.finish_reason,
+                logprobs=chat_logprobs(choice.logprobs) if choice.logprobs is not None else None,
+            )
+            for index, choice in enumerate(choices)
+        ]
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=[choice],
+            choices=out,
             usage=Usage.of(num_prompt_tokens, num_generated_tokens),
         ).model_dump_json()

@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from slotserve.engine.choices import Choices
 from slotserve.engine.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
 from slotserve.engine.generation_defaults import GenerationDefaults
 from slotserve.engine.http_state import (
@@ -38,6 +38,7 @@ from slotserve.engine.openai_api import (
 from slotserve.engine.openai_format import (
     DONE_EVENT,
     ChatFormat,
+    ChoiceOutput,
     CompletionFormat,
     OutputFormat,
     sse_event,
@@ -46,7 +47,7 @@ from slotserve.engine.params import SamplingParams
 from slotserve.engine.tokenize import PromptTooLongError
 
 if TYPE_CHECKING:
-    from slotserve.engine.async_engine import AsyncEngine, RequestStream
+    from slotserve.engine.async_engine import AsyncEngine
     from slotserve.engine.logprobs import TokenLogprobs
     from slotserve.engine.stats import RequestOutput
 
@@ -223,8 +224,16 @@ async def _generate(
             param="logit_bias",
             code="invalid_value",
         )
+    if body.n > engine.num_slots:
+        state.metrics.reject("invalid")
+        raise ApiError(
+            400,
+            f"'n' ({body.n}) exceeds this engine's {engine.num_slots} slots: each choice takes one",
+            param="n",
+            code="invalid_value",
+        )
     try:
-        stream = engine.add_request(fmt.request_id, prompt, params)
+        choices = Choices.add(engine, fmt.request_id, prompt, params, body.n)
     except InvalidRequestError as error:
         state.metrics.reject("invalid")
         raise ApiError(400, error.message, param=error.param, code="invalid_value") from error
@@ -242,27 +251,15 @@ async def _generate(
             503, "the engine is not running", type_="service_unavailable_error", code="draining"
         ) from error
     state.begin(fmt.request_id)
-    outcome = _Outcome()
     try:
         if body.stream:
-            return await _stream_sse(
-                request, state, engine, stream, fmt, body.include_usage, outcome
-            )
-        return await _collect(state, engine, stream, fmt, outcome, params.logprobs is not None)
+            return await _stream_sse(request, state, engine, choices, fmt, body.include_usage)
+        return await _collect(state, engine, choices, fmt, params.logprobs is not None)
     finally:
-        if not outcome.finished:
-            engine.abort(fmt.request_id)  # client gone (or an error): free the slot now
+        for request_id in choices.unfinished_ids:
+            engine.abort(request_id)  # client gone (or an error): free the slot now
             state.metrics.observe_finished("abort", None)
         state.end(fmt.request_id)
-
-
-@dataclass
-class _Outcome:
-    finished: bool = False
-
-    def record(self, state: ServerState, output: RequestOutput) -> None:
-        self.finished = True
-        state.metrics.observe_finished(output.finish_reason or "abort", output.metrics)
 
 
 def _aborted() -> ApiError:
@@ -294,40 +291,44 @@ def _ended_early(output: RequestOutput) -> ApiError:
 async def _collect(
     state: ServerState,
     engine: AsyncEngine,
-    stream: RequestStream,
+    choices: Choices,
     fmt: OutputFormat,
-    outcome: _Outcome,
     wants_logprobs: bool,
 ) -> web.Response:
-    text: list[str] = []
-    logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
-    async for output in stream:
-        text.append(output.text)
-        if logprobs is not None and output.logprobs:
-            logprobs.extend(output.logprobs)
+    n = len(choices.streams)
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprobs] | None] = [[] if wants_logprobs else None for _ in range(n)]
+    finals: list[RequestOutput | None] = [None] * n
+    async for index, output in choices.outputs():
+        texts[index].append(output.text)
+        if (entries := logprobs[index]) is not None and output.logprobs:
+            entries.extend(output.logprobs)
         if output.finished:
-            outcome.record(state, output)
+            choices.record(state, index, output)
             if output.finish_reason in ("abort", "error"):
                 raise _ended_early(output)
-            body = fmt.response(
-                "".join(text),
-                output.finish_reason,
-                output.num_prompt_tokens,
-                output.num_generated_tokens,
-                logprobs,
-            )
-            return web.json_response(text=body, headers=slot_headers(engine.stats()))
-    raise _aborted()  # a stream always ends with a finished output; never hang the client
+            finals[index] = output
+    done = [final for final in finals if final is not None]
+    if len(done) < n:
+        raise _aborted()  # a stream always ends with a finished output; never hang the client
+    body = fmt.response(
+        [
+            ChoiceOutput("".join(text), final.finish_reason, entries)
+            for text, final, entries in zip(texts, done, logprobs, strict=True)
+        ],
+        done[0].num_prompt_tokens,  # the prompt is counted once, as OpenAI does
+        sum(final.num_generated_tokens for final in done),
+    )
+    return web.json_response(text=body, headers=slot_headers(engine.stats()))
 
 
 async def _stream_sse(
     request: web.Request,
     state: ServerState,
     engine: AsyncEngine,
-    stream: RequestStream,
+    choices: Choices,
     fmt: OutputFormat,
     include_usage: bool,
-    outcome: _Outcome,
 ) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={
@@ -339,25 +340,29 @@ async def _stream_sse(
     )
     await response.prepare(request)
     try:
-        if first := fmt.first_chunk():
-            await response.write(first)
-        async for output in stream:
+        for index in range(len(choices.streams)):
+            if first := fmt.first_chunk(index):
+                await response.write(first)
+        num_prompt_tokens = num_generated_tokens = 0
+        async for index, output in choices.outputs():
             if not output.finished:
                 if output.text or output.logprobs:
-                    await response.write(fmt.chunk(output.text, None, output.logprobs))
+                    await response.write(fmt.chunk(output.text, None, output.logprobs, index))
                 continue
-            outcome.record(state, output)
+            choices.record(state, index, output)
             if output.finish_reason in ("abort", "error"):
                 # An "error" event (OpenAI clients raise on it) and no [DONE]: nobody may take
                 # a cut answer for a whole one.
                 await response.write(sse_event(_ended_early(output).body))
                 await response.write_eof()
                 return response
-            await response.write(fmt.chunk(output.text, output.finish_reason, output.logprobs))
-            if include_usage:
-                await response.write(
-                    fmt.usage_chunk(output.num_prompt_tokens, output.num_generated_tokens)
-                )
+            await response.write(
+                fmt.chunk(output.text, output.finish_reason, output.logprobs, index)
+            )
+            num_prompt_tokens = output.num_prompt_tokens
+            num_generated_tokens += output.num_generated_tokens
+        if include_usage:
+            await response.write(fmt.usage_chunk(num_prompt_tokens, num_generated_tokens))
         await response.write(DONE_EVENT)
         await response.write_eof()
     except ConnectionError:

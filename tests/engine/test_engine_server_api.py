@@ -49,11 +49,10 @@ def test_batched_prompts_are_refused():
     assert "one request per prompt" in message
 
 
-# logprobs, penalties and logit_bias are supported now: tests/engine/test_engine_openai_*.py
+# logprobs, penalties, logit_bias and n are supported now: tests/engine/test_engine_openai_*.py
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
         ({"echo": True}, "echo"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "x"}, "suffix"),
@@ -73,7 +72,6 @@ def test_unsupported_completion_fields_are_named(extra, param):
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"n": 3}, "n"),
         ({"modalities": ["audio"]}, "modalities"),
     ],
 )

@@ -137,8 +137,8 @@ def test_model_list_and_slot_headers(client, engine):
 def test_openai_client_raises_on_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
-        client.completions.create(model="tiny", prompt="x", max_tokens=1, n=2)
+    with pytest.raises(openai.BadRequestError, match="'n' .3. exceeds this engine's 2 slots"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, n=3)
 
 
 # ------------------------------------------------------------------------------ raw HTTP errors
@@ -189,7 +189,7 @@ async def post(engine, path: str, body, headers=None):
         ({"model": "tiny", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "invalid_value"),
         ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p", "invalid_value"),
         ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature", "invalid_value"),
-        ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n", "unsupported_parameter"),
+        ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n", "invalid_value"),
         ({"model": "tiny", "prompt": "x", "logprobs": 6}, 400, "logprobs", "invalid_value"),
         ({"model": "tiny", "prompt": "x", "bogus": 1}, 400, "bogus", "unsupported_parameter"),
         ({"model": "nope", "prompt": "x"}, 404, "model", "model_not_found"),
