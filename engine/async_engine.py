@@ -78,7 +78,7 @@ class AsyncEngine:
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.num_slots: int = engine.kv_cache.num_slots
-        # Prompts are tokenized on a thread and tokenizer of their own (see tokenize.py).
+        # Prompts are tokenized in a process of their own (see tokenize.py).
         self.prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -109,6 +109,7 @@ class AsyncEngine:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="slotserve-engine", daemon=True)
         self._thread.start()
+        self.prompts.start()
         self._accepting = True
 
     async def shutdown(self) -> None:

@@ -83,9 +83,6 @@ def main(argv: list[str]) -> int:
     if settings is None:
         return 2
     configure_logging(args.log_level)
-    # Prompts are tokenized one at a time on a thread of the lowest priority (tokenize.py); the
-    # tokenizer's own thread pool would do that work on threads of normal priority instead.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from slotserve.engine.server import serve  # imports torch: only once flags are valid
 
     exit_code = asyncio.run(serve(settings))

@@ -44,7 +44,7 @@ from slotserve.engine.openai_format import (
     sse_event,
 )
 from slotserve.engine.params import SamplingParams
-from slotserve.engine.tokenize import PromptTooLongError
+from slotserve.engine.tokenize import PromptTooLongError, TokenizerUnavailableError
 
 if TYPE_CHECKING:
     from slotserve.engine.async_engine import AsyncEngine
@@ -84,6 +84,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt = await engine.prompts.encode_chat(body.template_messages())
     except InvalidRequestError as error:
         raise _invalid(error, state) from error
+    except TokenizerUnavailableError as error:
+        raise _tokenizer_unavailable(error) from error
     room = _room_after(engine, len(prompt))
     default_max_tokens = engine.engine.generation_defaults.max_tokens
     max_tokens = body.requested_max_tokens() or min(default_max_tokens or room, room)
@@ -117,6 +119,18 @@ async def _encode(engine: AsyncEngine, state: ServerState, prompt: str | list[in
         return await engine.prompts.encode(prompt)
     except InvalidRequestError as error:
         raise _invalid(error, state) from error
+    except TokenizerUnavailableError as error:
+        raise _tokenizer_unavailable(error) from error
+
+
+def _tokenizer_unavailable(error: TokenizerUnavailableError) -> ApiError:
+    return ApiError(
+        503,
+        str(error),
+        type_="service_unavailable_error",
+        code="tokenizer_unavailable",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _invalid(error: InvalidRequestError, state: ServerState) -> ApiError:
