@@ -130,8 +130,11 @@ def test_model_list_and_slot_headers(client, engine):
         "waiting": 0,
         "kv_cache_usage": load["kv_cache_usage"],
         "draining": False,
+        "calibrations": load["calibrations"],
     }
     assert 0.0 <= load["kv_cache_usage"] <= 1.0
+    # linear_backend=auto was decided at load (measured, or read from the calibration cache).
+    assert [c["name"] for c in load["calibrations"]] == ["linear_backend"]
 
 
 def test_openai_client_raises_on_errors(client):
