@@ -2,10 +2,12 @@
 
     .venv/bin/python bench/sampling_bench.py --out results/sampling [--steps 24] [--repeats 3]
 
-Two measurements, side by side in one process (ratios carry over between machines, absolute
-figures do not): the sampler alone on ``[batch, vocab]`` logits (SmolLM2's 49,152 tokens, each
-sequence with 128 prompt and 64 generated tokens), and whole decode steps of the real engine on
-SmolLM2 with every sequence using the parameters. Configurations alternate within each repeat;
+Three measurements, side by side in one process (ratios carry over between machines, absolute
+figures do not): the sampler alone on random ``[batch, vocab]`` logits (SmolLM2's 49,152 tokens,
+each sequence with 128 prompt and 64 generated tokens; random logits are flat, the worst case for
+top_p), whole decode steps of the real engine on SmolLM2 with every sequence using the
+parameters, and the sampler's part of those steps (the overhead column: extra sampler time over a
+plain greedy step's, as a share of the plain step). Configurations alternate within each repeat;
 medians are reported. Prints a table and writes ``results.json``.
 """
 
@@ -85,8 +87,21 @@ def sampler_ms(batch: int, name: str, steps: int) -> float:
     return 1000 * statistics.median(times[2:])  # the first steps build the count rows
 
 
-def engine_step_ms(engine: LLMEngine, batch: int, name: str, steps: int) -> float:
-    """Median milliseconds of a decode step of ``batch`` sequences using ``name``'s params."""
+def engine_step_ms(engine: LLMEngine, batch: int, name: str, steps: int) -> tuple[float, float]:
+    """Median milliseconds of a decode step of ``batch`` sequences using ``name``'s params, and
+    of the sampler's part of it (timed inside the step, on the model's real logits: on a
+    shared machine whole steps vary more than the sampler costs)."""
+    sampler = engine.runner.sampler
+    sample = sampler.sample
+    sampler_times: list[float] = []
+
+    def timed(*args: object) -> object:
+        started = time.perf_counter()
+        result = sample(*args)
+        sampler_times.append(time.perf_counter() - started)
+        return result
+
+    sampler.sample = timed
     generator = torch.Generator().manual_seed(1)
     params = params_for(name, steps + 4)
     for i in range(batch):
@@ -97,11 +112,13 @@ def engine_step_ms(engine: LLMEngine, batch: int, name: str, steps: int) -> floa
     ):
         engine.step()  # prefill, not measured
     times = []
+    sampler_times.clear()
     while engine.has_unfinished():
         started = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times[1:-1])
+    del sampler.sample  # back to the class's method
+    return 1000 * statistics.median(times[1:-1]), 1000 * statistics.median(sampler_times[1:-1])
 
 
 def main() -> None:
@@ -124,6 +141,7 @@ def main() -> None:
         engine = LLMEngine.load(settings)
     sampler: dict[str, dict[str, list[float]]] = {}
     steps: dict[str, dict[str, list[float]]] = {}
+    in_step: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.repeats):
         for batch in args.batches:
             for name in CONFIGS:  # alternated within a repeat: load drifts hit all alike
@@ -132,20 +150,26 @@ def main() -> None:
                     sampler_ms(batch, name, args.steps)
                 )
                 if engine is not None:
-                    steps.setdefault(key, {}).setdefault(name, []).append(
-                        engine_step_ms(engine, batch, name, args.steps)
-                    )
+                    step_ms, sampler_part_ms = engine_step_ms(engine, batch, name, args.steps)
+                    steps.setdefault(key, {}).setdefault(name, []).append(step_ms)
+                    in_step.setdefault(key, {}).setdefault(name, []).append(sampler_part_ms)
     rows = []
-    print(f"{'batch':>5}  {'configuration':<46} {'sampler ms':>10} {'step ms':>8} {'vs plain':>9}")
+    print(
+        f"{'batch':>5}  {'configuration':<46} {'alone ms':>8} {'in step':>8} {'step ms':>8}"
+        f" {'+sampler vs plain step':>22}"
+    )
     for batch in args.batches:
         key = str(batch)
         plain_step = statistics.median(steps[key]["plain greedy"]) if engine else None
+        plain_part = statistics.median(in_step[key]["plain greedy"]) if engine else None
         for name in CONFIGS:
             sampler_median = statistics.median(sampler[key][name])
             step_median = statistics.median(steps[key][name]) if engine else None
+            part = statistics.median(in_step[key][name]) if engine else None
+            # The extra sampler time over a plain greedy step's sampler, as a share of that step.
             overhead = (
-                100 * (step_median - plain_step) / plain_step
-                if step_median is not None and plain_step
+                100 * (part - plain_part) / plain_step
+                if part is not None and plain_part is not None and plain_step
                 else None
             )
             rows.append(
@@ -154,12 +178,16 @@ def main() -> None:
                     "configuration": name,
                     "sampler_ms": sampler_median,
                     "step_ms": step_median,
-                    "step_overhead_percent": overhead,
+                    "sampler_in_step_ms": part,
+                    "sampler_overhead_percent_of_plain_step": overhead,
                 }
             )
             step_text = f"{step_median:8.1f}" if step_median is not None else f"{'-':>8}"
-            over_text = f"{overhead:+8.1f}%" if overhead is not None else f"{'-':>9}"
-            print(f"{batch:>5}  {name:<46} {sampler_median:10.2f} {step_text} {over_text}")
+            part_text = f"{part:8.2f}" if part is not None else f"{'-':>8}"
+            over_text = f"{overhead:+21.1f}%" if overhead is not None else f"{'-':>22}"
+            print(
+                f"{batch:>5}  {name:<46} {sampler_median:8.2f} {part_text} {step_text} {over_text}"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "model": args.model,
@@ -168,7 +196,7 @@ def main() -> None:
         "repeats": args.repeats,
         "configurations": CONFIGS,
         "rows": rows,
-        "raw": {"sampler_ms": sampler, "step_ms": steps},
+        "raw": {"sampler_ms": sampler, "step_ms": steps, "sampler_in_step_ms": in_step},
     }
     (args.out / "results.json").write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {args.out / 'results.json'}")

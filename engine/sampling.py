@@ -153,8 +153,10 @@ def _draw(
 
     # Shifted so each row's maximum is 0: any temperature > 0 then gives values <= 0 (at worst
     # -inf), never +inf or NaN; softmax and argmax are unchanged by the shift.
-    temperature = column([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
-    scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
+    temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+    if any(t != 1.0 for t in temperatures):  # at 1 everywhere, the shift and division are no-ops
+        scores = (scores - scores.amax(dim=-1, keepdim=True)) / column(temperatures)
+
     # Masks apply to sampled rows only (a greedy row's choice and logprobs ignore them).
     top_k = [
         p.top_k if not g and p.top_k and p.top_k < vocab_size else 0
@@ -242,9 +244,12 @@ def _logprobs(
     if not any(wants):
         return [None] * len(params)
     rows = [row for row, want in enumerate(wants) if want]
-    index = torch.tensor(rows, device=scores.device)
-    logprobs = scores.index_select(0, index).log_softmax(dim=-1)
-    chosen_rows = chosen.index_select(0, index)
+    if len(rows) == len(wants):  # every row: no copies
+        logprobs, chosen_rows = scores.log_softmax(dim=-1), chosen
+    else:
+        index = torch.tensor(rows, device=scores.device)
+        logprobs = scores.index_select(0, index).log_softmax(dim=-1)
+        chosen_rows = chosen.index_select(0, index)
     chosen_lp = logprobs.gather(1, chosen_rows.unsqueeze(1)).squeeze(1).tolist()
     chosen_ids = chosen_rows.tolist()
     num_top = max(params[row].logprobs or 0 for row in rows)
