@@ -194,3 +194,34 @@ def test_explicit_backends_calibrate_nothing(tmp_path):
     )
     assert r.calibrations == []
     assert list(tmp_path.iterdir()) == []
+
+
+def _start_engine_runner(home: str, barrier, results) -> None:
+    """In a fresh process: build a runner as an engine's load does, on a shared home."""
+    from pathlib import Path
+
+    barrier.wait(60)  # all processes reach the calibration together, like the demo's engines
+    r = runner(CalibrationCache(Path(home), CPU_A))
+    (record,) = r.calibrations
+    results.put((record.source, record.choice, is_packed(r)))
+
+
+@needs_onednn
+def test_engines_in_separate_processes_starting_together_agree(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(3), context.Queue()
+    processes = [
+        context.Process(target=_start_engine_runner, args=(str(tmp_path), barrier, results))
+        for _ in range(3)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        outcomes = sorted(results.get(timeout=240) for _ in processes)
+    finally:
+        for process in processes:
+            process.join(30)
+    assert [source for source, _, _ in outcomes] == ["cached", "cached", "measured"]
+    assert len({(choice, packed) for _, choice, packed in outcomes}) == 1
