@@ -46,6 +46,10 @@ class Bench:
 
 def make_engine(bench: Bench, **settings) -> LLMEngine:
     settings.setdefault("max_model_len", 1024)
+    # Every request here has the same prompt: with the prefix cache, all but the first would
+    # skip their prefill, and the policies and HF would no longer do the same work
+    # (bench/prefix_bench.py measures the cache).
+    settings.setdefault("enable_prefix_caching", False)
     engine_settings = EngineSettings(model="bench", **settings)
     runner = ModelRunner(
         bench.model,
