@@ -26,6 +26,7 @@ from slotserve.operator.views import Key, PoolView, StatusWriter, all_views, fir
 
 log = logging.getLogger(__name__)
 REWRITE_AFTER_S = 5.0
+NAME_CONFLICT = "ModelNameConflict"
 
 
 class AutoscalingHandlers:
@@ -48,13 +49,15 @@ class AutoscalingHandlers:
     # --- status.admission -------------------------------------------------------------------
 
     def _admission_targets(self) -> list[Target]:
-        """Pools that serve their model name: the ones whose Redis queue is theirs."""
+        """Valid pools that own their model name: the ones whose Redis queue is theirs (a pool
+        refused for other reasons still has the gateways' queue, so it is observed)."""
         if not self._indexes or self._writer is None:
             return []
         targets = []
         for view in all_views(self._indexes["pool_index"]):
             key = (view.owner["metadata"]["namespace"], view.owner["metadata"]["name"])
-            if view.pool is None or key in self.writer.problems:
+            problem = self.writer.problems.get(key)
+            if view.pool is None or (problem is not None and problem.reason == NAME_CONFLICT):
                 continue
             pods = self._indexes["pod_index"].get(key, [])
             num_ready = sum(1 for pod in pods if pod.serving) if view.desired_replicas else 0
@@ -109,6 +112,8 @@ class AutoscalingHandlers:
             return
         if autoscaling.provider != "builtin" or reading is None:
             return  # KEDA scales it; or Redis is unreadable: hold the replicas as they are
+        if target.key in self.writer.problems:
+            return  # refused (e.g. another HPA scales it): the operator changes nothing
         policy = ScalePolicy.from_spec(autoscaling, view.pool.spec.batching.max_batch_size)
         demand = demand_of(reading)
         stabilizer = self._stabilizers.setdefault(target.key, Stabilizer())

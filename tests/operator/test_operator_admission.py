@@ -249,3 +249,20 @@ def test_unreachable_redis_leaves_admission_stale_and_children_reconciled(
     finally:
         operator.stop()
         redis.stop()
+
+
+@pytest.mark.usefixtures("operator")
+def test_only_the_pool_that_owns_the_model_name_reports_its_queue(kube: Kube):
+    create_pool(kube, name="chat")
+    serve_one_pod(kube, "chat")
+    wait_until(lambda: admission(kube, "chat").get("slotsTotal") == SLOTS, 15, what="admission")
+    time.sleep(0.5)
+    create_pool(kube, name="chat-copy")  # same model name, younger: ModelNameConflict
+    wait_until(
+        lambda: condition(kube, "Degraded", "chat-copy").get("reason") == "ModelNameConflict",
+        15,
+        what="the younger pool loses the name",
+    )
+    time.sleep(1.5)  # three refreshes
+    assert admission(kube, "chat-copy") == {}  # the gateways' queue of "chat" is not its own
+    assert condition(kube, "Saturated", "chat-copy") == {}
