@@ -26,6 +26,10 @@ from slotserve.engine.sequence import Sequence
 # (vLLM's block size): a shorter match is not worth losing the rest of a row that holds, say, a
 # system prompt, nor a copy.
 MIN_REUSE_TOKENS = 16
+# A request waits for a running sequence's prefix only when that saves at least this many
+# tokens: waiting costs it a step (~100 ms on a CPU) where a few dozen tokens of prefill cost
+# about as much, and far less on a GPU.
+MIN_WAIT_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +116,8 @@ class SlotPrefixCache:
         return SlotChoice(dst, free_len, ())
 
     def should_wait(self, seq: Sequence) -> bool:
-        """Is a running sequence about to compute a longer prefix of ``seq`` than any row holds?
+        """Is a running sequence about to compute a prefix of ``seq`` at least
+        ``MIN_WAIT_TOKENS`` longer than any row holds?
 
         Requests that arrive together with the same system prompt would otherwise all prefill
         it in the same steps; waiting for the first one's row and copying it costs that one's
@@ -127,7 +132,7 @@ class SlotPrefixCache:
         reusable = max(self._match(slot, token_ids, limit) for slot in range(len(self._owners)))
         for owner in owners:
             ahead = common_prefix_len(owner.token_ids, token_ids, limit)
-            if ahead > owner.num_computed_tokens and ahead >= reusable + MIN_REUSE_TOKENS:
+            if ahead > owner.num_computed_tokens and ahead - reusable >= MIN_WAIT_TOKENS:
                 return True
         return False
 

@@ -32,7 +32,7 @@ def tokens(num: int, seed: int) -> list[int]:
 
 def shared_prefix_prompts() -> list[list[int]]:
     """Prompts that share prefixes in every way a row can be reused."""
-    system, other = tokens(80, 1), tokens(40, 2)
+    system, other, big = tokens(80, 1), tokens(40, 2), tokens(300, 4)
     long = [*system, *tokens(120, 3)]
     return [
         [*system, *tokens(5, 10)],
@@ -47,6 +47,8 @@ def shared_prefix_prompts() -> list[list[int]]:
         [*system, *tokens(30, 16)],
         tokens(25, 17),
         [*system, *tokens(5, 10)],  # the first prompt again
+        [*big, *tokens(4, 18)],  # a long shared prefix arriving together: the second waits
+        [*big, *tokens(6, 19)],  # for the first one's row, then copies it
     ]
 
 

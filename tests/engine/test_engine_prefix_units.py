@@ -8,7 +8,12 @@ import pytest
 
 from slotserve.engine.kv_cache import KVCacheManager
 from slotserve.engine.params import SamplingParams
-from slotserve.engine.prefix_cache import MIN_REUSE_TOKENS, SlotCopy, common_prefix_len
+from slotserve.engine.prefix_cache import (
+    MIN_REUSE_TOKENS,
+    MIN_WAIT_TOKENS,
+    SlotCopy,
+    common_prefix_len,
+)
 from slotserve.engine.scheduler import Scheduler, SchedulerConfig
 from slotserve.engine.sequence import Sequence, SequenceError
 
@@ -150,22 +155,46 @@ def test_a_preempted_sequence_resumes_from_its_own_row():
 
 
 def test_requests_arriving_together_wait_for_the_first_ones_prefill():
+    system = list(range(2000, 2000 + MIN_WAIT_TOKENS))
     kv = KVCacheManager(num_slots=3, num_tokens_total=4000, enable_prefix_caching=True)
-    scheduler = Scheduler(SchedulerConfig(max_batch_size=3, max_batched_tokens=64), kv)
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=3, max_batched_tokens=1024), kv)
     for name, tail in (("a", [1]), ("b", [2]), ("c", [3])):
-        scheduler.add(seq(name, [*SYSTEM, *tail], max_tokens=3))
+        scheduler.add(seq(name, [*system, *tail], max_tokens=3))
     chunks = []
-    for _ in range(4):
+    for _ in range(2):
         plan = scheduler.schedule(0.0)
         chunks.append([(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks])
         samples = [5] * len(plan.sampling_chunks)
         scheduler.postprocess(plan, samples, 0.0)
-    # "a" prefills the shared prompt in two chunks (a copy runs before the forward, so a row is
-    # only copied once computed); then "b" and "c" copy its row and prefill their last token.
-    assert chunks[0] == [("a", 0, 64)]
-    assert chunks[1] == [("a", 64, 37)]
-    assert chunks[2] == [("a", 101, 1), ("b", 100, 1), ("c", 100, 1)]
-    assert kv.num_prefix_hit_tokens == 200
+    # "a" prefills the shared prompt (a copy runs before the forward, so a row is only copied
+    # once computed); then "b" and "c" copy its row and prefill their last token.
+    n = len(system)
+    assert chunks == [[("a", 0, n + 1)], [("a", n + 1, 1), ("b", n, 1), ("c", n, 1)]]
+    assert kv.num_prefix_hit_tokens == 2 * n
+
+
+def test_waiting_ends_once_the_rest_is_cheaper_to_compute():
+    system = list(range(2000, 2000 + MIN_WAIT_TOKENS))
+    kv = KVCacheManager(num_slots=2, num_tokens_total=4000, enable_prefix_caching=True)
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=2, max_batched_tokens=200), kv)
+    scheduler.add(seq("a", [*system, 1]))
+    scheduler.add(seq("b", [*system, 2]))
+    plan = scheduler.schedule(0.0)
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("a", 0, 200)]
+    scheduler.postprocess(plan, [], 0.0)
+    # 200 tokens are in a's row; the 56 it has still to compute are not worth another step.
+    plan = scheduler.schedule(0.0)
+    assert [(c.seq.request_id, c.start) for c in plan.chunks] == [("a", 200), ("b", 200)]
+    assert plan.copies == [SlotCopy(0, 1, 200)]
+
+
+def test_a_short_shared_prefix_is_not_worth_a_wait():
+    kv = KVCacheManager(num_slots=2, num_tokens_total=4000, enable_prefix_caching=True)
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=2, max_batched_tokens=512), kv)
+    scheduler.add(seq("a", [*SYSTEM, 1]))
+    scheduler.add(seq("b", [*SYSTEM, 2]))  # 100 shared tokens: cheaper to prefill than to wait
+    plan = scheduler.schedule(0.0)
+    assert [(c.seq.request_id, c.start) for c in plan.chunks] == [("a", 0), ("b", 0)]
 
 
 def test_static_batches_are_admitted_whole_without_waiting():
