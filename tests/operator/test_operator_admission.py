@@ -23,6 +23,7 @@ import pytest
 from operator_harness import ApiServerThread, Kube
 from support import RedisServer, free_port, wait_until
 
+from slotserve.admission_stats import WINDOW_TTL_S
 from slotserve.operator import kube as kube_io
 from slotserve.operator.models import API_VERSION, KIND
 from slotserve.operator.settings import OperatorSettings
@@ -207,6 +208,16 @@ def test_full_queue_rejections_by_reason(
         )
     assert 429 in load.statuses
     assert condition(kube, "Saturated")["reason"] in {"QueueFull", "SlotsFull"}
+    # What the gateways wrote for it: prefixed window hashes that expire on their own.
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    windows = list(client.scan_iter(match="slotserve:{chat}:window:*"))
+    assert windows
+    for key in windows:
+        assert 0 < client.ttl(key) <= WINDOW_TTL_S
+        assert client.hget(key, "admitted") is not None or client.hget(key, "rejected:queue_full")
+    client.close()
 
 
 def test_unreachable_redis_leaves_admission_stale_and_children_reconciled(
