@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from operator_harness import ApiServerThread, Kube
 from support import RedisServer, free_port, wait_until
 
@@ -209,8 +210,6 @@ def test_full_queue_rejections_by_reason(
     assert 429 in load.statuses
     assert condition(kube, "Saturated")["reason"] in {"QueueFull", "SlotsFull"}
     # What the gateways wrote for it: prefixed window hashes that expire on their own.
-    import redis
-
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     windows = list(client.scan_iter(match="slotserve:{chat}:window:*"))
     assert windows
