@@ -121,6 +121,8 @@ class Admission:
             await asyncio.wait(self._tasks, timeout=2)
         for handle in self._hold_timers.values():
             handle.cancel()
+        if self._background:  # releases and cancels on their way: give them a moment
+            await asyncio.wait(set(self._background), timeout=2)
         await self.backend.close()
 
     # -- public API ---------------------------------------------------------------------------

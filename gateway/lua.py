@@ -138,8 +138,8 @@ local function drop_many(rids)
 end
 
 -- The oldest live entry of the best priority; expired, orphaned or dead replicas' heads are
--- dropped on the way (at most SWEEP_BATCH per script: the tick drops the rest in batches).
-local drops_left = SWEEP_BATCH
+-- dropped on the way, one by one, so only a few per script: the tick drops the rest in batches.
+local drops_left = 16
 local function head(now)
   while drops_left > 0 do
     local h = redis.call('ZRANGE', K_QUEUE, 0, 0)

@@ -25,6 +25,7 @@ from slotserve.gateway.routing import EndpointOffer, group_size, rank_endpoints
 
 PRIORITY_STRIDE = 10**13  # queue score = priority * stride + arrival sequence (as in Redis)
 SWEEP_BATCH = 100  # as in the Redis backend: bounded work per step however long the queue
+HEAD_DROPS = 16  # dead heads dropped one by one on the way to a live one (``lua.py``)
 
 
 def _monotonic_us() -> int:
@@ -67,7 +68,7 @@ class _PoolState:
         self.by_replica.setdefault(entry.replica, set()).add(request_id)
 
     def head(self, now_us: int, alive: Callable[[str], bool]) -> tuple[str, _Entry] | None:
-        for _ in range(SWEEP_BATCH):
+        for _ in range(HEAD_DROPS):
             heap = self.queue_heap
             while heap and self.queue.get(heap[0][1]) != heap[0][0]:
                 heapq.heappop(heap)

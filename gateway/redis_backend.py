@@ -127,6 +127,8 @@ class RedisBackend:
         if self._listener is not None:
             self._listener.cancel()
             await asyncio.wait([self._listener], timeout=2)
+        if self._flushes:  # script calls in flight: let them answer their callers (bounded)
+            await asyncio.wait(set(self._flushes), timeout=2)
         with contextlib.suppress(*_UNAVAILABLE):
             await asyncio.wait_for(self.client.delete(self.keys.replica(self.replica_id)), 2)
         for client in (self.client, self.blocking_client, self.control_client):
