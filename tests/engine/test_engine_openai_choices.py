@@ -54,13 +54,16 @@ def test_n_choices_differ_repeat_with_a_seed_and_share_the_prefill(client, engin
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     hits_before = prefix_hits(engine)
-    first = client.completions.create(**args)
+    # A prompt of 300+ tokens: choices wait for choice 0's prefill only when that saves 256 or
+    # more tokens (the prefix cache's rule; shorter prompts are computed side by side).
+    first = client.completions.create(**{**args, "prompt": PROMPT * 6})
     hits = prefix_hits(engine) - hits_before
     texts = [choice.text for choice in first.choices]
     assert [choice.index for choice in first.choices] == [0, 1, 2]
     assert len(set(texts)) > 1, texts
-    assert [c.text for c in client.completions.create(**args).choices] == texts
-    single = client.completions.create(**{**args, "n": 1})
+    again = client.completions.create(**{**args, "prompt": PROMPT * 6})
+    assert [c.text for c in again.choices] == texts
+    single = client.completions.create(**{**args, "prompt": PROMPT * 6, "n": 1})
     assert single.choices[0].text == texts[0], "choice 0 samples with the seed itself"
     assert first.usage.prompt_tokens == single.usage.prompt_tokens  # counted once
     assert first.usage.completion_tokens == 36
