@@ -24,6 +24,7 @@ from slotserve.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from slotserve.engine.sequence import Sequence, SequenceError
 from slotserve.engine.settings import EngineSettings
 from slotserve.engine.stats import EngineStats, RequestMetrics, RequestOutput
+from slotserve.engine.structured import GrammarError, Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._counters = _Counters(records=[] if record_steps else None)
         self._token_texts = TokenTexts(tokenizer)  # for logprobs: token id -> text, cached
+        self.grammars = Grammars(tokenizer)  # structured output: checked grammars, matchers
 
     @classmethod
     def load(cls, settings: EngineSettings, **kwargs: Any) -> LLMEngine:
@@ -153,7 +155,13 @@ class LLMEngine:
                 f"({self.kv_cache.num_tokens_total} tokens)",
                 param="max_tokens",
             )
-        return Sequence(request_id, token_ids, params, arrival_time=self.clock())
+        seq = Sequence(request_id, token_ids, params, arrival_time=self.clock())
+        if params.grammar is not None:
+            try:
+                seq.matcher = self.grammars.matcher(params.grammar)
+            except GrammarError as error:
+                raise InvalidRequestError(str(error), param="response_format") from error
+        return seq
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Tokenize on any thread: the loop thread detokenizes at the same time."""

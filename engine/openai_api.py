@@ -18,6 +18,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from slotserve.engine.choices import MAX_CHOICES
@@ -76,6 +77,9 @@ class SamplingRequest(RequestModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0)
+    guided_regex: str | None = Field(None, min_length=1, max_length=4096)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=256)
+    guided_json: dict[str, Any] | None = None
 
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # each choice takes a slot (checked per engine)
 
@@ -199,8 +203,22 @@ class ChatMessage(RequestModel):
         return self.content or ""
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # always strict here: the grammar enforces the schema
+
+
 class ResponseFormat(RequestModel):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.json_schema is None) == (self.type == "json_schema"):
+            raise ValueError("'json_schema' is required with type json_schema, and only then")
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -44,6 +44,7 @@ from slotserve.engine.openai_format import (
     sse_event,
 )
 from slotserve.engine.params import SamplingParams
+from slotserve.engine.structured import GrammarError, check_requested_grammar
 from slotserve.engine.tokenize import PromptTooLongError, TokenizerUnavailableError
 
 if TYPE_CHECKING:
@@ -238,6 +239,13 @@ async def _generate(
             param="logit_bias",
             code="invalid_value",
         )
+    try:
+        grammar = await check_requested_grammar(engine.engine.grammars, body)
+    except GrammarError as error:
+        state.metrics.reject("invalid")
+        raise ApiError(400, str(error), param=error.param, code="invalid_value") from error
+    if grammar is not None:
+        params = params.model_copy(update={"grammar": grammar})
     if body.n > engine.num_slots:
         state.metrics.reject("invalid")
         raise ApiError(

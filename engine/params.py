@@ -46,6 +46,9 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="HF/vLLM; 1 = off.")
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES)
     min_tokens: int = Field(0, ge=0, description="No EOS or stop token before this many tokens.")
+    grammar: str | None = Field(
+        None, description="An llguidance grammar the output must match (structured output)."
+    )
 
     @field_validator("stop")
     @classmethod

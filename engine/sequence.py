@@ -61,6 +61,8 @@ class Sequence:
     num_preemptions: int = 0
     # The request's random generator (a torch.Generator, created by the runner on first use).
     generator: Any = None
+    # The structured-output matcher (llguidance), when the request has a grammar.
+    matcher: Any = None
     # Timestamps on the engine's clock (seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -27,9 +27,10 @@ def test_top_k_top_p_equal_full_sorts_also_for_flat_rows():
     torch.manual_seed(0)
     sharp = torch.randn(6, 5000) * 4
     flat = torch.randn(3, 5000) * 0.01  # the nucleus is far wider than the 256 candidates
-    scores = torch.cat([sharp, flat])
-    top_k = [0, 5, 0, 40, 300, 0, 0, 0, 10]
-    top_p = [0.9, 1.0, 0.5, 0.8, 0.95, 1.0, 0.9, 0.3, 0.99]
+    middling = torch.randn(2, 5000) * 1.2  # wider than 256, within 2048
+    scores = torch.cat([sharp, flat, middling])
+    top_k = [0, 5, 0, 40, 300, 0, 0, 0, 10, 0, 0]
+    top_p = [0.9, 1.0, 0.5, 0.8, 0.95, 1.0, 0.9, 0.3, 0.99, 0.9, 0.6]
     got = _top_k_top_p(scores, top_k, top_p)
     for row in range(scores.shape[0]):
         expected = reference_row(scores[row], top_k[row], top_p[row])
