@@ -3,8 +3,9 @@
 Each choice is a sequence of its own and takes a slot. They share the prompt's prefill through
 the prefix cache: the first choice computes the prompt, the others wait for its row and copy it
 (all but the last prompt token) when that saves 256 tokens or more; shorter prompts are computed
-side by side in the same step, which costs less than a step of waiting (see docs/engine.md). With a ``seed``, choice ``i`` samples with
-``seed + i`` (vLLM's rule), so the choices differ from each other and repeat from run to run.
+side by side in the same step, which costs less than a step of waiting (see docs/engine.md).
+With a ``seed``, choice ``i`` samples with ``seed + i`` (vLLM's rule), so the choices differ from
+each other and repeat from run to run.
 """
 
 from __future__ import annotations

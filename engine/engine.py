@@ -103,7 +103,9 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._counters = _Counters(records=[] if record_steps else None)
         self._token_texts = TokenTexts(tokenizer)  # for logprobs: token id -> text, cached
-        self.grammars = Grammars(tokenizer)  # structured output: checked grammars, matchers
+        # Structured output: checked grammars and matchers (its tokenizer view is built once,
+        # under the tokenizer lock).
+        self.grammars = Grammars(tokenizer, self.tokenizer_lock)
 
     @classmethod
     def load(cls, settings: EngineSettings, **kwargs: Any) -> LLMEngine:

@@ -109,8 +109,11 @@ def choice_grammar(choices: list[str]) -> str:
 class Grammars:
     """Checks grammars against one tokenizer and makes matchers; safe on any thread."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, tokenizer_lock: threading.Lock | None = None) -> None:
         self._hf_tokenizer = tokenizer
+        # The engine's lock on the HF tokenizer: its loop thread decodes with it meanwhile, and
+        # the Rust tokenizer refuses overlapping calls ("Already borrowed").
+        self._hf_lock = tokenizer_lock or threading.Lock()
         self._tokenizer: Any = None
         self._lock = threading.Lock()
         self._checked: OrderedDict[str, None] = OrderedDict()
@@ -122,7 +125,8 @@ class Grammars:
             if self._tokenizer is None:
                 import llguidance.hf
 
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
+                with self._hf_lock:
+                    self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
             return self._tokenizer
 
     def check(self, grammar: str) -> None:
