@@ -1,0 +1,86 @@
+"""The admission epoch, shared by every script, and the heartbeat script (see ``lua.py``).
+
+The admission epoch (``P:epoch``): Redis that lost its data (FLUSHALL, restart without
+persistence, failover to an empty replica) also lost the leases of requests still running. The
+first script to find the epoch missing starts a new one whose dispatching waits one lease TTL
+(half of it when the caller knew no epoch: a fresh Redis). Every live replica heartbeats at
+least every lease TTL / 4 and finds the new epoch on its next step, writes its leases back, and
+only then does anyone dispatch; so in-flight never exceeds slots across the loss.
+"""
+
+from __future__ import annotations
+
+# Shared by every script: the epoch check (needs PREFIX, CALLER, LEASE_TTL_US, STATE_TTL_MS,
+# KNOWN_EPOCH).
+EPOCH = r"""
+local function fmt(n) return string.format('%.0f', n) end
+
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local K_EPOCH = PREFIX .. ':epoch'
+
+-- Returns the epoch id and the time (us) from which dispatching is allowed.
+local function check_epoch(now)
+  local e = redis.call('HMGET', K_EPOCH, 'id', 'created', 'ready')
+  local id, created, ready = e[1], tonumber(e[2]), tonumber(e[3])
+  if not id then
+    id = fmt(now) .. '-' .. CALLER
+    created = now
+    if KNOWN_EPOCH ~= '' then
+      ready = now + LEASE_TTL_US  -- a loss seen by a replica that holds state: wait a full TTL
+    else
+      ready = now + math.floor(LEASE_TTL_US / 2)
+    end
+    redis.call('HSET', K_EPOCH, 'id', id, 'created', fmt(created), 'ready', fmt(ready))
+  elseif KNOWN_EPOCH ~= '' and KNOWN_EPOCH ~= id and ready < created + LEASE_TTL_US then
+    -- The epoch was started by a replica that knew none: the loss is now certain.
+    ready = created + LEASE_TTL_US
+    redis.call('HSET', K_EPOCH, 'ready', fmt(ready))
+  end
+  redis.call('PEXPIRE', K_EPOCH, STATE_TTL_MS)
+  return id, ready
+end
+"""
+
+# Not pool-bound: ARGV[1] prefix, [2] replica, [3] lease TTL (us), [4] state TTL (ms), [5] the
+# epoch the caller knows, [6] restore flag, then per pool: name, number of leases N, N pairs
+# (request id, endpoint). Renews liveness and leases; with restore, leases missing from Redis
+# (it lost them) are written back. Returns {was alive (0/1), epoch id, us until it dispatches}.
+HEARTBEAT = (
+    r"""#!lua flags=allow-cross-slot-keys
+local PREFIX, CALLER = ARGV[1], ARGV[2]
+local LEASE_TTL_US, STATE_TTL_MS = tonumber(ARGV[3]), tonumber(ARGV[4])
+local KNOWN_EPOCH, restore = ARGV[5], ARGV[6] == '1'
+"""
+    + EPOCH
+    + r"""
+local now = now_us()
+local replica_key = PREFIX .. ':replica:' .. CALLER
+local was_alive = redis.call('EXISTS', replica_key)
+redis.call('SET', replica_key, '1', 'PX', math.floor(LEASE_TTL_US / 1000))
+local epoch, ready = check_epoch(now)
+local i = 7
+while i <= #ARGV do
+  local pool, n = ARGV[i], tonumber(ARGV[i + 1])
+  local k = PREFIX .. ':{' .. pool .. '}:'
+  for j = i + 2, i + 2 * n, 2 do
+    local rid, ep = ARGV[j], ARGV[j + 1]
+    if redis.call('ZSCORE', k .. 'leases', rid) then
+      redis.call('ZADD', k .. 'leases', now + LEASE_TTL_US, rid)
+    elseif restore then
+      redis.call('ZADD', k .. 'leases', now + LEASE_TTL_US, rid)
+      redis.call('HSET', k .. 'lease_endpoint', rid, ep)
+      redis.call('HINCRBY', k .. 'inflight', ep, 1)
+    end
+  end
+  for _, name in ipairs({'leases', 'lease_endpoint', 'inflight'}) do
+    redis.call('PEXPIRE', k .. name, STATE_TTL_MS)
+  end
+  i = i + 2 + 2 * n
+end
+return {was_alive, epoch, math.max(0, ready - now)}
+"""
+)
