@@ -31,6 +31,7 @@ from slotserve.engine.params import SamplingParams
 from slotserve.engine.sampling import Sampler
 from slotserve.engine.sequence import Sequence
 from slotserve.engine.settings import EngineSettings
+from slotserve.engine.structured import Grammars, json_schema_grammar
 
 VOCAB = 49_152
 PROMPT_LEN = 128
@@ -54,18 +55,33 @@ CONFIGS: dict[str, dict[str, object]] = {
         "min_tokens": 1000,
     },
     "logprobs (top 5), greedy": {"temperature": 0.0, "logprobs": 5},
+    "json_schema grammar, greedy": {"temperature": 0.0, "grammar_schema": "ITEMS"},
+}
+# A schema that keeps a model busy for many tokens (a list of records).
+ITEMS_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+        "required": ["name", "count"],
+    },
 }
 
 
 def params_for(name: str, max_tokens: int) -> SamplingParams:
     extra = dict(CONFIGS[name])
+    if extra.pop("grammar_schema", None):
+        extra["grammar"] = json_schema_grammar(ITEMS_SCHEMA)
     extra.setdefault("min_tokens", 0)
     extra["min_tokens"] = min(int(extra["min_tokens"]), max_tokens)  # type: ignore[arg-type]
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)  # type: ignore[arg-type]
 
 
 def sampler_ms(batch: int, name: str, steps: int) -> float:
-    """Median milliseconds of Sampler.sample over ``steps`` consecutive decode steps."""
+    """Median milliseconds of Sampler.sample over ``steps`` consecutive decode steps (NaN for a
+    grammar: random logits and tokens would leave it at once)."""
+    if "grammar_schema" in CONFIGS[name]:
+        return float("nan")
     generator = torch.Generator().manual_seed(0)
     sampler = Sampler(batch, VOCAB, torch.device("cpu"), frozenset({2}))
     params = params_for(name, 4096)
@@ -121,6 +137,26 @@ def engine_step_ms(engine: LLMEngine, batch: int, name: str, steps: int) -> tupl
     return 1000 * statistics.median(times[1:-1]), 1000 * statistics.median(sampler_times[1:-1])
 
 
+def grammar_compile_ms(tokenizer: object) -> dict[str, float]:
+    """What a structured request costs before it runs: the one-off tokenizer view, checking a
+    new schema, a matcher per sequence."""
+    grammars = Grammars(tokenizer)
+    started = time.perf_counter()
+    grammars.tokenizer  # noqa: B018 - built on first use
+    built = time.perf_counter()
+    grammar = json_schema_grammar(ITEMS_SCHEMA)
+    grammars.check(grammar)
+    checked = time.perf_counter()
+    for _ in range(10):
+        grammars.matcher(grammar)
+    matched = time.perf_counter()
+    return {
+        "tokenizer view (once per engine)": 1000 * (built - started),
+        "check a new JSON schema": 1000 * (checked - built),
+        "matcher per sequence": 100 * (matched - checked),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -139,6 +175,7 @@ def main() -> None:
             model=args.model, max_batch_size=max(args.batches), max_model_len=512
         )
         engine = LLMEngine.load(settings)
+    compile_ms = grammar_compile_ms(engine.tokenizer) if engine is not None else {}
     sampler: dict[str, dict[str, list[float]]] = {}
     steps: dict[str, dict[str, list[float]]] = {}
     in_step: dict[str, dict[str, list[float]]] = {}
@@ -196,9 +233,12 @@ def main() -> None:
         "repeats": args.repeats,
         "configurations": CONFIGS,
         "rows": rows,
+        "grammar_compile_ms": compile_ms,
         "raw": {"sampler_ms": sampler, "step_ms": steps, "sampler_in_step_ms": in_step},
     }
     (args.out / "results.json").write_text(json.dumps(report, indent=2, default=str))
+    for what, ms in compile_ms.items():
+        print(f"grammar: {what}: {ms:.2f} ms")
     print(f"wrote {args.out / 'results.json'}")
 
 
