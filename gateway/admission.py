@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from slotserve.gateway.admission_recovery import LeaseKeeper
 from slotserve.gateway.admission_types import (
+    DEFAULT_AGING_US,
     AdmissionBackend,
     BackendUnavailableError,
     DispatchResult,
@@ -82,6 +83,7 @@ class Admission:
         lease_ttl_s: float = 10.0,
         tick_interval_s: float = 0.1,
         idle_tick_interval_s: float = 0.5,
+        priority_aging_s: float = DEFAULT_AGING_US / 1e6,
     ) -> None:
         self.backend = backend
         self.offers = offers
@@ -89,6 +91,7 @@ class Admission:
         self.lease_ttl_s = lease_ttl_s
         self.tick_interval_s = tick_interval_s
         self.idle_tick_interval_s = idle_tick_interval_s
+        self.aging_us = int(priority_aging_s * 1_000_000)
         self.waiters: dict[str, Waiter] = {}
         self.leased: dict[str, tuple[str, str]] = {}  # request id -> (pool, endpoint)
         self._drain: dict[str, DrainRate] = {}
@@ -207,6 +210,7 @@ class Admission:
                     priority,
                     int(timeout_s * 1_000_000),
                     drain_gap_us=promise_gap_us(self.service_rate(pool.name)),
+                    aging_us=self.aging_us,
                 )
             )
         except QueueFullError as exc:

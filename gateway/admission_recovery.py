@@ -116,6 +116,7 @@ class LeaseKeeper:
                     request_id,
                     waiter.priority,
                     remaining_us,
+                    aging_us=admission.aging_us,
                     only_if_absent=True,
                 )
             )

@@ -12,6 +12,8 @@ from slotserve.pools import AdmissionSpec, BatchingSpec
 # Internal priority for a request retried after its engine failed: ahead of every client level.
 RETRY_PRIORITY = 0
 MAX_PRIORITY_LEVEL = 9
+# Priority aging: this much waiting (us) is worth one priority level (see ``enqueue``).
+DEFAULT_AGING_US = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -120,9 +122,14 @@ class AdmissionBackend(Protocol):
         timeout_us: int,
         *,
         drain_gap_us: int = 1_000_000,
+        aging_us: int = DEFAULT_AGING_US,
         only_if_absent: bool = False,
     ) -> DispatchResult:
         """Queue a request (raising QueueFullError beyond maxQueueSize), then dispatch.
+
+        Order: arrival time plus ``priority * aging_us``; so FIFO within a level, a lower level
+        first, and a request that has waited ``aging_us`` longer than another counts one level
+        higher: no level waits forever behind a stream of better ones.
 
         Places promised to clients rejected earlier count as taken until their Retry-After is
         over; a rejected client is promised the next place after them, ``drain_gap_us`` (one

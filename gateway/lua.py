@@ -238,13 +238,15 @@ end
 
 # Script arguments after the shared ones: request id, priority, timeout (us), maxQueueSize,
 # only-if-absent flag, the expected gap (us) between two places freeing in the queue
-# (1 / measured drain rate) and how far ahead (us) return times are promised to rejected clients.
+# (1 / measured drain rate), how far ahead (us) return times are promised to rejected clients,
+# and the priority aging step (us of waiting worth one priority level).
 ENQUEUE = (
     _PRELUDE
     + r"""
 local rid, priority = ARGV[REST], tonumber(ARGV[REST + 1])
 local timeout_us, max_size = tonumber(ARGV[REST + 2]), tonumber(ARGV[REST + 3])
 local drain_gap_us, max_promise_us = tonumber(ARGV[REST + 5]), tonumber(ARGV[REST + 6])
+local aging_us = tonumber(ARGV[REST + 7])
 local now = now_us()
 if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
     or redis.call('ZSCORE', K_LEASES, rid)) then
@@ -264,7 +266,8 @@ end
 settle_promises(now)
 local seq = redis.call('INCR', K_SEQ)
 local deadline = now + timeout_us
-redis.call('ZADD', K_QUEUE, priority * 10000000000000 + seq, rid)
+-- Aging: a level is worth aging_us of waiting, so no level waits forever behind another.
+redis.call('ZADD', K_QUEUE, now + priority * aging_us, rid)
 redis.call('HSET', K_ENTRIES, rid, CALLER .. '|' .. fmt(deadline) .. '|' .. fmt(now))
 redis.call('ZADD', K_DEADLINES, deadline, rid)
 redis.call('ZADD', waiting_key(CALLER), deadline, rid)

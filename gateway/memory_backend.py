@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from slotserve.gateway.admission_types import (
+    DEFAULT_AGING_US,
     CancelOutcome,
     DispatchResult,
     GrantCallback,
@@ -23,7 +24,6 @@ from slotserve.gateway.admission_types import (
 )
 from slotserve.gateway.routing import EndpointOffer, group_size, rank_endpoints
 
-PRIORITY_STRIDE = 10**13  # queue score = priority * stride + arrival sequence (as in Redis)
 SWEEP_BATCH = 100  # as in the Redis backend: bounded work per step however long the queue
 HEAD_DROPS = 16  # dead heads dropped one by one on the way to a live one (``lua.py``)
 
@@ -45,7 +45,7 @@ class _PoolState:
     live only while the dicts still agree with it."""
 
     queue: dict[str, int] = field(default_factory=dict)  # request id -> score
-    queue_heap: list[tuple[int, str]] = field(default_factory=list)
+    queue_heap: list[tuple[int, int, str]] = field(default_factory=list)  # (score, seq, id)
     entries: dict[str, _Entry] = field(default_factory=dict)
     deadline_heap: list[tuple[int, str]] = field(default_factory=list)
     by_replica: dict[str, set[str]] = field(default_factory=dict)
@@ -63,18 +63,18 @@ class _PoolState:
     def add(self, request_id: str, score: int, entry: _Entry) -> None:
         self.queue[request_id] = score
         self.entries[request_id] = entry
-        heapq.heappush(self.queue_heap, (score, request_id))
+        heapq.heappush(self.queue_heap, (score, self.seq, request_id))
         heapq.heappush(self.deadline_heap, (entry.deadline_us, request_id))
         self.by_replica.setdefault(entry.replica, set()).add(request_id)
 
     def head(self, now_us: int, alive: Callable[[str], bool]) -> tuple[str, _Entry] | None:
         for _ in range(HEAD_DROPS):
             heap = self.queue_heap
-            while heap and self.queue.get(heap[0][1]) != heap[0][0]:
+            while heap and self.queue.get(heap[0][2]) != heap[0][0]:
                 heapq.heappop(heap)
             if not heap:
                 return None
-            request_id = heap[0][1]
+            request_id = heap[0][2]
             entry = self.entries.get(request_id)
             if entry is not None and entry.deadline_us > now_us and alive(entry.replica):
                 return request_id, entry
@@ -244,6 +244,7 @@ class InProcessBackend:
         timeout_us: int,
         *,
         drain_gap_us: int = 1_000_000,
+        aging_us: int = DEFAULT_AGING_US,
         only_if_absent: bool = False,
     ) -> DispatchResult:
         now = self.hub.clock_us()
@@ -253,7 +254,7 @@ class InProcessBackend:
         state.settle_promises(now)
         state.seq += 1
         entry = _Entry(self.replica_id, now + timeout_us, now)
-        state.add(request_id, priority * PRIORITY_STRIDE + state.seq, entry)
+        state.add(request_id, now + priority * aging_us, entry)  # aging, as in Redis
         result = self.hub.dispatch(pool, offers, self.replica_id, now)
         # A free slot takes anyone; a newcomer that has to wait may not take a place held for
         # a promised client.

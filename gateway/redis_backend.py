@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, NoScriptError, RedisError
 
 from slotserve.gateway.admission_types import (
+    DEFAULT_AGING_US,
     BackendUnavailableError,
     CancelOutcome,
     DispatchResult,
@@ -238,11 +239,12 @@ class RedisBackend:
         timeout_us: int,
         *,
         drain_gap_us: int = 1_000_000,
+        aging_us: int = DEFAULT_AGING_US,
         only_if_absent: bool = False,
     ) -> DispatchResult:
         args = [*self._args(pool, offers), request_id, priority, timeout_us, pool.max_queue_size]
         args += [1 if only_if_absent else 0, max(1, drain_gap_us)]
-        args.append(int(pool.queue_timeout_s * 1_000_000))
+        args += [int(pool.queue_timeout_s * 1_000_000), aging_us]
         reply = await self._run("enqueue", self.keys.pool(pool.name), args)
         result = self._result(reply)
         if reply[0] == "full":

@@ -22,7 +22,14 @@ LEASE_TTL_S = 1.0
 class Cluster:
     """Replicas sharing one backend; offers and pools are plain dicts the test edits."""
 
-    def __init__(self, kind: str, redis_url: str | None, lease_ttl_s: float = LEASE_TTL_S) -> None:
+    def __init__(
+        self,
+        kind: str,
+        redis_url: str | None,
+        lease_ttl_s: float = LEASE_TTL_S,
+        priority_aging_s: float = 2.0,
+    ) -> None:
+        self.priority_aging_s = priority_aging_s
         self.kind = kind
         self.redis_url = redis_url
         self.lease_ttl_s = lease_ttl_s
@@ -53,6 +60,7 @@ class Cluster:
             lease_ttl_s=self.lease_ttl_s,
             tick_interval_s=0.05,
             idle_tick_interval_s=0.1,
+            priority_aging_s=self.priority_aging_s,
         )
         await admission.start()
         self.replicas.append(admission)
