@@ -37,6 +37,8 @@ class Choices:
     def __init__(self, streams: list[RequestStream]) -> None:
         self.streams = streams
         self.finished = [False] * len(streams)
+        # Each choice's last output (its metrics place it in the request's trace).
+        self.final_outputs: list[RequestOutput | None] = [None] * len(streams)
 
     @classmethod
     def add(
@@ -61,6 +63,7 @@ class Choices:
 
     def record(self, state: ServerState, index: int, output: RequestOutput) -> None:
         self.finished[index] = True
+        self.final_outputs[index] = output
         state.metrics.observe_finished(output.finish_reason or "abort", output.metrics)
 
     @property

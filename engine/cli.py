@@ -18,6 +18,7 @@ from pydantic.fields import FieldInfo
 
 from slotserve.engine.settings import EngineSettings
 from slotserve.settings import cli_settings, configure_logging
+from slotserve.tracing import TracingUnavailableError, tracer_provider_from_env
 
 ENV_PREFIX = EngineSettings.model_config["env_prefix"]
 
@@ -83,9 +84,14 @@ def main(argv: list[str]) -> int:
     if settings is None:
         return 2
     configure_logging(args.log_level)
+    try:
+        tracer_provider = tracer_provider_from_env("slotserve-engine", os.environ)
+    except TracingUnavailableError as error:
+        print(f"slotserve engine: {error}", file=sys.stderr)
+        return 2
     from slotserve.engine.server import serve  # imports torch: only once flags are valid
 
-    exit_code = asyncio.run(serve(settings))
+    exit_code = asyncio.run(serve(settings, tracer_provider))
     # Everything is closed by now; skip interpreter teardown, which spends seconds freeing the
     # model and joining torch's worker threads while the pod's grace period ticks.
     logging.shutdown()

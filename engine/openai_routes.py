@@ -46,6 +46,7 @@ from slotserve.engine.openai_format import (
 from slotserve.engine.params import SamplingParams
 from slotserve.engine.structured import GrammarError, check_requested_grammar
 from slotserve.engine.tokenize import PromptTooLongError, TokenizerUnavailableError
+from slotserve.engine.tracing import record_request_phases
 
 if TYPE_CHECKING:
     from slotserve.engine.async_engine import AsyncEngine
@@ -282,6 +283,7 @@ async def _generate(
             engine.abort(request_id)  # client gone (or an error): free the slot now
             state.metrics.observe_finished("abort", None)
         state.end(fmt.request_id)
+        record_request_phases(request, fmt.request_id, engine, choices.final_outputs)
 
 
 def _aborted() -> ApiError:

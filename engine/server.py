@@ -35,8 +35,12 @@ from slotserve.engine.http_state import (
 from slotserve.engine.openai_routes import chat_completions, completions, models
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
+from slotserve.tracing import install_tracing, shutdown_provider
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+    from opentelemetry.trace import TracerProvider
+
     from slotserve.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
@@ -44,12 +48,17 @@ log = logging.getLogger(__name__)
 # Requests still running when the drain deadline passes are aborted; their handlers then get
 # this long to send the final bytes before the server closes.
 ABORT_GRACE_SECONDS = 5.0
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 T = TypeVar("T")
 
 
-def create_app(engine_or_settings: AsyncEngine | EngineSettings) -> web.Application:
+def create_app(
+    engine_or_settings: AsyncEngine | EngineSettings,
+    tracer_provider: TracerProvider | None = None,
+) -> web.Application:
     """The engine app. Given settings, it loads the model itself (in a thread, after start-up);
-    given a loaded ``AsyncEngine``, it starts it. Either way the app shuts the engine down."""
+    given a loaded ``AsyncEngine``, it starts it. Either way the app shuts the engine down.
+    With a ``tracer_provider`` the OpenAI requests are traced (slotserve/tracing.py)."""
     if isinstance(engine_or_settings, EngineSettings):
         settings, preloaded = engine_or_settings, None
     else:
@@ -59,13 +68,14 @@ def create_app(engine_or_settings: AsyncEngine | EngineSettings) -> web.Applicat
     )
     app[STATE] = ServerState(settings=settings, preloaded=preloaded)
     app.cleanup_ctx.append(_engine_lifecycle)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post(COMPLETION_PATHS[0], completions)
+    app.router.add_post(COMPLETION_PATHS[1], chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/load", _load)
     app.router.add_get("/metrics", _metrics)
+    install_tracing(app, tracer_provider, "slotserve.engine", COMPLETION_PATHS)
     return app
 
 
@@ -153,9 +163,9 @@ async def _first_of(*waits: Awaitable[Any], timeout: float | None) -> None:
             task.cancel()
 
 
-async def serve(settings: EngineSettings) -> int:
+async def serve(settings: EngineSettings, tracer_provider: SdkTracerProvider | None = None) -> int:
     """Serve until SIGTERM/SIGINT (exit 0 after draining) or a failed model load (exit 1)."""
-    app = create_app(settings)
+    app = create_app(settings, tracer_provider)
     state = app[STATE]
     access_log = log if log.isEnabledFor(logging.DEBUG) else None
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
@@ -181,6 +191,7 @@ async def serve(settings: EngineSettings) -> int:
         stop.clear()  # a second signal skips the rest of the drain
         await drain(state, settings.drain_timeout_seconds, force=stop)
     await runner.cleanup()
+    await asyncio.to_thread(shutdown_provider, tracer_provider)  # the last spans
     log.info("stopped (exit %d)", exit_code)
     return exit_code
 

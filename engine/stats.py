@@ -17,6 +17,9 @@ class RequestMetrics:
     time_to_first_token: float  # arrival -> first token
     e2e_latency: float  # arrival -> finished
     inter_token_latencies: list[float] = field(default_factory=list)
+    # On the engine's clock: with the latencies above it places the request's phases in time
+    # (the trace's queued/prefill/decode spans, engine/tracing.py).
+    arrival_time: float = 0.0
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> RequestMetrics:
@@ -29,6 +32,7 @@ class RequestMetrics:
             time_to_first_token=first_token - arrival,
             e2e_latency=finish - arrival,
             inter_token_latencies=list(seq.inter_token_latencies),
+            arrival_time=arrival,
         )
 
 

@@ -16,7 +16,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -38,6 +38,11 @@ from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub
 from slotserve.gateway.metrics import GatewayMetrics
 from slotserve.gateway.proxy import ProxyContext, proxy_request
 from slotserve.gateway.settings import GatewaySettings
+from slotserve.gateway.tracing import traced_admission
+from slotserve.tracing import install_tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +210,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             503, f"no engine of pool {model!r} is ready", "no_ready_endpoint", retry_after_s=1
         )
     try:
-        lease = await admission.acquire(policy, priority or settings.default_priority, timeout_s)
+        acquire = admission.acquire(policy, priority or settings.default_priority, timeout_s)
+        lease = await traced_admission(request, model, acquire)
     except AdmissionError as exc:
         m.rejected.labels(model, exc.code).inc()
         if window is not None:
@@ -314,8 +320,11 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     await session.close()
 
 
-def create_app(settings: GatewaySettings) -> web.Application:
-    """Build the gateway app; resources start with the app and stop with it."""
+def create_app(
+    settings: GatewaySettings, tracer_provider: TracerProvider | None = None
+) -> web.Application:
+    """Build the gateway app; resources start with the app and stop with it. With a
+    ``tracer_provider`` the completion requests are traced (slotserve/tracing.py)."""
     app = web.Application(
         middlewares=[auth_middleware], client_max_size=settings.max_request_body_bytes
     )
@@ -348,4 +357,5 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     for path in COMPLETION_PATHS:
         app.router.add_post(path, completions)
+    install_tracing(app, tracer_provider, "slotserve.gateway", COMPLETION_PATHS)
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from aiohttp import web
@@ -12,6 +13,7 @@ from slotserve.gateway.api_keys import ApiKeysError
 from slotserve.gateway.config import PoolConfigError
 from slotserve.gateway.settings import GatewaySettings
 from slotserve.settings import cli_settings, configure_logging
+from slotserve.tracing import TracingUnavailableError, shutdown_provider, tracer_provider_from_env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,10 +54,15 @@ def main(argv: list[str]) -> int:
     if settings.discovery == "file" and settings.config is None:
         print("slotserve gateway: --config is required with file discovery", file=sys.stderr)
         return 2
+    try:
+        tracer_provider = tracer_provider_from_env("slotserve-gateway", os.environ)
+    except TracingUnavailableError as exc:
+        print(f"slotserve gateway: {exc}", file=sys.stderr)
+        return 2
     from slotserve.gateway.app import create_app
 
     try:
-        app = create_app(settings)
+        app = create_app(settings, tracer_provider)
         web.run_app(
             app,
             host=settings.host,
@@ -73,4 +80,6 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         print(f"slotserve gateway: {exc}", file=sys.stderr)
         return 1
+    finally:
+        shutdown_provider(tracer_provider)  # the last spans
     return 0

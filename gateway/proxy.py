@@ -17,6 +17,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import aiohttp
 from aiohttp import web
@@ -26,11 +27,21 @@ from slotserve.gateway.admission_types import RETRY_PRIORITY, AdmissionError, Po
 from slotserve.gateway.engines import EngineMonitor
 from slotserve.gateway.errors import error_response, sse_error_event
 from slotserve.gateway.metrics import GatewayMetrics
+from slotserve.gateway.tracing import traced_upstream
 
 log = logging.getLogger(__name__)
 
-# Headers passed to the engine; everything else (Authorization included) stays here.
-FORWARD_REQUEST_HEADERS = ("Content-Type", "Accept", "X-Request-Id", "User-Agent")
+# Headers passed to the engine; everything else (Authorization included) stays here. The W3C
+# trace context passes through unchanged with tracing off (with it on, the upstream span's
+# replaces it), so an engine that traces still joins the client's trace.
+FORWARD_REQUEST_HEADERS = (
+    "Content-Type",
+    "Accept",
+    "X-Request-Id",
+    "User-Agent",
+    "traceparent",
+    "tracestate",
+)
 FORWARD_RESPONSE_HEADERS = (
     "Content-Type",
     "Content-Encoding",
@@ -110,7 +121,8 @@ async def proxy_request(
     while True:
         ctx.metrics.inflight.labels(pool.name, lease.endpoint).inc()
         try:
-            return await _forward_once(request, ctx, lease, body, headers)
+            forward = partial(_forward_once, request, ctx, lease, body)
+            return await traced_upstream(request, lease, headers, forward)
         except _UpstreamFailedError as exc:
             ctx.monitor.mark_failed(lease.endpoint)
             log.warning("engine %s failed before the first byte: %s", lease.endpoint, exc)
