@@ -58,6 +58,7 @@ class Waiter:
     future: asyncio.Future[str]
     priority: int
     deadline: float  # monotonic
+    demote_at: float | None = None  # monotonic; DELAY levels only
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class Admission:
         self.lease_ttl_s = lease_ttl_s
         self.tick_interval_s = tick_interval_s
         self.idle_tick_interval_s = idle_tick_interval_s
-        self.aging_us = int(priority_aging_s * 1_000_000)
+        self.aging_us_default = int(priority_aging_s * 1_000_000)
         self.waiters: dict[str, Waiter] = {}
         self.leased: dict[str, tuple[str, str]] = {}  # request id -> (pool, endpoint)
         self._drain: dict[str, DrainRate] = {}
@@ -142,18 +143,30 @@ class Admission:
         depth = self.queue_depth(pool_name) if queue_depth is None else queue_depth
         return queue_drain_seconds(depth, self.service_rate(pool_name))
 
-    async def acquire(self, pool: PoolPolicy, priority: int, timeout_s: float) -> Lease:
-        """Wait for a slot; raises QueueFullError, QueueTimeoutError or BackendUnavailableError."""
+    async def acquire(
+        self,
+        pool: PoolPolicy,
+        priority: int,
+        timeout_s: float,
+        *,
+        demote_after_s: float | None = None,
+    ) -> Lease:
+        """Wait for a slot; raises QueueFullError, QueueTimeoutError or BackendUnavailableError.
+
+        ``demote_after_s`` (a ``DELAY`` level, ``PoolPolicy.queue_wait``): from then on the
+        request waits behind every request not demoted, until ``timeout_s``.
+        """
         started = time.monotonic()
         if self.keeper.needs_restore:
             await self.keeper.restore()  # our leases first: nobody may over-admit into them
         request_id = uuid.uuid4().hex
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.waiters[request_id] = Waiter(pool, future, priority, started + timeout_s)
+        demote_at = None if demote_after_s is None else started + demote_after_s
+        self.waiters[request_id] = Waiter(pool, future, priority, started + timeout_s, demote_at)
         owned = settled = False
         try:
             try:
-                await self._enqueue(pool, request_id, priority, timeout_s)
+                await self._enqueue(pool, request_id, priority, timeout_s, demote_after_s)
             except QueueFullError:
                 settled = True  # the step took the entry out again
                 raise
@@ -198,9 +211,21 @@ class Admission:
 
     # -- internals ----------------------------------------------------------------------------
 
+    def aging_us(self, pool: PoolPolicy) -> int:
+        """The pool's priority aging step, else this gateway's."""
+        if pool.priority_aging_s is None:
+            return self.aging_us_default
+        return int(pool.priority_aging_s * 1_000_000)
+
     async def _enqueue(
-        self, pool: PoolPolicy, request_id: str, priority: int, timeout_s: float
+        self,
+        pool: PoolPolicy,
+        request_id: str,
+        priority: int,
+        timeout_s: float,
+        demote_after_s: float | None,
     ) -> None:
+        demote_us = None if demote_after_s is None else int(demote_after_s * 1_000_000)
         try:
             result = await self.call(
                 self.backend.enqueue(
@@ -210,7 +235,8 @@ class Admission:
                     priority,
                     int(timeout_s * 1_000_000),
                     drain_gap_us=promise_gap_us(self.service_rate(pool.name)),
-                    aging_us=self.aging_us,
+                    aging_us=self.aging_us(pool),
+                    demote_after_us=demote_us,
                 )
             )
         except QueueFullError as exc:

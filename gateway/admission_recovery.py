@@ -108,6 +108,9 @@ class LeaseKeeper:
     async def _requeue(self, request_id: str, waiter: Waiter, now: float) -> None:
         admission = self.admission
         remaining_us = max(1, int((waiter.deadline - now) * 1_000_000))
+        demote_us = None  # a DELAY request keeps its demotion time (past: demoted at once)
+        if waiter.demote_at is not None:
+            demote_us = max(1, int((waiter.demote_at - now) * 1_000_000))
         try:
             result = await admission.call(
                 admission.backend.enqueue(
@@ -116,7 +119,8 @@ class LeaseKeeper:
                     request_id,
                     waiter.priority,
                     remaining_us,
-                    aging_us=admission.aging_us,
+                    aging_us=admission.aging_us(waiter.pool),
+                    demote_after_us=demote_us,
                     only_if_absent=True,
                 )
             )

@@ -7,13 +7,34 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from slotserve.gateway.routing import EndpointOffer
-from slotserve.pools import AdmissionSpec, BatchingSpec
+from slotserve.pools import AdmissionSpec, BatchingSpec, TimeoutAction
 
 # Internal priority for a request retried after its engine failed: ahead of every client level.
 RETRY_PRIORITY = 0
 MAX_PRIORITY_LEVEL = 9
 # Priority aging: this much waiting (us) is worth one priority level (see ``enqueue``).
 DEFAULT_AGING_US = 2_000_000
+# Added to a demoted (DELAY) request's queue score: behind everything not demoted (~31 years of
+# arrival time), order among the demoted kept; scores stay exact in a double (< 2**53 us).
+DEMOTION_OFFSET_US = 1_000_000_000_000_000
+
+
+@dataclass(frozen=True)
+class LevelPolicy:
+    """Triton's queue policy of one priority level, with the pool's values filled in."""
+
+    max_queue_size: int
+    queue_timeout_s: float
+    timeout_action: TimeoutAction = "REJECT"
+
+
+@dataclass(frozen=True)
+class QueueWait:
+    """How long one request may wait: demoted (``DELAY``) after ``demote_after_s``, given up
+    (503) after ``give_up_after_s``; without demotion the two are equal."""
+
+    demote_after_s: float
+    give_up_after_s: float
 
 
 @dataclass(frozen=True)
@@ -26,9 +47,27 @@ class PoolPolicy:
     queue_timeout_s: float = 30.0
     max_queue_delay_us: int = 100
     preferred_batch_sizes: tuple[int, ...] = ()
+    priority_levels: int = MAX_PRIORITY_LEVEL
+    default_priority_level: int | None = None  # unset: the gateway's --default-priority
+    # (level, its policy) for the levels that have their own; the rest use the pool's values.
+    priority_queue_policy: tuple[tuple[int, LevelPolicy], ...] = ()
+    priority_aging_s: float | None = None  # unset: the gateway's --priority-aging-seconds
 
     @classmethod
     def from_specs(cls, name: str, batching: BatchingSpec, admission: AdmissionSpec) -> PoolPolicy:
+        levels = tuple(
+            (
+                level,
+                LevelPolicy(
+                    spec.max_queue_size
+                    if spec.max_queue_size is not None
+                    else admission.max_queue_size,
+                    spec.queue_timeout_seconds or admission.queue_timeout_seconds,
+                    spec.timeout_action,
+                ),
+            )
+            for level, spec in sorted(admission.priority_queue_policy.items())
+        )
         return cls(
             name=name,
             policy=batching.policy,
@@ -36,7 +75,29 @@ class PoolPolicy:
             queue_timeout_s=admission.queue_timeout_seconds,
             max_queue_delay_us=batching.max_queue_delay_microseconds,
             preferred_batch_sizes=tuple(batching.preferred_batch_sizes),
+            priority_levels=admission.priority_levels,
+            default_priority_level=admission.default_priority_level,
+            priority_queue_policy=levels,
+            priority_aging_s=admission.priority_aging_seconds,
         )
+
+    def level(self, priority: int) -> LevelPolicy:
+        """The queue policy of ``priority`` (retries, level 0, use the pool's own values)."""
+        for level, policy in self.priority_queue_policy:
+            if level == priority:
+                return policy
+        return LevelPolicy(self.max_queue_size, self.queue_timeout_s)
+
+    def queue_wait(self, priority: int, client_limit_s: float | None = None) -> QueueWait:
+        """A request's waits at ``priority``. ``DELAY``: demoted at the level's timeout and
+        given up after twice that; a client's own limit only ever shortens the wait."""
+        level = self.level(priority)
+        give_up_s = level.queue_timeout_s
+        if level.timeout_action == "DELAY":
+            give_up_s *= 2
+        if client_limit_s is not None:
+            give_up_s = min(give_up_s, client_limit_s)
+        return QueueWait(min(level.queue_timeout_s, give_up_s), give_up_s)
 
 
 @dataclass(frozen=True)
@@ -123,9 +184,15 @@ class AdmissionBackend(Protocol):
         *,
         drain_gap_us: int = 1_000_000,
         aging_us: int = DEFAULT_AGING_US,
+        demote_after_us: int | None = None,
         only_if_absent: bool = False,
     ) -> DispatchResult:
-        """Queue a request (raising QueueFullError beyond maxQueueSize), then dispatch.
+        """Queue a request (raising QueueFullError beyond maxQueueSize, or beyond its level's
+        own ``maxQueueSize``), then dispatch.
+
+        ``demote_after_us`` (< ``timeout_us``; Triton's ``DELAY``): from then on the request
+        stays queued but behind every request not demoted (order among the demoted kept);
+        ``None``: never demoted, dropped at ``timeout_us``.
 
         Order: arrival time plus ``priority * aging_us``; so FIFO within a level, a lower level
         first, and a request that has waited ``aging_us`` longer than another counts one level

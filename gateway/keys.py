@@ -7,8 +7,8 @@ replica leaves nothing behind for long:
 
 | key | type | contents | TTL |
 |---|---|---|---|
-| ``P:{pool}:queue`` | ZSET | waiting request ids; score = priority * 1e13 + arrival seq | STATE |
-| ``P:{pool}:entries`` | HASH | request id -> ``replica|deadline_us|enqueued_us`` | STATE |
+| ``P:{pool}:queue`` | ZSET | waiting request ids; score = arrival + level x aging (4) | STATE |
+| ``P:{pool}:entries`` | HASH | request id -> ``replica|deadline_us|enqueued_us|level`` | STATE |
 | ``P:{pool}:seq`` | STRING | arrival counter (global FIFO order within a priority) | STATE |
 | ``P:{pool}:leases`` | ZSET | request ids holding a slot; score = lease expiry (us) | STATE |
 | ``P:{pool}:lease_endpoint`` | HASH | request id -> endpoint URL of its slot | STATE |
@@ -17,6 +17,8 @@ replica leaves nothing behind for long:
 | ``P:{pool}:deadlines`` | ZSET | waiting request ids; score = queue deadline (us) | STATE |
 | ``P:{pool}:replicas`` | SET | replicas that may have requests waiting in the pool | STATE |
 | ``P:{pool}:retries`` | ZSET | places promised to rejected clients; score = return (us) | STATE |
+| ``P:{pool}:levels`` | HASH | level -> number of its requests waiting | STATE |
+| ``P:{pool}:delays`` | ZSET | DELAY-level request ids; score = when demoted (us) | STATE |
 | ``P:{pool}:waiting:{id}`` | ZSET | replica ``id``'s waiting request ids (dead: swept) | STATE |
 | ``P:{pool}:window:{n}`` | HASH | admitted, rejected, queue waits in window ``n`` (3) | 90 s |
 | ``P:epoch`` | HASH | admission epoch: ``id``, ``created``, ``ready`` (us) (2) | STATE |
@@ -27,6 +29,7 @@ replica leaves nothing behind for long:
 (2) recreated when Redis lost its data; nobody dispatches before ``ready`` (see ``lua.py``).
 (3) written by every replica, read by the operator for ``status.admission``
 (``slotserve.admission_stats``).
+(4) plus ``DEMOTION_OFFSET_US`` once demoted (a ``DELAY`` level's request past its timeout).
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
 write. Times are Redis server time (``TIME``) in microseconds, so replica clocks never matter.
 """
@@ -48,6 +51,8 @@ POOL_KEY_NAMES = (
     "deadlines",
     "replicas",
     "retries",
+    "levels",
+    "delays",
 )
 
 
@@ -58,7 +63,7 @@ class Keys:
     prefix: str = "slotserve"
 
     def pool(self, pool_name: str) -> list[str]:
-        """The pool's keys in the order the Lua scripts expect them (KEYS[1..10])."""
+        """The pool's keys in the order the Lua scripts expect them (KEYS[1..12])."""
         return [self.pool_key(pool_name, name) for name in POOL_KEY_NAMES]
 
     def pool_key(self, pool_name: str, name: str) -> str:

@@ -22,13 +22,14 @@ The admission epoch and the heartbeat script live in ``lua_epoch.py``.
 
 from __future__ import annotations
 
+from slotserve.gateway.admission_types import DEMOTION_OFFSET_US
 from slotserve.gateway.lua_epoch import EPOCH, HEARTBEAT
 
 _PRELUDE = (
     r"""#!lua flags=allow-cross-slot-keys
 local K_QUEUE, K_ENTRIES, K_SEQ, K_LEASES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local K_LEASE_EP, K_INFLIGHT, K_STATS, K_DEADLINES = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local K_REPLICAS, K_RETRIES = KEYS[9], KEYS[10]
+local K_REPLICAS, K_RETRIES, K_LEVELS, K_DELAYS = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
 local PREFIX, POOL, CALLER = ARGV[1], ARGV[2], ARGV[3]
 local LEASE_TTL_US = tonumber(ARGV[4])
 local STATE_TTL_MS = tonumber(ARGV[5])
@@ -46,6 +47,9 @@ for i = 0, NUM_OFFERS - 1 do
   OFFERS[#OFFERS + 1] = {url = ARGV[b], slots = tonumber(ARGV[b + 1]), load = tonumber(ARGV[b + 2])}
 end
 local REST = 13 + NUM_OFFERS * 3
+local DEMOTION_OFFSET = """
+    + str(DEMOTION_OFFSET_US)
+    + r"""
 """
     + EPOCH
     + r"""
@@ -64,18 +68,27 @@ local function waiting_key(replica)
   return PREFIX .. ':{' .. POOL .. '}:waiting:' .. replica
 end
 
+-- replica|deadline|enqueued|level (the replica's name may hold '|': the match is greedy).
 local function parse_entry(info)
-  local replica, deadline, enqueued = string.match(info, '^(.*)|(%d+)|(%d+)$')
-  return replica, tonumber(deadline), tonumber(enqueued)
+  local replica, deadline, enqueued, level = string.match(info, '^(.*)|(%d+)|(%d+)|(%d+)$')
+  return replica, tonumber(deadline), tonumber(enqueued), level
+end
+
+-- Waiting requests per level (for each level's own maxQueueSize).
+local function count_level(level, delta)
+  if redis.call('HINCRBY', K_LEVELS, level, delta) <= 0 then redis.call('HDEL', K_LEVELS, level) end
 end
 
 local function drop(rid)
   local info = redis.call('HGET', K_ENTRIES, rid)
   redis.call('ZREM', K_QUEUE, rid)
   redis.call('ZREM', K_DEADLINES, rid)
+  redis.call('ZREM', K_DELAYS, rid)
   if info then
     redis.call('HDEL', K_ENTRIES, rid)
-    redis.call('ZREM', waiting_key(parse_entry(info)), rid)
+    local replica, _, _, level = parse_entry(info)
+    redis.call('ZREM', waiting_key(replica), rid)
+    count_level(level, -1)
   end
 end
 
@@ -85,34 +98,53 @@ local function drop_many(rids)
   local infos = redis.call('HMGET', K_ENTRIES, unpack(rids))
   redis.call('ZREM', K_QUEUE, unpack(rids))
   redis.call('ZREM', K_DEADLINES, unpack(rids))
+  redis.call('ZREM', K_DELAYS, unpack(rids))
   redis.call('HDEL', K_ENTRIES, unpack(rids))
-  local by_replica = {}
+  local by_replica, by_level = {}, {}
   for i = 1, #rids do
     if infos[i] then
-      local replica = parse_entry(infos[i])
+      local replica, _, _, level = parse_entry(infos[i])
       by_replica[replica] = by_replica[replica] or {}
       table.insert(by_replica[replica], rids[i])
+      by_level[level] = (by_level[level] or 0) + 1
     end
   end
+  for level, n in pairs(by_level) do count_level(level, -n) end
   for replica, list in pairs(by_replica) do
     redis.call('ZREM', waiting_key(replica), unpack(list))
   end
 end
 
+-- DELAY: a request past its level's timeout goes behind everyone not demoted.
+local function demote(rids)
+  for _, rid in ipairs(rids) do
+    redis.call('ZADD', K_QUEUE, 'XX', 'INCR', DEMOTION_OFFSET, rid)
+    redis.call('ZREM', K_DELAYS, rid)
+  end
+end
+
 -- The oldest live entry of the best priority; expired, orphaned or dead replicas' heads are
 -- dropped on the way, one by one, so only a few per script: the tick drops the rest in batches.
-local drops_left = 16
+-- A head due for demotion is demoted (it only moves back, so checking heads is enough).
+local drops_left, demotions_left = 16, 64
 local function head(now)
   while drops_left > 0 do
     local h = redis.call('ZRANGE', K_QUEUE, 0, 0)
     if #h == 0 then return nil end
     local info = redis.call('HGET', K_ENTRIES, h[1])
-    if info then
-      local replica, deadline, enqueued = parse_entry(info)
-      if deadline > now and is_alive(replica) then return h[1], replica, enqueued end
+    local due = tonumber(redis.call('ZSCORE', K_DELAYS, h[1]) or '-1')
+    if info and due >= 0 and due <= now then
+      if demotions_left == 0 then return nil end  -- the tick demotes the rest in batches
+      demote(h)
+      demotions_left = demotions_left - 1
+    else
+      if info then
+        local replica, deadline, enqueued = parse_entry(info)
+        if deadline > now and is_alive(replica) then return h[1], replica, enqueued end
+      end
+      drop(h[1])
+      drops_left = drops_left - 1
     end
-    drop(h[1])
-    drops_left = drops_left - 1
   end
   return nil
 end
@@ -239,14 +271,16 @@ end
 # Script arguments after the shared ones: request id, priority, timeout (us), maxQueueSize,
 # only-if-absent flag, the expected gap (us) between two places freeing in the queue
 # (1 / measured drain rate), how far ahead (us) return times are promised to rejected clients,
-# and the priority aging step (us of waiting worth one priority level).
+# the priority aging step (us of waiting worth one priority level), the level's own
+# maxQueueSize, and when (us from now) the request is demoted (DELAY; 0: never).
 ENQUEUE = (
     _PRELUDE
     + r"""
 local rid, priority = ARGV[REST], tonumber(ARGV[REST + 1])
 local timeout_us, max_size = tonumber(ARGV[REST + 2]), tonumber(ARGV[REST + 3])
 local drain_gap_us, max_promise_us = tonumber(ARGV[REST + 5]), tonumber(ARGV[REST + 6])
-local aging_us = tonumber(ARGV[REST + 7])
+local aging_us, level_max = tonumber(ARGV[REST + 7]), tonumber(ARGV[REST + 8])
+local demote_us = tonumber(ARGV[REST + 9])
 local now = now_us()
 if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
     or redis.call('ZSCORE', K_LEASES, rid)) then
@@ -268,13 +302,26 @@ local seq = redis.call('INCR', K_SEQ)
 local deadline = now + timeout_us
 -- Aging: a level is worth aging_us of waiting, so no level waits forever behind another.
 redis.call('ZADD', K_QUEUE, now + priority * aging_us, rid)
-redis.call('HSET', K_ENTRIES, rid, CALLER .. '|' .. fmt(deadline) .. '|' .. fmt(now))
+redis.call('HSET', K_ENTRIES, rid, CALLER .. '|' .. fmt(deadline) .. '|' .. fmt(now) .. '|'
+  .. priority)
+count_level(priority, 1)
 redis.call('ZADD', K_DEADLINES, deadline, rid)
+if demote_us > 0 then redis.call('ZADD', K_DELAYS, now + demote_us, rid) end
 redis.call('ZADD', waiting_key(CALLER), deadline, rid)
 redis.call('PEXPIRE', waiting_key(CALLER), STATE_TTL_MS)
 redis.call('SADD', K_REPLICAS, CALLER)
 local hold = dispatch(now)
 touch()
+-- The level's own limit (when below the pool's): a flood at one level cannot take the other
+-- levels' places. No promise: its Retry-After is the time its level's queue takes to drain.
+if level_max < max_size and redis.call('ZSCORE', K_QUEUE, rid)
+    and tonumber(redis.call('HGET', K_LEVELS, priority) or '0') > level_max then
+  drop(rid)
+  local ahead = tonumber(redis.call('HGET', K_LEVELS, priority) or '0') + 1
+  touch()
+  return result('level_full', 0, math.ceil(
+    math.min(ahead * drain_gap_us, max_promise_us) / 1000000) * 1000000)
+end
 -- A free slot takes anyone; a newcomer that has to wait may not take a place held for a
 -- promised client.
 if redis.call('ZSCORE', K_QUEUE, rid) and redis.call('ZCARD', K_QUEUE) + HELD > max_size then
@@ -330,6 +377,7 @@ local now = now_us()
 local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
 for _, rid in ipairs(expired) do release_lease(rid) end
 drop_many(redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now, 'LIMIT', 0, SWEEP_BATCH))
+demote(redis.call('ZRANGEBYSCORE', K_DELAYS, '-inf', now, 'LIMIT', 0, SWEEP_BATCH))
 -- Dead replicas' entries, a batch per dead replica (the set holds one member per replica).
 for _, replica in ipairs(redis.call('SMEMBERS', K_REPLICAS)) do
   local wk = waiting_key(replica)

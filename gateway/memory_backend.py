@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from slotserve.gateway.admission_types import (
     DEFAULT_AGING_US,
+    DEMOTION_OFFSET_US,
     CancelOutcome,
     DispatchResult,
     GrantCallback,
@@ -26,6 +27,7 @@ from slotserve.gateway.routing import EndpointOffer, group_size, rank_endpoints
 
 SWEEP_BATCH = 100  # as in the Redis backend: bounded work per step however long the queue
 HEAD_DROPS = 16  # dead heads dropped one by one on the way to a live one (``lua.py``)
+HEAD_DEMOTIONS = 64  # heads due for demotion (DELAY) demoted on the way, as in ``lua.py``
 
 
 def _monotonic_us() -> int:
@@ -37,6 +39,7 @@ class _Entry:
     replica: str
     deadline_us: int
     enqueued_us: int
+    level: int
 
 
 @dataclass
@@ -49,6 +52,9 @@ class _PoolState:
     entries: dict[str, _Entry] = field(default_factory=dict)
     deadline_heap: list[tuple[int, str]] = field(default_factory=list)
     by_replica: dict[str, set[str]] = field(default_factory=dict)
+    level_counts: dict[int, int] = field(default_factory=dict)  # level -> waiting
+    delays: dict[str, int] = field(default_factory=dict)  # request id -> demoted at (us)
+    delay_heap: list[tuple[int, str]] = field(default_factory=list)
     seq: int = 0
     leases: dict[str, int] = field(default_factory=dict)  # request id -> expiry (us)
     lease_heap: list[tuple[int, str]] = field(default_factory=list)
@@ -60,15 +66,28 @@ class _PoolState:
     num_held: int = 0  # queue places held for promised clients
     num_freed: int = 0  # leases released in the current step
 
-    def add(self, request_id: str, score: int, entry: _Entry) -> None:
+    def add(self, request_id: str, score: int, entry: _Entry, demote_at_us: int = 0) -> None:
         self.queue[request_id] = score
         self.entries[request_id] = entry
         heapq.heappush(self.queue_heap, (score, self.seq, request_id))
         heapq.heappush(self.deadline_heap, (entry.deadline_us, request_id))
         self.by_replica.setdefault(entry.replica, set()).add(request_id)
+        self.level_counts[entry.level] = self.level_counts.get(entry.level, 0) + 1
+        if demote_at_us:
+            self.delays[request_id] = demote_at_us
+            heapq.heappush(self.delay_heap, (demote_at_us, request_id))
+
+    def demote(self, request_id: str) -> None:
+        """DELAY: behind every request not demoted, order among the demoted kept."""
+        self.delays.pop(request_id, None)
+        score = self.queue[request_id] + DEMOTION_OFFSET_US
+        self.queue[request_id] = score
+        self.seq += 1
+        heapq.heappush(self.queue_heap, (score, self.seq, request_id))
 
     def head(self, now_us: int, alive: Callable[[str], bool]) -> tuple[str, _Entry] | None:
-        for _ in range(HEAD_DROPS):
+        num_drops = num_demotions = 0
+        while num_drops < HEAD_DROPS:
             heap = self.queue_heap
             while heap and self.queue.get(heap[0][2]) != heap[0][0]:
                 heapq.heappop(heap)
@@ -76,16 +95,27 @@ class _PoolState:
                 return None
             request_id = heap[0][2]
             entry = self.entries.get(request_id)
+            if entry is not None and self.delays.get(request_id, now_us + 1) <= now_us:
+                if num_demotions == HEAD_DEMOTIONS:
+                    return None  # the tick demotes the rest in batches
+                self.demote(request_id)
+                num_demotions += 1
+                continue
             if entry is not None and entry.deadline_us > now_us and alive(entry.replica):
                 return request_id, entry
             self._drop(request_id)
+            num_drops += 1
         return None
 
     def _drop(self, request_id: str) -> None:
         self.queue.pop(request_id, None)
+        self.delays.pop(request_id, None)
         entry = self.entries.pop(request_id, None)
         if entry is not None:
             self.by_replica.get(entry.replica, set()).discard(request_id)
+            self.level_counts[entry.level] -= 1
+            if self.level_counts[entry.level] <= 0:
+                del self.level_counts[entry.level]
 
     def set_lease(self, request_id: str, expiry_us: int) -> None:
         self.leases[request_id] = expiry_us
@@ -117,6 +147,12 @@ class _PoolState:
             entry = self.entries.get(request_id)
             if entry is not None and entry.deadline_us == deadline:
                 self._drop(request_id)
+        for _ in range(SWEEP_BATCH):
+            if not self.delay_heap or self.delay_heap[0][0] > now_us:
+                break
+            demote_at, request_id = heapq.heappop(self.delay_heap)
+            if self.delays.get(request_id) == demote_at:
+                self.demote(request_id)
         for replica, request_ids in list(self.by_replica.items()):
             if not alive(replica):
                 for request_id in list(request_ids)[:SWEEP_BATCH]:
@@ -245,6 +281,7 @@ class InProcessBackend:
         *,
         drain_gap_us: int = 1_000_000,
         aging_us: int = DEFAULT_AGING_US,
+        demote_after_us: int | None = None,
         only_if_absent: bool = False,
     ) -> DispatchResult:
         now = self.hub.clock_us()
@@ -253,9 +290,29 @@ class InProcessBackend:
             return DispatchResult(len(state.queue), state.num_dispatched, 0)
         state.settle_promises(now)
         state.seq += 1
-        entry = _Entry(self.replica_id, now + timeout_us, now)
-        state.add(request_id, now + priority * aging_us, entry)  # aging, as in Redis
+        entry = _Entry(self.replica_id, now + timeout_us, now, priority)
+        demote_at = 0
+        if demote_after_us is not None and 0 < demote_after_us < timeout_us:
+            demote_at = now + demote_after_us
+        state.add(request_id, now + priority * aging_us, entry, demote_at)  # aging, as in Redis
         result = self.hub.dispatch(pool, offers, self.replica_id, now)
+        level = pool.level(priority)
+        if (
+            level.max_queue_size < pool.max_queue_size
+            and request_id in state.queue
+            and state.level_counts[priority] > level.max_queue_size
+        ):
+            # The level's own limit (``lua.py``): no promise, its queue's drain time.
+            state._drop(request_id)
+            ahead = state.level_counts.get(priority, 0) + 1
+            retry_us = min(ahead * max(1, drain_gap_us), int(pool.queue_timeout_s * 1_000_000))
+            raise QueueFullError(
+                f"queue of level {priority} of {pool.name!r} is full "
+                f"({level.max_queue_size} waiting)",
+                queue_depth=len(state.queue),
+                num_dispatched_total=state.num_dispatched,
+                retry_after_s=max(1, math.ceil(retry_us / 1_000_000)),
+            )
         # A free slot takes anyone; a newcomer that has to wait may not take a place held for
         # a promised client.
         waiting = len(state.queue) + state.num_held

@@ -240,16 +240,22 @@ class RedisBackend:
         *,
         drain_gap_us: int = 1_000_000,
         aging_us: int = DEFAULT_AGING_US,
+        demote_after_us: int | None = None,
         only_if_absent: bool = False,
     ) -> DispatchResult:
+        level = pool.level(priority)
+        demote_us = demote_after_us if demote_after_us and demote_after_us < timeout_us else 0
         args = [*self._args(pool, offers), request_id, priority, timeout_us, pool.max_queue_size]
         args += [1 if only_if_absent else 0, max(1, drain_gap_us)]
-        args += [int(pool.queue_timeout_s * 1_000_000), aging_us]
+        args += [int(pool.queue_timeout_s * 1_000_000), aging_us, level.max_queue_size, demote_us]
         reply = await self._run("enqueue", self.keys.pool(pool.name), args)
         result = self._result(reply)
-        if reply[0] == "full":
+        if reply[0] in ("full", "level_full"):
+            whole = reply[0] == "full"
+            where = f"pool {pool.name!r}" if whole else f"level {priority} of {pool.name!r}"
+            limit = pool.max_queue_size if whole else level.max_queue_size
             raise QueueFullError(
-                f"queue of pool {pool.name!r} is full ({pool.max_queue_size} waiting)",
+                f"queue of {where} is full ({limit} waiting)",
                 queue_depth=result.queue_depth,
                 num_dispatched_total=result.num_dispatched_total,
                 retry_after_s=max(1, int(reply[5]) // 1_000_000),  # type: ignore[call-overload]

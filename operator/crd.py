@@ -34,6 +34,22 @@ HEADER = (
 _EXTRA_BOUNDS: dict[tuple[str, ...], dict[str, Any]] = {
     ("spec", "batching", "preferredBatchSizes"): {"maxItems": 64},
     ("status", "endpoints"): {"maxItems": 10_000},
+    # Map keys are strings in Kubernetes: the levels, as slotserve.pools.AdmissionSpec checks.
+    ("spec", "admission"): {
+        "x-kubernetes-validations": [
+            {
+                "rule": "!has(self.defaultPriorityLevel) "
+                "|| self.defaultPriorityLevel <= self.priorityLevels",
+                "message": "defaultPriorityLevel must be at most priorityLevels",
+            },
+            {
+                "rule": "!has(self.priorityQueuePolicy) || self.priorityQueuePolicy.all(level, "
+                "level.matches('^[1-9]$') && int(level) <= self.priorityLevels)",
+                "message": "every priorityQueuePolicy level must be between 1 and priorityLevels",
+            },
+        ]
+    },
+    ("spec", "admission", "priorityQueuePolicy"): {"maxProperties": 9},
     ("status", "admission", "rejectedPerMinute"): {"maxProperties": 32},
     ("status", "conditions"): {
         "maxItems": 8,

@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 BatchingPolicy = Literal["static", "dynamic", "continuous"]
+TimeoutAction = Literal["REJECT", "DELAY"]
+MAX_PRIORITY_LEVELS = 9  # x-slotserve-priority is 1 (first) .. 9
 
 
 class WireModel(BaseModel):
@@ -49,6 +51,27 @@ class BatchingSpec(WireModel):
         return self
 
 
+class QueuePolicySpec(WireModel):
+    """One priority level's queue policy (Triton's ``ModelQueuePolicy``)."""
+
+    max_queue_size: int | None = Field(
+        None,
+        ge=0,
+        le=1_000_000,
+        description="Requests of this level that may wait (beyond, 429); unset: the pool's "
+        "maxQueueSize. The pool's maxQueueSize still bounds all levels together.",
+    )
+    queue_timeout_seconds: float | None = Field(
+        None, gt=0, le=3600, description="When timeoutAction applies; unset: the pool's."
+    )
+    timeout_action: TimeoutAction = Field(
+        "REJECT",
+        description="REJECT: 503 with Retry-After at the timeout. DELAY: the request stays "
+        "queued behind every request that has not timed out, and gets 503 only after waiting "
+        "twice queueTimeoutSeconds.",
+    )
+
+
 class AdmissionSpec(WireModel):
     """Limits the gateway holds across all of its replicas."""
 
@@ -58,3 +81,38 @@ class AdmissionSpec(WireModel):
     queue_timeout_seconds: float = Field(
         30, gt=0, le=3600, description="Longest a request waits for a slot; beyond, 503."
     )
+    priority_levels: int = Field(
+        MAX_PRIORITY_LEVELS,
+        ge=1,
+        le=MAX_PRIORITY_LEVELS,
+        description="Levels clients may ask for (x-slotserve-priority 1..priorityLevels; 1 first).",
+    )
+    default_priority_level: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_PRIORITY_LEVELS,
+        description="Level of a request without the header; unset: the gateway's default (5, "
+        "capped at priorityLevels).",
+    )
+    priority_queue_policy: dict[int, QueuePolicySpec] = Field(
+        default_factory=dict,
+        description="Per-level queue policy, by level (Triton's priority_queue_policy).",
+    )
+    priority_aging_seconds: float | None = Field(
+        None,
+        ge=0,
+        le=3600,
+        description="Waiting this long is worth one level, so no level starves (a level-L "
+        "request waits at most (L-1) x this plus the better-level requests already queued); "
+        "unset: the gateway's (2 s).",
+    )
+
+    @model_validator(mode="after")
+    def _levels_fit(self) -> AdmissionSpec:
+        if self.default_priority_level is not None and (
+            self.default_priority_level > self.priority_levels
+        ):
+            raise ValueError("defaultPriorityLevel must be at most priorityLevels")
+        if any(level < 1 or level > self.priority_levels for level in self.priority_queue_policy):
+            raise ValueError("every priorityQueuePolicy level must be between 1 and priorityLevels")
+        return self
