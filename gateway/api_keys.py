@@ -1,5 +1,8 @@
 """API keys: one per line in a file, checked with constant-time comparison, reloaded on change.
 
+A line is a key, optionally followed by the priority levels it may ask for:
+``sk-batch-team  levels=5-9`` (or ``levels=3``); a key without ``levels=`` may ask for any.
+
 In Kubernetes the file is a mounted Secret. The kubelet updates it in place by writing a new
 timestamped folder and swapping a ``..data`` symlink to it, so the path's own mtime never
 changes: the watch compares what ``os.stat`` sees through the symlinks (device, inode, mtime,
@@ -12,30 +15,61 @@ import asyncio
 import hmac
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from slotserve.pools import MAX_PRIORITY_LEVELS
 
 log = logging.getLogger(__name__)
 
 MAX_KEYS_FILE_BYTES = 1_048_576  # a keys file is small; refuse to read a runaway one
 FileIdentity = tuple[int, int, int, int]
+ALL_LEVELS = range(1, MAX_PRIORITY_LEVELS + 1)
 
 
 class ApiKeysError(Exception):
     """The keys file cannot be read, or holds no key; the message says which file and why."""
 
 
-def parse_api_keys(text: str, source: str) -> frozenset[str]:
-    """One key per line; blank lines and lines starting with # are ignored.
+@dataclass(frozen=True)
+class ApiKey:
+    secret: str = field(repr=False)  # never in a log line
+    levels: range  # the priority levels this key may ask for
+
+
+def _parse_levels(value: str, where: str) -> range:
+    low, _, high = value.partition("-")
+    try:
+        levels = range(int(low), int(high or low) + 1)
+    except ValueError:
+        raise ApiKeysError(f"{where}: levels must be N or LOW-HIGH, got {value!r}") from None
+    if not levels or levels.start < 1 or levels.stop - 1 > MAX_PRIORITY_LEVELS:
+        raise ApiKeysError(f"{where}: levels must lie within 1-{MAX_PRIORITY_LEVELS}")
+    return levels
+
+
+def parse_api_keys(text: str, source: str) -> tuple[ApiKey, ...]:
+    """One key per line, optionally with ``levels=LOW-HIGH``; blank lines and lines starting
+    with # are ignored. Messages name the line, never the key.
 
     A file without any key is an error, not "authentication off": an empty Secret is almost
     always a mistake, and failing open would let anyone in.
     """
-    keys = frozenset(
-        line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")
-    )
+    keys = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        secret, *options = line.split()
+        levels = ALL_LEVELS
+        for option in options:
+            name, _, value = option.partition("=")
+            if name != "levels":
+                raise ApiKeysError(f"{source} line {number}: unknown option (only levels=)")
+            levels = _parse_levels(value, f"{source} line {number}")
+        keys.append(ApiKey(secret, levels))
     if not keys:
         raise ApiKeysError(f"API keys file {source} holds no key (empty or only comments)")
-    return keys
+    return tuple(keys)
 
 
 def file_identity(path: Path) -> FileIdentity:
@@ -44,7 +78,7 @@ def file_identity(path: Path) -> FileIdentity:
     return (stat.st_dev, stat.st_ino, stat.st_mtime_ns, stat.st_size)
 
 
-def read_api_keys(path: Path) -> tuple[frozenset[str], FileIdentity]:
+def read_api_keys(path: Path) -> tuple[tuple[ApiKey, ...], FileIdentity]:
     try:
         identity = file_identity(path)
         if identity[3] > MAX_KEYS_FILE_BYTES:
@@ -60,7 +94,7 @@ class ApiKeys:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
-        self.keys: frozenset[str] = frozenset()
+        self.keys: tuple[ApiKey, ...] = ()
         self._identity: FileIdentity | None = None
         if path is not None:
             self.keys, self._identity = read_api_keys(path)
@@ -69,13 +103,26 @@ class ApiKeys:
     def enabled(self) -> bool:
         return self.path is not None
 
-    def accepts(self, authorization: str) -> bool:
-        """Whether an ``Authorization`` header value carries one of the keys (as a bearer)."""
+    def _matching(self, authorization: str) -> list[ApiKey]:
         scheme, _, token = authorization.partition(" ")
         token_bytes = token.strip().encode()
         # Compare against every key (no early exit), so timing says nothing about which matched.
-        matches = [hmac.compare_digest(token_bytes, key.encode()) for key in self.keys]
-        return scheme.lower() == "bearer" and any(matches)
+        matches = [hmac.compare_digest(token_bytes, key.secret.encode()) for key in self.keys]
+        if scheme.lower() != "bearer":
+            return []
+        return [key for key, match in zip(self.keys, matches, strict=True) if match]
+
+    def accepts(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` header value carries one of the keys (as a bearer)."""
+        return bool(self._matching(authorization))
+
+    def allowed_levels(self, authorization: str) -> range:
+        """The priority levels the caller's key may ask for: every level without keys, none
+        for a caller without a valid key (the middleware has answered 401 already)."""
+        if not self.enabled:
+            return ALL_LEVELS
+        matching = self._matching(authorization)
+        return matching[0].levels if matching else range(0)
 
     def reload_if_changed(self) -> bool:
         """Re-read the file if it changed; a file that is now bad keeps the old keys (logged)."""

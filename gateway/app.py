@@ -24,9 +24,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slotserve.gateway.admission import Admission
 from slotserve.gateway.admission_types import (
-    MAX_PRIORITY_LEVEL,
     AdmissionBackend,
     AdmissionError,
+    PoolPolicy,
 )
 from slotserve.gateway.admission_window import AdmissionWindowWriter
 from slotserve.gateway.api_keys import ApiKeys
@@ -153,6 +153,16 @@ def _header_int(request: web.Request, name: str, low: int, high: int) -> int | N
     return value
 
 
+def _default_priority(policy: PoolPolicy, gateway_default: int, allowed: range) -> int:
+    """A request without the header: the pool's default level, else the gateway's, brought
+    into the levels the pool has and then into those the caller's key may ask for."""
+    level = policy.default_priority_level or gateway_default
+    level = min(level, policy.priority_levels)
+    if allowed:
+        level = min(max(level, allowed.start), allowed.stop - 1)
+    return level
+
+
 def _reject_constant(name: str) -> None:
     raise ValueError(f"request body is not valid JSON: {name} is not a JSON number")
 
@@ -190,15 +200,25 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return error_response(
             404, f"model {model!r} is not served here", "model_not_found", param="model"
         )
+    policy = pool.policy
     try:
-        priority = _header_int(request, "x-slotserve-priority", 1, MAX_PRIORITY_LEVEL)
+        priority = _header_int(request, "x-slotserve-priority", 1, policy.priority_levels)
         deadline_ms = _header_int(request, "x-slotserve-deadline-ms", 1, 3_600_000)
     except ValueError as exc:
         return error_response(400, str(exc), "invalid_header")
-    policy = pool.policy
-    timeout_s = policy.queue_timeout_s
-    if deadline_ms is not None:
-        timeout_s = min(timeout_s, deadline_ms / 1000)  # a client may only shorten it
+    allowed = request.app[API_KEYS].allowed_levels(request.headers.get("Authorization", ""))
+    if priority is None:
+        priority = _default_priority(policy, settings.default_priority, allowed)
+    elif priority not in allowed:
+        return error_response(
+            403,
+            f"this API key may not ask for priority {priority} "
+            f"(allowed: {allowed.start}-{allowed.stop - 1})",
+            "priority_not_allowed",
+        )
+    # A client may only shorten the wait (x-slotserve-deadline-ms).
+    wait = policy.queue_wait(priority, None if deadline_ms is None else deadline_ms / 1000)
+    timeout_s = wait.give_up_after_s
     deadline = time.monotonic() + timeout_s
     admission = request.app[ADMISSION]
     window = request.app[WINDOW]
@@ -210,7 +230,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             503, f"no engine of pool {model!r} is ready", "no_ready_endpoint", retry_after_s=1
         )
     try:
-        acquire = admission.acquire(policy, priority or settings.default_priority, timeout_s)
+        acquire = admission.acquire(policy, priority, timeout_s, demote_after_s=wait.demote_after_s)
         lease = await traced_admission(request, model, acquire)
     except AdmissionError as exc:
         m.rejected.labels(model, exc.code).inc()
@@ -342,6 +362,7 @@ def create_app(
         offers=monitor.offers,
         pools=registry.policies,
         lease_ttl_s=settings.lease_ttl_seconds,
+        priority_aging_s=settings.priority_aging_seconds,
     )
     app[WINDOW] = None
     if settings.redis_url:

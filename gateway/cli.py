@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-prefix", default=None, help="prefix of every Redis key")
     p.add_argument("--lease-ttl-seconds", type=float, default=None)
     p.add_argument("--default-priority", type=int, default=None, help="1 (highest) .. 9")
+    p.add_argument(
+        "--priority-aging-seconds",
+        type=float,
+        default=None,
+        help="waiting this long is worth one priority level (2; a pool may set its own)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -10,6 +10,7 @@ from aiohttp import web
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",

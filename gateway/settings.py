@@ -39,7 +39,19 @@ class GatewaySettings(BaseSettings):
     lease_ttl_seconds: float = Field(
         10.0, gt=0.2, le=600, description="A dead replica's slots come back after this long."
     )
-    default_priority: int = Field(5, ge=1, le=9, description="Priority without the header.")
+    default_priority: int = Field(
+        5,
+        ge=1,
+        le=9,
+        description="Priority without the header, for pools without defaultPriorityLevel.",
+    )
+    priority_aging_seconds: float = Field(
+        2.0,
+        ge=0,
+        le=3600,
+        description="Waiting this long is worth one priority level (no level starves), for "
+        "pools without priorityAgingSeconds.",
+    )
     load_poll_interval_seconds: float = Field(
         0.25, gt=0, le=60, description="How often each engine's GET /load is read."
     )
