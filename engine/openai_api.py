@@ -1,13 +1,14 @@
 """OpenAI-compatible request and response bodies for the engine's HTTP API.
 
 Requests are validated strictly from JSON: wrong types, out-of-range values, unknown fields and
-OpenAI features the engine does not implement (``n > 1``, tools, ...) are rejected with a
+OpenAI features the engine does not implement (``functions``, images, ...) are rejected with a
 message that names the field, never silently ignored. Fields that cannot change the answer (such
 as ``user``) are accepted.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ from slotserve.engine.params import (
     MAX_STOP_TOKEN_IDS,
 )
 from slotserve.engine.sequence import FinishReason
+from slotserve.engine.tool_calls import Tool, ToolCall, ToolCallDelta, ToolChoice
 
 
 class RequestModel(BaseModel):
@@ -192,9 +194,56 @@ class TextPart(RequestModel):
 
 
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _arguments_are_json_objects(cls, value: list[ToolCall] | None) -> list[ToolCall] | None:
+        for call in value or []:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise ValueError("'tool_calls' arguments must be a JSON object as a string")
+        return value
+
+    @model_validator(mode="after")
+    def _tool_fields_with_their_roles(self) -> ChatMessage:
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("'tool_call_id' is required in a 'tool' message, and only there")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("'tool_calls' is only allowed in an 'assistant' message")
+        return self
+
+    def template_message(self) -> dict[str, Any]:
+        """As chat templates expect it: OpenAI's 'developer' is a system turn, and call
+        arguments are objects (templates write them with ``tojson``)."""
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text,
+        }
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": json.loads(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.role == "tool" and self.name is not None:
+            message["name"] = self.name
+        return message
 
     @property
     def text(self) -> str:
@@ -229,8 +278,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(None, max_length=128)  # OpenAI's limit
+    tool_choice: ToolChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
@@ -247,11 +296,13 @@ class ChatCompletionRequest(SamplingRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    _check_tools = field_validator("tools", "functions")(
-        _reject_unless(lambda v: not v, "(tool and function calling) is not supported")
+    _check_functions = field_validator("functions")(
+        _reject_unless(
+            lambda v: not v, "(deprecated function calling) is not supported; use 'tools'"
+        )
     )
-    _check_tool_choice = field_validator("tool_choice", "function_call")(
-        _reject_unless(lambda v: v in (None, "none"), "(tool calling) is not supported")
+    _check_function_call = field_validator("function_call")(
+        _reject_unless(lambda v: v in (None, "none"), "is not supported; use 'tool_choice'")
     )
 
     def requested_max_tokens(self) -> int | None:
@@ -259,12 +310,9 @@ class ChatCompletionRequest(SamplingRequest):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects them (OpenAI's 'developer' is a system turn)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text}
-            for m in self.messages
-        ]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them."""
+        return [message.template_message() for message in self.messages]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,14 +357,15 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_is_none)
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None
+    finish_reason: FinishReason | Literal["tool_calls"] | None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -331,13 +380,14 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_is_none)
     content: str | None = Field(None, exclude_if=_is_none)
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | Literal["tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -46,6 +46,8 @@ from slotserve.engine.openai_format import (
 from slotserve.engine.params import SamplingParams
 from slotserve.engine.structured import GrammarError, check_requested_grammar
 from slotserve.engine.tokenize import PromptTooLongError, TokenizerUnavailableError
+from slotserve.engine.tool_calls import check_tool_schemas, plan_tools
+from slotserve.engine.tool_format import ToolChatFormat
 from slotserve.engine.tracing import record_request_phases
 
 if TYPE_CHECKING:
@@ -83,7 +85,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _parse_body(request, ChatCompletionRequest, state)
     _check_model(engine, body.model, state)
     try:
-        prompt = await engine.prompts.encode_chat(body.template_messages())
+        tools = plan_tools(
+            body, state.settings.tool_call_parser, engine.engine.tokenizer.chat_template
+        )
+        await check_tool_schemas(engine.engine.grammars, tools)
+        messages, template_tools = tools.template_input(body.template_messages())
+        prompt = await engine.prompts.encode_chat(messages, template_tools)
     except InvalidRequestError as error:
         raise _invalid(error, state) from error
     except TokenizerUnavailableError as error:
@@ -91,8 +98,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     room = _room_after(engine, len(prompt))
     default_max_tokens = engine.engine.generation_defaults.max_tokens
     max_tokens = body.requested_max_tokens() or min(default_max_tokens or room, room)
-    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", engine.model_name)
-    return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    fmt = (
+        ToolChatFormat(request_id, engine.model_name, tools)
+        if tools.parses
+        else ChatFormat(request_id, engine.model_name)
+    )
+    return await _generate(request, state, engine, body, prompt, max_tokens, fmt, tools.grammar())
 
 
 def _room_after(engine: AsyncEngine, num_prompt_tokens: int) -> int:
@@ -230,6 +242,7 @@ async def _generate(
     prompt: str | list[int],
     max_tokens: int,
     fmt: OutputFormat,
+    tool_grammar: tuple[str, str] | None = None,
 ) -> web.StreamResponse:
     params = _sampling_params(body, max_tokens, engine.engine.generation_defaults)
     if any(token_id >= engine.engine.vocab_size for token_id in params.logit_bias):
@@ -241,7 +254,7 @@ async def _generate(
             code="invalid_value",
         )
     try:
-        grammar = await check_requested_grammar(engine.engine.grammars, body)
+        grammar = await check_requested_grammar(engine.engine.grammars, body, tool_grammar)
     except GrammarError as error:
         state.metrics.reject("invalid")
         raise ApiError(400, str(error), param=error.param, code="invalid_value") from error

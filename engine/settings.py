@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from slotserve.engine.generation_defaults import parse_override
+from slotserve.engine.tool_calls import ToolParserName
 from slotserve.pools import BatchingSpec
 
 Policy = Literal["static", "dynamic", "continuous"]
@@ -46,6 +47,11 @@ class EngineSettings(BaseSettings):
     override_generation_config: str | None = Field(
         None,
         description='JSON object over the generation config, e.g. {"temperature": 0.7}.',
+    )
+    tool_call_parser: ToolParserName = Field(
+        "auto",
+        description="How the model writes tool calls: hermes, llama3_json, or auto (from the "
+        "chat template).",
     )
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV of a prompt prefix that a slot row already holds."

@@ -37,11 +37,15 @@ class GrammarError(ValueError):
         self.param = param
 
 
-def requested_grammar(body: Any) -> tuple[str, str] | None:
+def requested_grammar(
+    body: Any, tool_grammar: tuple[str, str] | None = None
+) -> tuple[str, str] | None:
     """``(param, grammar)`` for a request body's structured-output field, if it has one:
     ``response_format`` (json_object, json_schema) or vLLM's ``guided_json``,
-    ``guided_regex``, ``guided_choice``."""
+    ``guided_regex``, ``guided_choice``; or ``tool_grammar``, a tool call's (tool_calls.py)."""
     sources: list[tuple[str, Callable[[], str]]] = []
+    if tool_grammar is not None:
+        sources.append((tool_grammar[0], lambda: tool_grammar[1]))
     response_format = getattr(body, "response_format", None)
     if response_format is not None and response_format.type == "json_object":
         sources.append(("response_format", lambda: json_schema_grammar({"type": "object"})))
@@ -70,9 +74,11 @@ def requested_grammar(body: Any) -> tuple[str, str] | None:
         raise GrammarError(f"'{param}' is not usable: {error}", param) from error
 
 
-async def check_requested_grammar(grammars: Grammars, body: Any) -> str | None:
+async def check_requested_grammar(
+    grammars: Grammars, body: Any, tool_grammar: tuple[str, str] | None = None
+) -> str | None:
     """The request's grammar, checked off the event loop within ``GRAMMAR_CHECK_SECONDS``."""
-    requested = requested_grammar(body)
+    requested = requested_grammar(body, tool_grammar)
     if requested is None:
         return None
     param, grammar = requested

@@ -110,8 +110,11 @@ class PromptTokenizer:
         self.check_num_chars(len(text), param)
         return await self._run(_encode, text, True, param)
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The ids of a conversation rendered by the model's chat template, ready to answer."""
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The ids of a conversation (and its tools) rendered by the model's chat template,
+        ready to answer."""
         if len(messages) > self.max_model_len:
             raise PromptTooLongError(
                 f"the conversation has {len(messages)} messages; no more than "
@@ -119,8 +122,8 @@ class PromptTokenizer:
                 param="messages",
             )
         # The template adds to the messages' text, never takes from it: a cheap first bound.
-        self.check_num_chars(sum(len(m["content"]) for m in messages), "messages")
-        return await self._run(_encode_chat, messages, self.max_prompt_chars)
+        self.check_num_chars(sum(len(m.get("content") or "") for m in messages), "messages")
+        return await self._run(_encode_chat, messages, self.max_prompt_chars, tools)
 
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
@@ -206,11 +209,15 @@ def _encode(text: str, add_special_tokens: bool, param: str) -> list[int]:
     return list(token_ids)
 
 
-def _encode_chat(messages: list[dict[str, str]], max_prompt_chars: int) -> list[int]:
+def _encode_chat(
+    messages: list[dict[str, Any]],
+    max_prompt_chars: int,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     assert _worker is not None, "the pool initializer sets the worker"
     try:
         text = _worker.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
         )
     except Exception as error:  # jinja raises for conversations the template refuses
         raise ChatTemplateError(f"chat template error: {error}", param="messages") from None

@@ -70,8 +70,8 @@ def test_unsupported_completion_fields_are_named(extra, param):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         ({"modalities": ["audio"]}, "modalities"),
     ],
 )
@@ -167,15 +167,18 @@ def test_chat_messages_text_parts_and_developer_role():
     ]
 
 
-def test_chat_refuses_images_tools_roles_and_empty_conversations():
+def test_chat_refuses_images_unknown_roles_and_empty_conversations():
     image = {
         **CHAT,
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
     }
     _, param, _ = refusal(ChatCompletionRequest, json.dumps(image))
     assert param is not None and param.startswith("messages.0.content")
-    tool = {**CHAT, "messages": [{"role": "tool", "content": "x"}]}
-    assert refusal(ChatCompletionRequest, json.dumps(tool))[1] == "messages.0.role"
+    function = {**CHAT, "messages": [{"role": "function", "content": "x"}]}
+    assert refusal(ChatCompletionRequest, json.dumps(function))[1] == "messages.0.role"
+    tool = {**CHAT, "messages": [{"role": "tool", "content": "x"}]}  # answers which call?
+    message, param, _ = refusal(ChatCompletionRequest, json.dumps(tool))
+    assert param == "messages.0" and "tool_call_id" in message
     assert refusal(ChatCompletionRequest, json.dumps({**CHAT, "messages": []}))[1] == "messages"
 
 

@@ -1,0 +1,307 @@
+"""Tool calls: the parsers on fixed texts, streams that hold back what may be a call, and through
+the openai client against a real engine: ``required`` and a named function always give a call
+whose arguments validate (grammar-constrained, even from a random model), ``none`` gives none,
+earlier calls and tool results render, bad tools are 400s naming the field before any slot."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from engine_server_support import EngineProcess
+
+from slotserve.engine.openai_api import ChatCompletionRequest
+from slotserve.engine.tool_calls import PARSERS, choose_parser, plan_tools
+from slotserve.engine.tool_format import ToolChatFormat
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {
+        "zone": {"enum": ["UTC", "CET"]},
+        "hours": {"type": "integer", "minimum": 0, "maximum": 23},
+    },
+    "required": ["zone", "hours"],
+    "additionalProperties": False,
+}
+
+
+def _tool(name: str, parameters: dict | None = None, **more: str) -> dict:
+    function = {"name": name, **more} | ({} if parameters is None else {"parameters": parameters})
+    return {"type": "function", "function": function}
+
+
+TOOLS = [_tool("get_weather", WEATHER, description="Weather now"), _tool("get_time", TIME)]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ARGUMENTS = '{"city": "Paris", "unit": "celsius"}'
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+# ------------------------------------------------------------------------------ parsers (unit)
+
+
+def test_hermes_parser_reads_calls_after_text_and_leaves_other_text_as_content():
+    hermes = PARSERS["hermes"]
+    text = (
+        'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    )
+    content, calls = hermes.parse(text)
+    assert content == "Let me look. "
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"zone": "UTC"}),
+    ]
+    for not_a_call in (
+        "Paris is sunny.",
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',  # arguments not an object
+    ):
+        assert hermes.parse(not_a_call) == (not_a_call, [])
+
+
+def test_llama3_json_parser_reads_one_or_several_calls_and_nothing_else():
+    llama = PARSERS["llama3_json"]
+    content, calls = llama.parse(' {"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    two = '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}'
+    assert [(c.name, c.arguments) for c in llama.parse(two)[1]] == [("a", {}), ("b", {"x": 1})]
+    for not_a_call in ("Oslo is cold.", '{"city": "Oslo"}', '{"name": "a", "parameters": {}} and'):
+        assert llama.parse(not_a_call) == (not_a_call, [])
+
+
+def test_parser_is_chosen_from_the_flag_or_the_chat_template():
+    assert choose_parser("auto", "{{ '<tool_call>' }} {{ tools }}").name == "hermes"
+    llama_template = "{{- '<|python_tag|>' }} {{ '\"parameters\": ' }} {{ tools }}"
+    assert choose_parser("auto", llama_template).name == "llama3_json"
+    assert choose_parser("auto", None).name == "hermes"
+    assert choose_parser("llama3_json", "<tool_call>").name == "llama3_json"
+
+
+def _stream(fmt: ToolChatFormat, pieces: list[str], finish: str) -> list[dict]:
+    """The SSE chunks of one choice fed piece by piece, parsed back."""
+    raw = b"".join(fmt.chunk(p, None) for p in pieces[:-1]) + fmt.chunk(pieces[-1], finish)
+    events = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line]
+    return [json.loads(event)["choices"][0] for event in events]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_a_stream_sends_text_and_holds_back_what_may_be_a_call(parser):
+    call = PARSERS[parser].render_call("get_weather", {"city": "Rome", "unit": "celsius"})
+    before = "Checking. " if parser == "hermes" else ""
+    text = before + call
+    plan = plan_tools(_request(tool_choice="auto"), parser, "")
+    chunks = _stream(ToolChatFormat("id", "tiny", plan), list(text), "stop")
+    content = "".join(c["delta"].get("content") or "" for c in chunks)
+    assert content == before
+    deltas = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
+    assert len(deltas) == 1 and deltas[0]["index"] == 0 and deltas[0]["id"].startswith("call_")
+    assert deltas[0]["function"]["name"] == "get_weather"
+    assert json.loads(deltas[0]["function"]["arguments"]) == {"city": "Rome", "unit": "celsius"}
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    # Text that only looked like a call's beginning is sent in the end, as content.
+    plain = "I <tool or not"
+    chunks = _stream(ToolChatFormat("id", "tiny", plan), list(plain), "stop")
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == plain
+    assert chunks[-1]["finish_reason"] == "stop"
+
+
+def test_a_call_cut_by_max_tokens_is_content_with_finish_length():
+    plan = plan_tools(_request(tool_choice="required"), "hermes", "")
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro'
+    chunks = _stream(ToolChatFormat("id", "tiny", plan), [cut[:5], cut[5:]], "length")
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == cut
+    assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_a_template_without_tools_gets_them_in_the_system_turn_and_calls_as_text():
+    request = _request(
+        tool_choice="auto",
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            *MESSAGES,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    )
+    plan = plan_tools(request, "hermes", "{{ messages }}")
+    messages, tools = plan.template_input(request.template_messages())
+    assert tools is None
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
+    assert '"name": "get_weather"' in messages[0]["content"] and "<tools>" in messages[0]["content"]
+    assert messages[2] == {
+        "role": "assistant",
+        "content": PARSERS["hermes"].render_call("get_weather", {"city": "Paris"}),
+    }
+    assert messages[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+    # A template that renders tools gets them and the messages as they are.
+    messages, tools = plan_tools(request, "hermes", "{{ tools }}").template_input(
+        request.template_messages()
+    )
+    assert tools == TOOLS and messages[2]["tool_calls"][0]["function"]["arguments"] == {
+        "city": "Paris"
+    }
+
+
+def _request(**fields) -> ChatCompletionRequest:
+    body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, **fields}
+    return ChatCompletionRequest.model_validate_json(json.dumps(body))
+
+
+# -------------------------------------------------------------------- a real engine process
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("tools") / "engine.log"
+    process = EngineProcess(tiny_model_dir, log, "--max-batch-size", "4").start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    return openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
+
+
+def _check_call(call, names=("get_weather", "get_time")) -> tuple[str, dict]:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in names
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, SCHEMAS[call.function.name])
+    return call.function.name, arguments
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_required_always_gives_a_call_that_validates(client, seed):
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        max_tokens=120, temperature=1.0, seed=seed,
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    _check_call(choice.message.tool_calls[0])
+
+
+def test_a_named_function_is_the_one_called_streamed_or_not(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kwargs = dict(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=120, seed=5
+    )
+    reply = client.chat.completions.create(**kwargs)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    name, arguments = _check_call(reply.choices[0].message.tool_calls[0], names=("get_time",))
+    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].id.startswith("call_")
+    assert deltas[0].function.name == name
+    assert json.loads(deltas[0].function.arguments) == arguments  # same seed, same call
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_streamed_with_n_choices(client):
+    stream = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        max_tokens=120, seed=9, n=2, stream=True,
+    )  # fmt: skip
+    calls: dict[int, list] = {0: [], 1: []}
+    finish = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            calls[choice.index].extend(choice.delta.tool_calls or [])
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for deltas in calls.values():
+        assert len(deltas) == 1
+        _check_call(deltas[0])
+
+
+def test_none_gives_no_calls_and_auto_answers_either_way(client):
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=20, seed=1
+    )
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    auto = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=20, seed=1
+    )
+    # A random model writes text: it stays content (the parsers' tests cover real calls).
+    choice = auto.choices[0]
+    assert (choice.finish_reason == "tool_calls") == bool(choice.message.tool_calls)
+
+
+def test_a_conversation_with_earlier_calls_and_tool_results_renders(client):
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": ARGUMENTS},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]  # fmt: skip
+    for choice in ("auto", "none", "required"):
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=120
+        )
+        assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+BAD_REF = {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}
+JSON = {"type": "json_object"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name"),
+        ({"tools": [_tool("f", BAD_REF)]}, "tools.0.function.parameters"),
+        ({"tools": [_tool("f", {"type": "string"})]}, "tools.0.function.parameters"),
+        ({"tools": TOOLS, "tool_choice": _tool("nope")}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools.1.function.name"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": JSON}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)  # fmt: skip
+def test_bad_tools_are_400_naming_the_field_before_any_slot(engine, fields, param):
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **fields}
+    reply = httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.text
+    load = engine.get_json("/load")
+    assert load["slots_free"] == load["slots_total"] and load["waiting"] == 0
