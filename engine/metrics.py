@@ -164,6 +164,9 @@ class EngineMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(model_name, stats, draining))
         self._model_name = model_name
+        # Recent mean seconds a request held its slot (EWMA, 0 before the first): the speed
+        # that gateways use for Retry-After before they have measured any themselves (/load).
+        self.mean_request_seconds = 0.0
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
@@ -211,6 +214,9 @@ class EngineMetrics:
         self.success.labels(name, finish_reason).inc()
         if metrics is None:
             return
+        held_s = max(0.0, metrics.e2e_latency - metrics.queue_time)
+        mean = self.mean_request_seconds
+        self.mean_request_seconds = held_s if mean == 0 else mean + 0.1 * (held_s - mean)
         self.ttft.labels(name).observe(metrics.time_to_first_token)
         itl = self.itl.labels(name)
         for latency in metrics.inter_token_latencies:

@@ -229,6 +229,7 @@ async def _load(request: web.Request) -> web.Response:
             "waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_cache_usage,
             "draining": state.draining,
+            "mean_request_seconds": round(state.metrics.mean_request_seconds, 6),
             # Choices made at load (e.g. linear_backend) and what each cost.
             "calibrations": [record.as_dict() for record in stats.calibrations],
         },

@@ -37,6 +37,7 @@ from slotserve.gateway.admission_types import (
 from slotserve.gateway.drain import (
     DrainRate,
     HoldTime,
+    engines_rate_per_s,
     promise_gap_us,
     queue_drain_seconds,
     service_rate_per_s,
@@ -136,8 +137,10 @@ class Admission:
 
     def service_rate(self, pool_name: str) -> float:
         """Requests per second the pool drains (measured), else the engines' speed, else 0."""
-        num_slots = sum(offer.slots_total for offer in self.offers(pool_name))
-        return service_rate_per_s(self._drain.get(pool_name), self._hold.get(pool_name), num_slots)
+        offers = self.offers(pool_name)
+        num_slots = sum(offer.slots_total for offer in offers)
+        drain, hold = self._drain.get(pool_name), self._hold.get(pool_name)
+        return service_rate_per_s(drain, hold, num_slots, engines_rate_per_s(offers))
 
     def retry_after(self, pool_name: str, queue_depth: int | None = None) -> int:
         depth = self.queue_depth(pool_name) if queue_depth is None else queue_depth

@@ -1,13 +1,17 @@
 """How fast a pool's queue drains, and the Retry-After that follows from it (pure, no I/O).
 
 The drain rate is the engines' measured speed: slots divided by the mean time a request held its
-slot. Before any request has finished, the backend's shared ``dispatched`` counter (grants by
-every replica) gives the pool's rate.
+slot. Before any request has finished here, the backend's shared ``dispatched`` counter (grants
+by every replica) gives the pool's rate, and before any drain has been seen, the speed the
+engines report in their ``/load`` (``mean_request_seconds``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+
+from slotserve.gateway.routing import EndpointOffer
 
 # Rejected clients are promised places a little further apart than the measured drain: a
 # retry that comes back slightly late still finds its place, one that comes early may not.
@@ -54,21 +58,30 @@ class HoldTime:
         )
 
 
+def engines_rate_per_s(offers: Sequence[EndpointOffer]) -> float:
+    """What the engines say they drain: each one's slots over its mean seconds per request."""
+    return sum(o.slots_total / o.mean_request_s for o in offers if o.mean_request_s > 0)
+
+
 def service_rate_per_s(
-    drain: DrainRate | None, hold: HoldTime | None, num_slots_total: int
+    drain: DrainRate | None,
+    hold: HoldTime | None,
+    num_slots_total: int,
+    engines_rate: float = 0.0,
 ) -> float:
     """Requests per second the pool drains when its slots are full.
 
     Slots divided by the mean time a request holds its slot, as measured: unlike the dispatch
     rate, it does not fall when admission itself holds places back (which would stretch the
-    Retry-After, admit less, and measure a lower rate again). Before any request has finished,
-    the shared dispatch counter's rate; 0 when nothing is known yet.
+    Retry-After, admit less, and measure a lower rate again). Before any request has finished
+    here, the shared dispatch counter's rate; before any drain, ``engines_rate`` (what the
+    engines report, ``engines_rate_per_s``); 0 when nothing is known yet.
     """
     if hold is not None and hold.mean_s > 0 and num_slots_total > 0:
         return num_slots_total / hold.mean_s
     if drain is not None and drain.num_samples > 0 and drain.rate_per_s > 0:
         return drain.rate_per_s
-    return 0.0
+    return max(0.0, engines_rate)
 
 
 def promise_gap_us(rate_per_s: float) -> int:

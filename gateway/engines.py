@@ -32,6 +32,7 @@ class EngineLoad:
     waiting: int = 0
     kv_cache_usage: float = 0.0
     draining: bool = False
+    mean_request_s: float = 0.0
     num_failures: int = FAILURES_BEFORE_DOWN  # unknown until the first good report
     failed_by_proxy: bool = False
 
@@ -81,7 +82,7 @@ class EngineMonitor:
                 score = load_score(
                     load.running, load.waiting, load.kv_cache_usage, load.slots_total
                 )
-                offers.append(EndpointOffer(url, load.slots_total, score))
+                offers.append(EndpointOffer(url, load.slots_total, score, load.mean_request_s))
         return offers
 
     def mark_failed(self, url: str) -> None:
@@ -118,6 +119,7 @@ class EngineMonitor:
             load.waiting = int(body.get("waiting", 0))
             load.kv_cache_usage = float(body.get("kv_cache_usage", 0.0))
             load.draining = bool(body.get("draining", False))
+            load.mean_request_s = max(0.0, float(body.get("mean_request_seconds", 0.0)))
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             load.num_failures += 1
             if load.num_failures == FAILURES_BEFORE_DOWN:

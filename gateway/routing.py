@@ -18,6 +18,8 @@ class EndpointOffer:
     url: str
     slots_total: int
     load_score: float
+    # The engine's recent mean seconds a request holds a slot (its /load; 0: none finished).
+    mean_request_s: float = 0.0
 
 
 def load_score(running: int, waiting: int, kv_cache_usage: float, slots_total: int) -> float:
