@@ -6,12 +6,15 @@ earlier calls and tool results render, bad tools are 400s naming the field befor
 from __future__ import annotations
 
 import json
+import subprocess
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from engine_server_support import EngineProcess
+import yaml
+from engine_server_support import SLOTSERVE, EngineProcess
+from support import free_port, http_ok, wait_until
 
 from slotserve.engine.openai_api import ChatCompletionRequest
 from slotserve.engine.tool_calls import PARSERS, choose_parser, plan_tools
@@ -305,3 +308,41 @@ def test_bad_tools_are_400_naming_the_field_before_any_slot(engine, fields, para
     assert reply.json()["error"]["param"] == param, reply.text
     load = engine.get_json("/load")
     assert load["slots_free"] == load["slots_total"] and load["waiting"] == 0
+
+
+@pytest.mark.slow
+def test_tool_calls_pass_through_a_real_gateway(engine, tmp_path):
+    pool = {
+        "model": "tiny",
+        "endpoints": [engine.url],
+        "batching": {"policy": "continuous", "maxBatchSize": 4},
+        "admission": {"maxQueueSize": 16, "queueTimeoutSeconds": 30},
+    }
+    (tmp_path / "pools.yaml").write_text(yaml.safe_dump({"pools": [pool]}))
+    port = free_port()
+    argv = [str(SLOTSERVE), "gateway", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--config", str(tmp_path / "pools.yaml"), "--log-level", "WARNING"]
+    with (tmp_path / "gateway.log").open("wb") as log:
+        gateway = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http_ok(f"{url}/ready"), 30, what="gateway /ready")
+        via = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        args = dict(
+            model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+            max_tokens=120, seed=7,
+        )  # fmt: skip
+        reply = via.chat.completions.create(**args)
+        assert reply.choices[0].finish_reason == "tool_calls"
+        name, arguments = _check_call(reply.choices[0].message.tool_calls[0])
+        chunks = [c for c in via.chat.completions.create(**args, stream=True) if c.choices]
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+            (name, arguments)
+        ]
+        with pytest.raises(openai.BadRequestError) as refused:
+            via.chat.completions.create(**{**args, "tool_choice": "required", "tools": []})
+        assert refused.value.body["param"] == "tool_choice"
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=15)
