@@ -77,13 +77,31 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(None, exclude_if=_is_none)
+    arguments: str
+
+
 class ToolCallDelta(BaseModel):
-    """A streamed call: sent whole in one delta (OpenAI clients accept that)."""
+    """A streamed call, as OpenAI sends one: first its id, type and name (arguments ""), then
+    its arguments (here in one piece, known only once the call has parsed)."""
 
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = Field(None, exclude_if=_is_none)
+    type: Literal["function"] | None = Field(None, exclude_if=_is_none)
+    function: FunctionCallDelta
+
+    @classmethod
+    def of(cls, index: int, call: ToolCall) -> list[ToolCallDelta]:
+        head = FunctionCallDelta(name=call.function.name, arguments="")
+        return [
+            cls(index=index, id=call.id, type="function", function=head),
+            cls(index=index, function=FunctionCallDelta(arguments=call.function.arguments)),
+        ]
 
 
 class ToolError(InvalidRequestError):

@@ -1,8 +1,8 @@
 """Chat outputs with tool calls: ``message.tool_calls`` and ``finish_reason: "tool_calls"``.
 
 Streaming sends text as content until the parser sees that a call may begin, holds the rest,
-and at the end sends the calls whole, each in one delta (index, id, type, name and all its
-arguments: OpenAI clients accept that), then the finish. A call cut by ``max_tokens`` is no
+and at the end sends each call as OpenAI does, in two deltas (index, id, type and name; then all
+its arguments), then the finish. A call cut by ``max_tokens`` is no
 call: all its text comes back as content with ``finish_reason: "length"``.
 """
 
@@ -63,14 +63,10 @@ class ToolChatFormat(ChatFormat):
         if content or chosen is not None:
             delta = ChatDelta(content=content)
             out += self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=chosen)], None)
-        if calls:
-            deltas = [
-                ToolCallDelta(index=i, **call.to_tool_call().model_dump())
-                for i, call in enumerate(calls)
-            ]
-            out += self._chunk(
-                [ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas))], None
-            )
+        for i, call in enumerate(calls):
+            for delta in ToolCallDelta.of(i, call.to_tool_call()):
+                choice = ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[delta]))
+                out += self._chunk([choice], None)
         reason = "tool_calls" if calls else finish_reason
         return out + self._chunk(
             [ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)], None

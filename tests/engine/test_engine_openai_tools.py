@@ -14,6 +14,7 @@ import openai
 import pytest
 import yaml
 from engine_server_support import SLOTSERVE, EngineProcess
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from support import free_port, http_ok, wait_until
 
 from slotserve.engine.openai_api import ChatCompletionRequest
@@ -111,10 +112,12 @@ def test_a_stream_sends_text_and_holds_back_what_may_be_a_call(parser):
     chunks = _stream(ToolChatFormat("id", "tiny", plan), list(text), "stop")
     content = "".join(c["delta"].get("content") or "" for c in chunks)
     assert content == before
-    deltas = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
-    assert len(deltas) == 1 and deltas[0]["index"] == 0 and deltas[0]["id"].startswith("call_")
-    assert deltas[0]["function"]["name"] == "get_weather"
-    assert json.loads(deltas[0]["function"]["arguments"]) == {"city": "Rome", "unit": "celsius"}
+    # As OpenAI streams a call: id, type and name first, then the arguments.
+    head, rest = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
+    assert head["index"] == rest["index"] == 0 and head["id"].startswith("call_")
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert rest.keys() == {"index", "function"} and rest["function"].keys() == {"arguments"}
+    assert json.loads(rest["function"]["arguments"]) == {"city": "Rome", "unit": "celsius"}
     assert chunks[-1]["finish_reason"] == "tool_calls"
     # Text that only looked like a call's beginning is sent in the end, as content.
     plain = "I <tool or not"
@@ -191,6 +194,14 @@ def client(engine):
     return openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
 
 
+def _assembled(stream):
+    """A stream's one choice, put together by the openai client's own accumulator."""
+    state = ChatCompletionStreamState()
+    for chunk in stream:
+        state.handle_chunk(chunk)
+    return state.get_final_completion().choices[0]
+
+
 def _check_call(call, names=("get_weather", "get_time")) -> tuple[str, dict]:
     assert call.type == "function" and call.id.startswith("call_")
     assert call.function.name in names
@@ -219,13 +230,12 @@ def test_a_named_function_is_the_one_called_streamed_or_not(client):
     reply = client.chat.completions.create(**kwargs)
     assert reply.choices[0].finish_reason == "tool_calls"
     name, arguments = _check_call(reply.choices[0].message.tool_calls[0], names=("get_time",))
-    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
-    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].id.startswith("call_")
-    assert deltas[0].function.name == name
-    assert json.loads(deltas[0].function.arguments) == arguments  # same seed, same call
-    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    streamed = _assembled(client.chat.completions.create(**kwargs, stream=True))
+    assert streamed.finish_reason == "tool_calls" and not streamed.message.content
+    assert len(streamed.message.tool_calls) == 1
+    call = streamed.message.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function"
+    assert (call.function.name, json.loads(call.function.arguments)) == (name, arguments)
 
 
 def test_required_streamed_with_n_choices(client):
@@ -233,17 +243,14 @@ def test_required_streamed_with_n_choices(client):
         model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
         max_tokens=120, seed=9, n=2, stream=True,
     )  # fmt: skip
-    calls: dict[int, list] = {0: [], 1: []}
-    finish = {}
+    state = ChatCompletionStreamState()
     for chunk in stream:
-        for choice in chunk.choices:
-            calls[choice.index].extend(choice.delta.tool_calls or [])
-            if choice.finish_reason:
-                finish[choice.index] = choice.finish_reason
-    assert finish == {0: "tool_calls", 1: "tool_calls"}
-    for deltas in calls.values():
-        assert len(deltas) == 1
-        _check_call(deltas[0])
+        state.handle_chunk(chunk)
+    choices = state.get_final_completion().choices
+    assert [c.index for c in choices] == [0, 1]
+    for choice in choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        _check_call(choice.message.tool_calls[0])
 
 
 def test_none_gives_no_calls_and_auto_answers_either_way(client):
@@ -335,9 +342,8 @@ def test_tool_calls_pass_through_a_real_gateway(engine, tmp_path):
         reply = via.chat.completions.create(**args)
         assert reply.choices[0].finish_reason == "tool_calls"
         name, arguments = _check_call(reply.choices[0].message.tool_calls[0])
-        chunks = [c for c in via.chat.completions.create(**args, stream=True) if c.choices]
-        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-        assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+        calls = _assembled(via.chat.completions.create(**args, stream=True)).message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
             (name, arguments)
         ]
         with pytest.raises(openai.BadRequestError) as refused:

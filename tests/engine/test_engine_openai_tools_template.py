@@ -10,6 +10,7 @@ import jsonschema
 import openai
 import pytest
 from engine_server_support import EngineProcess
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 WEATHER = {
     "type": "object",
@@ -94,9 +95,11 @@ def test_required_gives_a_llama3_json_call_that_validates(client, stream):
         max_tokens=120, temperature=1.0, seed=4,
     )  # fmt: skip
     if stream:
-        chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
-        calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-        finish = chunks[-1].choices[0].finish_reason
+        state = ChatCompletionStreamState()  # the openai client's own accumulator
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            state.handle_chunk(chunk)
+        choice = state.get_final_completion().choices[0]
+        calls, finish = choice.message.tool_calls, choice.finish_reason
     else:
         reply = client.chat.completions.create(**kwargs)
         calls, finish = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
