@@ -141,9 +141,22 @@ class ToolParser:
         before it as content and holds the rest until it knows."""
         raise NotImplementedError
 
-    def grammar(self, call_schema: dict[str, Any]) -> str:
-        """A grammar for one call whose JSON object matches ``call_schema``."""
-        raise NotImplementedError
+    # The grammar's start rule: the text around one call.
+    grammar_start: str
+
+    def grammar(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
+        """A grammar for exactly one call of one of ``functions`` (name, parameters schema).
+
+        The call's JSON is spelled out here and each parameters schema is the root of its own
+        ``%json`` rule, so its ``$ref``s into its own ``$defs`` (pydantic's schemas) resolve.
+        """
+        alternatives = " | ".join(f"call_{i}" for i in range(len(functions)))
+        lines = ["%llguidance {}", self.grammar_start, f"call: {alternatives}"]
+        for i, (name, schema) in enumerate(functions):
+            head = json.dumps(f'{{"name": {json.dumps(name)}, "{self.arguments_key}": ')
+            lines.append(f'call_{i}: {head} arguments_{i} "}}"')
+            lines.append(f"arguments_{i}: %json {_compact(schema)}")
+        return "\n".join(lines) + "\n"
 
     def render_call(self, name: str, arguments: Any) -> str:
         raise NotImplementedError
@@ -197,12 +210,7 @@ class HermesParser(ToolParser):
                 return len(text) - size  # may be the tag's beginning
         return len(text)
 
-    def grammar(self, call_schema: dict[str, Any]) -> str:
-        return (
-            "%llguidance {}\n"
-            'start: "<tool_call>\\n" call "\\n</tool_call>"\n'
-            f"call: %json {_compact(call_schema)}\n"
-        )
+    grammar_start = 'start: "<tool_call>\\n" call "\\n</tool_call>"'
 
     def render_call(self, name: str, arguments: Any) -> str:
         body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
@@ -250,8 +258,7 @@ class Llama3JsonParser(ToolParser):
             return 0  # the answer may be a call: this format has no text before one
         return len(text)
 
-    def grammar(self, call_schema: dict[str, Any]) -> str:
-        return f"%llguidance {{}}\nstart: call\ncall: %json {_compact(call_schema)}\n"
+    grammar_start = "start: call"
 
     def render_call(self, name: str, arguments: Any) -> str:
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
@@ -304,23 +311,12 @@ class ToolPlan:
         """``(param, grammar)`` for ``required`` and a named choice: exactly one call."""
         if self.choice not in ("required", "named"):
             return None
-        chosen = [
-            t for t in self.tools if self.choice == "required" or t.function.name == self.named
+        functions = [
+            (tool.function.name, tool.function.parameters or {"type": "object"})
+            for tool in self.tools
+            if self.choice == "required" or tool.function.name == self.named
         ]
-        schemas = [self._call_schema(tool) for tool in chosen]
-        call_schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        return "tool_choice", self.parser.grammar(call_schema)
-
-    def _call_schema(self, tool: Tool) -> dict[str, Any]:
-        return {
-            "type": "object",
-            "properties": {
-                "name": {"const": tool.function.name},
-                self.parser.arguments_key: _arguments_schema(tool),
-            },
-            "required": ["name", self.parser.arguments_key],
-            "additionalProperties": False,
-        }
+        return "tool_choice", self.parser.grammar(functions)
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
@@ -357,10 +353,6 @@ class ToolPlan:
         ]
         text = "\n".join(filter(None, [message["content"], *rendered]))
         return {"role": message["role"], "content": text}
-
-
-def _arguments_schema(tool: Tool) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object"}
 
 
 def plan_tools(body: Any, setting: ToolParserName, chat_template: Any) -> ToolPlan:

@@ -18,6 +18,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from support import free_port, http_ok, wait_until
 
 from slotserve.engine.openai_api import ChatCompletionRequest
+from slotserve.engine.structured import Grammars
 from slotserve.engine.tool_calls import PARSERS, choose_parser, plan_tools
 from slotserve.engine.tool_format import ToolChatFormat
 
@@ -94,6 +95,51 @@ def test_parser_is_chosen_from_the_flag_or_the_chat_template():
     assert choose_parser("auto", llama_template).name == "llama3_json"
     assert choose_parser("auto", None).name == "hermes"
     assert choose_parser("llama3_json", "<tool_call>").name == "llama3_json"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+# A pydantic-made schema: its $ref points into its own $defs.
+ALARM = {
+    "$defs": {"Day": {"enum": ["mon", "tue"]}},
+    "type": "object",
+    "properties": {"day": {"$ref": "#/$defs/Day"}},
+    "required": ["day"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_the_call_grammar_takes_one_call_of_an_allowed_function_with_valid_arguments(
+    tokenizer, parser
+):
+    from llguidance import LLMatcher
+
+    grammars = Grammars(tokenizer)
+
+    call_format = PARSERS[parser]
+    grammar = call_format.grammar([("set_alarm", ALARM), ("get_time", TIME)])
+    grammars.check(grammar)
+
+    def accepts(name: str, arguments: dict) -> bool:
+        compact = json.dumps(arguments, separators=(",", ":"))
+        text = f'{{"name": "{name}", "{call_format.arguments_key}": {compact}}}'
+        if parser == "hermes":
+            text = f"<tool_call>\n{text}\n</tool_call>"
+        matcher = LLMatcher(grammars.tokenizer, grammar)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    assert accepts("set_alarm", {"day": "mon"})
+    assert accepts("get_time", {"zone": "UTC", "hours": 3})
+    assert not accepts("set_alarm", {"day": "sun"})
+    assert not accepts("get_time", {"zone": "UTC", "hours": 24})
+    assert not accepts("get_weather", {"city": "Oslo", "unit": "celsius"})
 
 
 def _stream(fmt: ToolChatFormat, pieces: list[str], finish: str) -> list[dict]:
