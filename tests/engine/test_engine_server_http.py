@@ -242,7 +242,7 @@ async def test_prompts_the_model_cannot_take_are_400(engine, prompt):
 async def test_chat_errors_name_the_field(engine):
     base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     got, payload, _ = await post(engine, "/v1/chat/completions", {**base, "tools": [{"x": 1}]})
-    assert (got, payload["error"]["param"]) == (400, "tools")
+    assert (got, payload["error"]["param"]) == (400, "tools.0.type")  # a tool's first field
     got, payload, _ = await post(engine, "/v1/chat/completions", {**base, "messages": []})
     assert (got, payload["error"]["param"]) == (400, "messages")
     got, payload, _ = await post(
