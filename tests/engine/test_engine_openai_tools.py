@@ -1,6 +1,7 @@
 """Tool calls: the parsers on fixed texts, streams that hold back what may be a call, and through
 the openai client against a real engine: ``required`` and a named function always give a call
-whose arguments validate (grammar-constrained, even from a random model), ``none`` gives none,
+whose arguments validate (grammar-constrained, even from a random model), ``auto`` reads a call
+the model wrote (forced with guided_choice) and leaves other text as content, ``none`` gives none,
 earlier calls and tool results render, bad tools are 400s naming the field before any slot."""
 
 from __future__ import annotations
@@ -311,6 +312,37 @@ def test_none_gives_no_calls_and_auto_answers_either_way(client):
     # A random model writes text: it stays content (the parsers' tests cover real calls).
     choice = auto.choices[0]
     assert (choice.finish_reason == "tool_calls") == bool(choice.message.tool_calls)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_a_call_the_model_wrote_and_keeps_text_as_content(client, stream):
+    """guided_choice makes the random model write exactly these texts; auto reads them."""
+    call = PARSERS["hermes"].render_call("get_weather", {"city": "Oslo", "unit": "celsius"})
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=80)
+    for text, content, calls in [
+        (
+            "Let me check. " + call,
+            "Let me check. ",
+            [("get_weather", {"city": "Oslo", "unit": "celsius"})],
+        ),
+        ("It is <tool_call> sunny", "It is <tool_call> sunny", []),
+    ]:
+        if stream:
+            choice = _assembled(
+                client.chat.completions.create(
+                    **kwargs, stream=True, extra_body={"guided_choice": [text]}
+                )
+            )
+        else:
+            reply = client.chat.completions.create(**kwargs, extra_body={"guided_choice": [text]})
+            choice = reply.choices[0]
+        assert choice.message.content == content
+        got = [
+            (c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls or []
+        ]
+        assert got == calls
+        assert choice.finish_reason == ("tool_calls" if calls else "stop")
 
 
 def test_a_conversation_with_earlier_calls_and_tool_results_renders(client):
