@@ -131,8 +131,11 @@ def test_model_list_and_slot_headers(client, engine):
         "kv_cache_usage": load["kv_cache_usage"],
         "draining": False,
         "calibrations": load["calibrations"],
+        "mean_request_seconds": load["mean_request_seconds"],
     }
     assert 0.0 <= load["kv_cache_usage"] <= 1.0
+    # The completion above held a slot for a moment: the gateway's Retry-After reads this.
+    assert load["mean_request_seconds"] > 0
     # linear_backend=auto was decided at load (measured, or read from the calibration cache).
     assert [c["name"] for c in load["calibrations"]] == ["linear_backend"]
 
@@ -140,7 +143,7 @@ def test_model_list_and_slot_headers(client, engine):
 def test_openai_client_raises_on_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="'n' .3. exceeds this engine's 2 slots"):
+    with pytest.raises(openai.BadRequestError, match=r"'n' .3. exceeds this engine's 2 slots"):
         client.completions.create(model="tiny", prompt="x", max_tokens=1, n=3)
 
 
