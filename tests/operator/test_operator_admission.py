@@ -9,6 +9,7 @@ Unknown while the pool's children are still reconciled.
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import threading
@@ -249,6 +250,9 @@ def test_unreachable_redis_leaves_admission_stale_and_children_reconciled(
         # Children are still reconciled: a spec change reaches the Deployment.
         kube.patch_pool("chat", {"spec": {"replicas": 3}})
         wait_until(lambda: kube.deployment("chat")["spec"]["replicas"] == 3, 15, what="reconciled")
+        # observedTime has a one-second resolution: a recovery within the same second as the
+        # last reading would write the same string, so let the clock pass that second first.
+        wait_until(lambda: _utc_second() != seen, 3, what="the next second")
         redis.start()
         wait_until(
             lambda: condition(kube, "Saturated").get("status") == "False",
@@ -276,3 +280,7 @@ def test_only_the_pool_that_owns_the_model_name_reports_its_queue(kube: Kube):
     time.sleep(1.5)  # three refreshes
     assert admission(kube, "chat-copy") == {}  # the gateways' queue of "chat" is not its own
     assert condition(kube, "Saturated", "chat-copy") == {}
+
+
+def _utc_second() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
