@@ -9,8 +9,11 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import free_port, wait_until
 
@@ -120,3 +123,27 @@ def completion_body(max_tokens: int, *, stream: bool) -> dict:
 
 def sample(metrics: dict, name: str, **labels: str) -> float:
     return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def module_engine(
+    label: str, *args: str, model: str = "tiny_model_dir"
+) -> tuple[Callable[..., Iterator[EngineProcess]], Callable[..., openai.OpenAI]]:
+    """Module-scoped ``engine`` (a real process on the ``model`` fixture's folder) and ``client``.
+
+    Use as ``engine, client = module_engine("name", "--max-batch-size", "4")`` in a test module.
+    """
+
+    @pytest.fixture(scope="module")
+    def engine(
+        request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[EngineProcess]:
+        log = tmp_path_factory.mktemp(label) / "engine.log"
+        process = EngineProcess(request.getfixturevalue(model), log, *args).start()
+        yield process
+        process.stop()
+
+    @pytest.fixture(scope="module")
+    def client(engine: EngineProcess) -> openai.OpenAI:
+        return openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
+
+    return engine, client

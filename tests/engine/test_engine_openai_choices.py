@@ -13,7 +13,7 @@ import openai
 import pytest
 import yaml
 from engine_core_support import build_sharp_tiny_model
-from engine_server_support import EngineProcess
+from engine_server_support import EngineProcess, module_engine
 from support import free_port, http_ok, wait_until
 
 SLOTS = 4
@@ -27,17 +27,7 @@ def sharp_model_dir(tmp_path_factory, smollm2_dir):
     return build_sharp_tiny_model(tmp_path_factory.getbasetemp() / "sharp-tiny", smollm2_dir)
 
 
-@pytest.fixture(scope="module")
-def engine(sharp_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("choices") / "engine.log"
-    process = EngineProcess(sharp_model_dir, log, "--max-batch-size", str(SLOTS)).start()
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    return openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
+engine, client = module_engine("choices", "--max-batch-size", str(SLOTS), model="sharp_model_dir")
 
 
 def prefix_hits(engine: EngineProcess) -> float:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import httpx
-import openai
 import pytest
 import torch
-from engine_server_support import EngineProcess
+from engine_server_support import module_engine
 
 from slotserve.engine.logprobs import MASKED_LOGPROB, SampledLogprobs, TokenTexts
 from slotserve.engine.params import SamplingParams
@@ -59,17 +58,7 @@ def test_masked_alternatives_are_written_as_vllm_does(smollm2_dir):
 # -------------------------------------------------------------------- a real engine process
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logprobs") / "engine.log"
-    process = EngineProcess(tiny_model_dir, log, "--max-batch-size", "4").start()
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    return openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
+engine, client = module_engine("logprobs", "--max-batch-size", "4")
 
 
 CHAT = dict(model="tiny", messages=[{"role": "user", "content": "Tell me a story"}])

@@ -4,11 +4,10 @@ greedy decoding (all in one continuous batch), and through the HTTP API with the
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 import torch
 from engine_core_support import make_engine
-from engine_server_support import EngineProcess
+from engine_server_support import module_engine
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -129,17 +128,7 @@ def test_penalties_equal_hf_logits_processors_token_for_token(tiny_model_dir, re
 # -------------------------------------------------------------------- a real engine process
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("penalties") / "engine.log"
-    process = EngineProcess(tiny_model_dir, log, "--max-batch-size", "4").start()
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    return openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
+engine, client = module_engine("penalties", "--max-batch-size", "4")
 
 
 ARGS = dict(model="tiny", prompt="the quick brown fox", max_tokens=12, temperature=0, logprobs=0)

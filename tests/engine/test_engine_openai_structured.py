@@ -8,10 +8,9 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from engine_core_support import build_sharp_tiny_model, make_engine
-from engine_server_support import EngineProcess
+from engine_server_support import module_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -99,17 +98,7 @@ def test_regex_and_choice_hold_and_most_schemas_finish(engine_core):
 # -------------------------------------------------------------------- a real engine process
 
 
-@pytest.fixture(scope="module")
-def engine(sharp_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("structured") / "engine.log"
-    process = EngineProcess(sharp_model_dir, log, "--max-batch-size", "4").start()
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    return openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
+engine, client = module_engine("structured", "--max-batch-size", "4", model="sharp_model_dir")
 
 
 SCHEMA = {

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 import yaml
-from engine_server_support import SLOTSERVE, EngineProcess
+from engine_server_support import SLOTSERVE, module_engine
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from support import free_port, http_ok, wait_until
 
@@ -228,17 +228,7 @@ def _request(**fields) -> ChatCompletionRequest:
 # -------------------------------------------------------------------- a real engine process
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("tools") / "engine.log"
-    process = EngineProcess(tiny_model_dir, log, "--max-batch-size", "4").start()
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    return openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
+engine, client = module_engine("tools", "--max-batch-size", "4")
 
 
 def _assembled(stream):
