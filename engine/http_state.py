@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from slotserve.engine.metrics import EngineMetrics
-from slotserve.engine.openai_api import ErrorBody, ErrorDetail
+from slotserve.engine.openai_responses import ErrorBody, ErrorDetail
 from slotserve.engine.settings import EngineSettings
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response bodies for the engine's HTTP API.
+"""OpenAI-compatible request bodies for the engine's HTTP API (responses: ``openai_responses``).
 
 Requests are validated strictly from JSON: wrong types, out-of-range values, unknown fields and
 OpenAI features the engine does not implement (``functions``, images, ...) are rejected with a
@@ -23,7 +23,6 @@ from pydantic import (
 )
 
 from slotserve.engine.choices import MAX_CHOICES
-from slotserve.engine.logprobs import ChatLogprobs, CompletionLogprobs
 from slotserve.engine.params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
@@ -31,8 +30,7 @@ from slotserve.engine.params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from slotserve.engine.sequence import FinishReason
-from slotserve.engine.tool_calls import Tool, ToolCall, ToolCallDelta, ToolChoice
+from slotserve.engine.tool_calls import Tool, ToolCall, ToolChoice
 
 
 class RequestModel(BaseModel):
@@ -313,114 +311,6 @@ class ChatCompletionRequest(SamplingRequest):
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them."""
         return [message.template_message() for message in self.messages]
-
-
-# ---------------------------------------------------------------------------------------------
-# Responses
-
-
-def _is_none(value: object) -> bool:
-    return value is None
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, num_prompt_tokens: int, num_generated_tokens: int) -> Usage:
-        return cls(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_generated_tokens,
-            total_tokens=num_prompt_tokens + num_generated_tokens,
-        )
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class CompletionResponse(BaseModel):
-    """A whole completion, and (with ``finish_reason`` None until the end) a stream chunk."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = Field(None, exclude_if=_is_none)
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_is_none)
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | Literal["tool_calls"] | None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = Field(None, exclude_if=_is_none)
-    content: str | None = Field(None, exclude_if=_is_none)
-    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_is_none)
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | Literal["tool_calls"] | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, exclude_if=_is_none)
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "slotserve"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
 
 
 # ---------------------------------------------------------------------------------------------

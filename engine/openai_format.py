@@ -8,8 +8,13 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from slotserve.engine.logprobs import TokenLogprobs, chat_logprobs, completion_logprobs
-from slotserve.engine.openai_api import (
+from slotserve.engine.logprobs import (
+    CompletionLogprobs,
+    TokenLogprobs,
+    chat_logprobs,
+    completion_logprobs,
+)
+from slotserve.engine.openai_responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -17,11 +22,10 @@ from slotserve.engine.openai_api import (
     ChatDelta,
     ChatMessageOut,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionResponse,
-    FinishReason,
     Usage,
 )
+from slotserve.engine.sequence import FinishReason
 
 DONE_EVENT = b"data: [DONE]\n\n"
 

@@ -30,8 +30,6 @@ from slotserve.engine.http_state import (
 from slotserve.engine.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
-    ModelList,
     SamplingRequest,
     describe_validation_error,
 )
@@ -43,6 +41,7 @@ from slotserve.engine.openai_format import (
     OutputFormat,
     sse_event,
 )
+from slotserve.engine.openai_responses import ModelCard, ModelList
 from slotserve.engine.params import SamplingParams
 from slotserve.engine.structured import GrammarError, check_requested_grammar
 from slotserve.engine.tokenize import PromptTooLongError, TokenizerUnavailableError

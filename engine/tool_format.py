@@ -9,16 +9,16 @@ call: all its text comes back as content with ``finish_reason: "length"``.
 from __future__ import annotations
 
 from slotserve.engine.logprobs import TokenLogprobs, chat_logprobs
-from slotserve.engine.openai_api import (
+from slotserve.engine.openai_format import ChatFormat, ChoiceOutput
+from slotserve.engine.openai_responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionResponse,
     ChatDelta,
     ChatMessageOut,
-    FinishReason,
     Usage,
 )
-from slotserve.engine.openai_format import ChatFormat, ChoiceOutput
+from slotserve.engine.sequence import FinishReason
 from slotserve.engine.tool_calls import ParsedCall, ToolCallDelta, ToolPlan
 
 
