@@ -6,6 +6,7 @@ them directly. The engine needs no ConfigMap: everything it takes is a command-l
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -79,6 +80,13 @@ def engine_args(spec: InferencePoolSpec, model_arg: str) -> list[str]:
     ]
     if batching.preferred_batch_sizes:
         args += ["--preferred-batch-sizes", *map(str, batching.preferred_batch_sizes)]
+    model = spec.model
+    args += ["--generation-config", model.generation_config]
+    args += ["--tool-call-parser", model.tool_call_parser]
+    if model.sampling_defaults is not None and (
+        overrides := model.sampling_defaults.as_generation_config()
+    ):
+        args += ["--override-generation-config", json.dumps(overrides, sort_keys=True)]
     return args
 
 

@@ -139,6 +139,21 @@ class ModelSource(WireModel):
         return self
 
 
+class SamplingDefaults(WireModel):
+    """Defaults for sampling fields a request leaves out, over the model's generation config."""
+
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    max_new_tokens: int | None = Field(None, ge=1)
+
+    def as_generation_config(self) -> dict[str, float | int]:
+        """generation_config.json keys (snake_case), for ``--override-generation-config``."""
+        return self.model_dump(exclude_none=True, by_alias=False)
+
+
 class ModelSpec(WireModel):
     """What to serve, and under which name."""
 
@@ -153,6 +168,18 @@ class ModelSpec(WireModel):
     )
     max_model_len: int = Field(
         2048, ge=16, le=1_048_576, description="Longest prompt + completion, in tokens."
+    )
+    generation_config: Literal["auto", "none"] = Field(
+        "auto",
+        description="Sampling defaults for fields a request leaves out: auto (the model's "
+        "generation_config.json, as vLLM's --generation-config auto) or none (OpenAI's).",
+    )
+    sampling_defaults: SamplingDefaults | None = Field(
+        None, description="Overrides over the generation config (the engine's flag of that name)."
+    )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto",
+        description="How the model writes tool calls; auto reads it from the chat template.",
     )
 
 

@@ -208,7 +208,8 @@ def test_user_env_overrides_ours_and_preferred_sizes_reach_the_engine_flags():
     assert names.count("HF_HOME") == 1
     env = {var["name"]: var.get("value") for var in engine["env"]}
     assert env["HF_HOME"] == "/cache/hf2" and env["X"] == "1"
-    assert engine["args"][-3:] == ["--preferred-batch-sizes", "4", "8"]
+    at = engine["args"].index("--preferred-batch-sizes")
+    assert engine["args"][at : at + 3] == ["--preferred-batch-sizes", "4", "8"]
     assert engine["image"] == "other/engine:2" and engine["imagePullPolicy"] == "Always"
 
 
@@ -247,3 +248,34 @@ def test_engine_cli_accepts_the_built_arguments(pool: InferencePool):
     assert settings.served_model_name == pool.spec.model.name
     assert settings.max_batch_size == pool.spec.batching.max_batch_size
     assert settings.preferred_batch_sizes == pool.spec.batching.preferred_batch_sizes
+    assert settings.generation_config == pool.spec.model.generation_config
+    assert settings.tool_call_parser == pool.spec.model.tool_call_parser
+
+
+def test_sampling_defaults_and_tool_parser_reach_the_engine():
+    """spec.model.samplingDefaults becomes the engine's generation-config override, as JSON."""
+    engine_cli = pytest.importorskip("slotserve.engine.cli")
+    from slotserve.engine.generation_defaults import parse_override
+    from slotserve.engine.settings import EngineSettings
+    from slotserve.settings import settings_from_args
+
+    pool = make_pool()
+    pool.spec.model = pool.spec.model.model_validate(
+        {
+            **pool.spec.model.model_dump(by_alias=True),
+            "generationConfig": "none",
+            "toolCallParser": "hermes",
+            "samplingDefaults": {"temperature": 0.6, "topP": 0.9, "maxNewTokens": 256},
+        }
+    )
+    args = container(builders.build_deployment(pool, engine_image=IMAGE))["args"]
+    settings = settings_from_args(EngineSettings, engine_cli.build_parser().parse_args(args[1:]))
+    assert settings.generation_config == "none" and settings.tool_call_parser == "hermes"
+    assert parse_override(settings.override_generation_config) == {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "max_new_tokens": 256,
+    }
+    # Without overrides the flag is left out, so the model's own defaults stand.
+    plain = container(builders.build_deployment(make_pool(), engine_image=IMAGE))["args"]
+    assert "--override-generation-config" not in plain
