@@ -60,17 +60,19 @@ class Waiter:
     priority: int
     deadline: float  # monotonic
     demote_at: float | None = None  # monotonic; DELAY levels only
+    slots: int = 1  # slots its lease will hold: one per choice (``n``)
 
 
 @dataclass(frozen=True)
 class Lease:
-    """A slot on ``endpoint`` held by one request until ``Admission.release``."""
+    """``slots`` slots on ``endpoint`` held by one request until ``Admission.release``."""
 
     request_id: str
     pool: PoolPolicy
     endpoint: str
     queue_wait_s: float
     granted_at: float = 0.0  # monotonic; 0 for leases handed back unused
+    slots: int = 1  # one per choice the request asks for (``n``)
 
 
 class Admission:
@@ -95,7 +97,8 @@ class Admission:
         self.idle_tick_interval_s = idle_tick_interval_s
         self.aging_us_default = int(priority_aging_s * 1_000_000)
         self.waiters: dict[str, Waiter] = {}
-        self.leased: dict[str, tuple[str, str]] = {}  # request id -> (pool, endpoint)
+        # request id -> (pool, endpoint, slots held)
+        self.leased: dict[str, tuple[str, str, int]] = {}
         self._drain: dict[str, DrainRate] = {}
         self._hold: dict[str, HoldTime] = {}
         self._queue_depth: dict[str, int] = {}
@@ -153,11 +156,13 @@ class Admission:
         timeout_s: float,
         *,
         demote_after_s: float | None = None,
+        slots: int = 1,
     ) -> Lease:
         """Wait for a slot; raises QueueFullError, QueueTimeoutError or BackendUnavailableError.
 
         ``demote_after_s`` (a ``DELAY`` level, ``PoolPolicy.queue_wait``): from then on the
-        request waits behind every request not demoted, until ``timeout_s``.
+        request waits behind every request not demoted, until ``timeout_s``. ``slots``: the
+        lease holds that many slots of one endpoint (a request's ``n``, one per choice).
         """
         started = time.monotonic()
         if self.keeper.needs_restore:
@@ -165,11 +170,13 @@ class Admission:
         request_id = uuid.uuid4().hex
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         demote_at = None if demote_after_s is None else started + demote_after_s
-        self.waiters[request_id] = Waiter(pool, future, priority, started + timeout_s, demote_at)
+        self.waiters[request_id] = Waiter(
+            pool, future, priority, started + timeout_s, demote_at, slots
+        )
         owned = settled = False
         try:
             try:
-                await self._enqueue(pool, request_id, priority, timeout_s, demote_after_s)
+                await self._enqueue(pool, request_id, priority, timeout_s, demote_after_s, slots)
             except QueueFullError:
                 settled = True  # the step took the entry out again
                 raise
@@ -180,7 +187,7 @@ class Admission:
                     remaining = started + timeout_s - time.monotonic()
                     endpoint = await asyncio.wait_for(asyncio.shield(future), max(0, remaining))
             except TimeoutError:
-                endpoint = await self._cancel_at_deadline(pool, request_id, future)
+                endpoint = await self._cancel_at_deadline(pool, request_id, future, slots)
             owned = True
         except QueueTimeoutError:
             settled = True
@@ -190,9 +197,9 @@ class Admission:
             if not owned and not settled:
                 # Cancelled (client gone) or failed: a grant made meanwhile reaches
                 # ``_on_grant``, finds no waiter and is released; take the entry out too.
-                self.spawn(self._abandon(pool, request_id))
+                self.spawn(self._abandon(pool, request_id, slots))
         now = time.monotonic()
-        return Lease(request_id, pool, endpoint, now - started, now)
+        return Lease(request_id, pool, endpoint, now - started, now, slots)
 
     async def release(self, lease: Lease) -> None:
         """Give the slot back (on the replica that acquired it; safe to repeat); never raises."""
@@ -227,6 +234,7 @@ class Admission:
         priority: int,
         timeout_s: float,
         demote_after_s: float | None,
+        slots: int,
     ) -> None:
         demote_us = None if demote_after_s is None else int(demote_after_s * 1_000_000)
         try:
@@ -240,6 +248,7 @@ class Admission:
                     drain_gap_us=promise_gap_us(self.service_rate(pool.name)),
                     aging_us=self.aging_us(pool),
                     demote_after_us=demote_us,
+                    slots=slots,
                 )
             )
         except QueueFullError as exc:
@@ -248,7 +257,7 @@ class Admission:
         self.apply(pool, result)
 
     async def _cancel_at_deadline(
-        self, pool: PoolPolicy, request_id: str, future: asyncio.Future[str]
+        self, pool: PoolPolicy, request_id: str, future: asyncio.Future[str], slots: int
     ) -> str:
         if future.done():
             return future.result()
@@ -256,14 +265,14 @@ class Admission:
         if future.done():
             return future.result()
         if outcome.state == "granted":
-            self.leased[request_id] = (pool.name, outcome.endpoint)
+            self.leased[request_id] = (pool.name, outcome.endpoint, slots)
             return outcome.endpoint
         raise QueueTimeoutError(
             f"request waited longer than its queue timeout in pool {pool.name!r}",
             retry_after_s=self.retry_after(pool.name),
         )
 
-    async def _abandon(self, pool: PoolPolicy, request_id: str) -> None:
+    async def _abandon(self, pool: PoolPolicy, request_id: str, slots: int) -> None:
         """The waiter left without a lease: take its entry out or give its grant back."""
         delay_s, give_up_at = 0.1, time.monotonic() + self.lease_ttl_s
         while True:
@@ -277,13 +286,13 @@ class Admission:
                 await asyncio.sleep(delay_s)
                 delay_s = min(1.0, delay_s * 2)
         if outcome.state == "granted":
-            self.leased[request_id] = (pool.name, outcome.endpoint)
+            self.leased[request_id] = (pool.name, outcome.endpoint, slots)
             await self.release(Lease(request_id, pool, outcome.endpoint, 0.0))
 
     def _on_grant(self, pool_name: str, request_id: str, endpoint: str) -> None:
         waiter = self.waiters.get(request_id)
         if waiter is not None and not waiter.future.done():
-            self.leased[request_id] = (pool_name, endpoint)
+            self.leased[request_id] = (pool_name, endpoint, waiter.slots)
             waiter.future.set_result(endpoint)
             return
         if request_id in self.leased:

@@ -93,10 +93,10 @@ class LeaseKeeper:
             log.info("admission backend is back; restored %d leases", len(admission.leased))
         self.needs_restore = False
 
-    def _held(self) -> dict[str, list[tuple[str, str]]]:
-        held: dict[str, list[tuple[str, str]]] = {}
-        for request_id, (pool_name, endpoint) in list(self.admission.leased.items()):
-            held.setdefault(pool_name, []).append((request_id, endpoint))
+    def _held(self) -> dict[str, list[tuple[str, str, int]]]:
+        held: dict[str, list[tuple[str, str, int]]] = {}
+        for request_id, (pool_name, endpoint, slots) in list(self.admission.leased.items()):
+            held.setdefault(pool_name, []).append((request_id, endpoint, slots))
         return held
 
     async def _requeue_waiters(self) -> None:
@@ -122,6 +122,7 @@ class LeaseKeeper:
                     aging_us=admission.aging_us(waiter.pool),
                     demote_after_us=demote_us,
                     only_if_absent=True,
+                    slots=waiter.slots,
                 )
             )
         except QueueFullError as exc:

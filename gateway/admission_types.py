@@ -186,6 +186,7 @@ class AdmissionBackend(Protocol):
         aging_us: int = DEFAULT_AGING_US,
         demote_after_us: int | None = None,
         only_if_absent: bool = False,
+        slots: int = 1,
     ) -> DispatchResult:
         """Queue a request (raising QueueFullError beyond maxQueueSize, or beyond its level's
         own ``maxQueueSize``), then dispatch.
@@ -202,6 +203,11 @@ class AdmissionBackend(Protocol):
         over; a rejected client is promised the next place after them, ``drain_gap_us`` (one
         over the measured drain rate) later. ``only_if_absent``: do nothing if the request is
         already queued or holds a lease.
+
+        ``slots``: the request's lease holds that many slots (one per choice, its ``n``); it is
+        granted only an endpoint with that many free. A head that needs more than any endpoint
+        has free waits, and everyone behind it at its level waits too (FIFO, no starvation of
+        big requests).
         """
         ...
 
@@ -217,8 +223,11 @@ class AdmissionBackend(Protocol):
         """Sweep expired leases and dead replicas' queue entries, then dispatch."""
         ...
 
-    async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> bool:
-        """Mark this replica alive and extend its leases ({pool: [(request_id, endpoint)]}).
+    async def heartbeat(
+        self, leases: dict[str, list[tuple[str, str, int]]], *, restore: bool
+    ) -> bool:
+        """Mark this replica alive and extend its leases ({pool: [(request_id, endpoint,
+        slots)]}).
 
         With ``restore``, leases missing from the backend (it lost them) are written back.
         Returns whether the backend's view was intact: this replica was still alive (its
@@ -226,4 +235,6 @@ class AdmissionBackend(Protocol):
         """
         ...
 
-    async def inflight(self, pool: PoolPolicy) -> dict[str, int]: ...
+    async def inflight(self, pool: PoolPolicy) -> dict[str, int]:
+        """Slots held on each endpoint (a lease holds its request's ``n``)."""
+        ...

@@ -184,6 +184,15 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return payload
 
 
+def requested_slots(payload: dict[str, Any]) -> int:
+    """The engine slots a request takes: one per choice (``n``). A malformed ``n`` counts one:
+    the engine refuses it (400 naming ``n``) without taking a slot."""
+    n = payload.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        return n
+    return 1
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     m = request.app[METRICS]
@@ -222,15 +231,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
     deadline = time.monotonic() + timeout_s
     admission = request.app[ADMISSION]
     window = request.app[WINDOW]
-    if not request.app[MONITOR].offers(model):
+    offers = request.app[MONITOR].offers(model)
+    if not offers:
         m.rejected.labels(model, "no_ready_endpoint").inc()
         if window is not None:
             window.rejected(model, "no_ready_endpoint")
         return error_response(
             503, f"no engine of pool {model!r} is ready", "no_ready_endpoint", retry_after_s=1
         )
+    slots = requested_slots(payload)
+    most_slots = max(offer.slots_total for offer in offers)
+    if slots > most_slots:
+        # Refused before queueing, as the engine would: no endpoint could ever hold it.
+        m.rejected.labels(model, "invalid_value").inc()
+        return error_response(
+            400,
+            f"'n' ({slots}) exceeds the slots of every engine of pool {model!r} "
+            f"(at most {most_slots}): each choice takes one",
+            "invalid_value",
+            param="n",
+        )
     try:
-        acquire = admission.acquire(policy, priority, timeout_s, demote_after_s=wait.demote_after_s)
+        acquire = admission.acquire(
+            policy, priority, timeout_s, demote_after_s=wait.demote_after_s, slots=slots
+        )
         lease = await traced_admission(request, model, acquire)
     except AdmissionError as exc:
         m.rejected.labels(model, exc.code).inc()

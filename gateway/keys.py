@@ -8,11 +8,12 @@ replica leaves nothing behind for long:
 | key | type | contents | TTL |
 |---|---|---|---|
 | ``P:{pool}:queue`` | ZSET | waiting request ids; score = arrival + level x aging (4) | STATE |
-| ``P:{pool}:entries`` | HASH | request id -> ``replica|deadline_us|enqueued_us|level`` | STATE |
+| ``P:{pool}:entries`` | HASH | id -> ``replica|deadline_us|enqueued_us|level|slots`` | STATE |
 | ``P:{pool}:seq`` | STRING | arrival counter (global FIFO order within a priority) | STATE |
 | ``P:{pool}:leases`` | ZSET | request ids holding a slot; score = lease expiry (us) | STATE |
 | ``P:{pool}:lease_endpoint`` | HASH | request id -> endpoint URL of its slot | STATE |
-| ``P:{pool}:inflight`` | HASH | endpoint URL -> number of leases on it | STATE |
+| ``P:{pool}:inflight`` | HASH | endpoint URL -> slots its leases hold (a request's ``n``) | STATE |
+| ``P:{pool}:lease_slots`` | HASH | request id -> slots its lease holds, if over one | STATE |
 | ``P:{pool}:stats`` | HASH | ``dispatched`` (granted so far), ``retry_horizon`` (us) | STATE |
 | ``P:{pool}:deadlines`` | ZSET | waiting request ids; score = queue deadline (us) | STATE |
 | ``P:{pool}:replicas`` | SET | replicas that may have requests waiting in the pool | STATE |
@@ -53,6 +54,7 @@ POOL_KEY_NAMES = (
     "retries",
     "levels",
     "delays",
+    "lease_slots",
 )
 
 
@@ -63,7 +65,7 @@ class Keys:
     prefix: str = "slotserve"
 
     def pool(self, pool_name: str) -> list[str]:
-        """The pool's keys in the order the Lua scripts expect them (KEYS[1..12])."""
+        """The pool's keys in the order the Lua scripts expect them (KEYS[1..13])."""
         return [self.pool_key(pool_name, name) for name in POOL_KEY_NAMES]
 
     def pool_key(self, pool_name: str, name: str) -> str:

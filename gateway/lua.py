@@ -17,19 +17,22 @@ ARGV[1] prefix, [2] pool, [3] calling replica, [4] lease TTL (us), [5] state TTL
 epoch the caller knows ("" if none yet), [10] sweep batch, [11] maxQueueSize, [12] number of
 endpoint offers N, then N triples (url, slots_total, load_score), then the script's own arguments.
 
-The admission epoch and the heartbeat script live in ``lua_epoch.py``.
+The admission epoch and the heartbeat script live in ``lua_epoch.py``; slot accounting (a lease
+weighs its request's ``n`` slots) in ``lua_slots.py``.
 """
 
 from __future__ import annotations
 
 from slotserve.gateway.admission_types import DEMOTION_OFFSET_US
 from slotserve.gateway.lua_epoch import EPOCH, HEARTBEAT
+from slotserve.gateway.lua_slots import SLOTS
 
 _PRELUDE = (
     r"""#!lua flags=allow-cross-slot-keys
 local K_QUEUE, K_ENTRIES, K_SEQ, K_LEASES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local K_LEASE_EP, K_INFLIGHT, K_STATS, K_DEADLINES = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local K_REPLICAS, K_RETRIES, K_LEVELS, K_DELAYS = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
+local K_LEASE_SLOTS = KEYS[13]
 local PREFIX, POOL, CALLER = ARGV[1], ARGV[2], ARGV[3]
 local LEASE_TTL_US = tonumber(ARGV[4])
 local STATE_TTL_MS = tonumber(ARGV[5])
@@ -68,10 +71,15 @@ local function waiting_key(replica)
   return PREFIX .. ':{' .. POOL .. '}:waiting:' .. replica
 end
 
--- replica|deadline|enqueued|level (the replica's name may hold '|': the match is greedy).
+-- replica|deadline|enqueued|level|slots (the replica's name may hold '|': the match is greedy).
 local function parse_entry(info)
-  local replica, deadline, enqueued, level = string.match(info, '^(.*)|(%d+)|(%d+)|(%d+)$')
-  return replica, tonumber(deadline), tonumber(enqueued), level
+  local replica, deadline, enqueued, level, slots =
+    string.match(info, '^(.*)|(%d+)|(%d+)|(%d+)|(%d+)$')
+  if not replica then  -- written before leases weighed slots: one slot
+    replica, deadline, enqueued, level = string.match(info, '^(.*)|(%d+)|(%d+)|(%d+)$')
+    slots = 1
+  end
+  return replica, tonumber(deadline), tonumber(enqueued), level, tonumber(slots)
 end
 
 -- Waiting requests per level (for each level's own maxQueueSize).
@@ -139,8 +147,8 @@ local function head(now)
       demotions_left = demotions_left - 1
     else
       if info then
-        local replica, deadline, enqueued = parse_entry(info)
-        if deadline > now and is_alive(replica) then return h[1], replica, enqueued end
+        local replica, deadline, enqueued, _, slots = parse_entry(info)
+        if deadline > now and is_alive(replica) then return h[1], replica, enqueued, slots end
       end
       drop(h[1])
       drops_left = drops_left - 1
@@ -148,36 +156,6 @@ local function head(now)
   end
   return nil
 end
-
--- routing.rank_endpoints: free slot, lowest held share, then engine load, then URL.
-local function best_endpoint(idle_only)
-  local best = nil
-  for _, o in ipairs(OFFERS) do
-    local used = tonumber(redis.call('HGET', K_INFLIGHT, o.url) or '0')
-    if used < o.slots and (not idle_only or used == 0) then
-      local ratio = used / o.slots
-      if best == nil or ratio < best.ratio
-          or (ratio == best.ratio and (o.load < best.load
-              or (o.load == best.load and o.url < best.url))) then
-        best = {url = o.url, slots = o.slots, load = o.load, ratio = ratio}
-      end
-    end
-  end
-  return best
-end
-
-local function release_lease(rid)
-  if redis.call('ZREM', K_LEASES, rid) == 0 then return false end
-  FREED = FREED + 1
-  local ep = redis.call('HGET', K_LEASE_EP, rid)
-  redis.call('HDEL', K_LEASE_EP, rid)
-  if ep and redis.call('HINCRBY', K_INFLIGHT, ep, -1) <= 0 then
-    redis.call('HDEL', K_INFLIGHT, ep)
-  end
-  return true
-end
-
-local mine = {}
 
 -- Places held for clients told to come back later (Retry-After): capacity that frees (a lease
 -- released) while promises are outstanding is held for them, and opens when a promise is due,
@@ -196,22 +174,9 @@ local function hold_freed_places()
   FREED = 0
 end
 
-local function grant(rid, replica, url, now, queued)
-  if queued ~= false then drop(rid) end
-  redis.call('ZADD', K_LEASES, now + LEASE_TTL_US, rid)
-  redis.call('HSET', K_LEASE_EP, rid, url)
-  redis.call('HINCRBY', K_INFLIGHT, url, 1)
-  redis.call('HINCRBY', K_STATS, 'dispatched', 1)
-  if replica == CALLER then
-    mine[#mine + 1] = rid
-    mine[#mine + 1] = url
-  else
-    local gk = PREFIX .. ':grants:' .. replica
-    redis.call('RPUSH', gk, POOL .. '\31' .. rid .. '\31' .. url)
-    redis.call('PEXPIRE', gk, math.floor(LEASE_TTL_US / 1000))
-  end
-end
-
+"""
+    + SLOTS
+    + r"""
 -- routing.group_size
 local function group_size(n, slots, waited)
   if n <= 0 then return 0 end
@@ -231,21 +196,24 @@ local function dispatch(now)
   if now < READY_AT then return READY_AT - now end  -- leases may still be coming back
   local idle_only = POLICY ~= 'continuous'
   while true do
-    local rid, replica, enqueued = head(now)
+    local rid, replica, enqueued, slots = head(now)
     if not rid then return 0 end
-    local ep = best_endpoint(idle_only)
+    -- The head waits for all its slots, and those behind it wait for the head (FIFO).
+    local ep = best_endpoint(idle_only, slots)
     if not ep then return 0 end
     if not idle_only then
-      grant(rid, replica, ep.url, now)
+      grant(rid, replica, ep.url, slots, now)
     else
       local waited = now - enqueued
       local size = group_size(redis.call('ZCARD', K_QUEUE), ep.slots, waited)
       if size == 0 then return math.max(1, MAX_DELAY_US - waited) end
-      grant(rid, replica, ep.url, now)
+      grant(rid, replica, ep.url, slots, now)
+      local free = ep.free - slots
       for _ = 2, size do
-        local r2, rep2 = head(now)
-        if not r2 then break end
-        grant(r2, rep2, ep.url, now)
+        local r2, rep2, _, slots2 = head(now)
+        if not r2 or slots2 > free then break end
+        grant(r2, rep2, ep.url, slots2, now)
+        free = free - slots2
       end
     end
   end
@@ -272,7 +240,8 @@ end
 # only-if-absent flag, the expected gap (us) between two places freeing in the queue
 # (1 / measured drain rate), how far ahead (us) return times are promised to rejected clients,
 # the priority aging step (us of waiting worth one priority level), the level's own
-# maxQueueSize, and when (us from now) the request is demoted (DELAY; 0: never).
+# maxQueueSize, when (us from now) the request is demoted (DELAY; 0: never), and the slots it
+# takes (its ``n``).
 ENQUEUE = (
     _PRELUDE
     + r"""
@@ -280,7 +249,7 @@ local rid, priority = ARGV[REST], tonumber(ARGV[REST + 1])
 local timeout_us, max_size = tonumber(ARGV[REST + 2]), tonumber(ARGV[REST + 3])
 local drain_gap_us, max_promise_us = tonumber(ARGV[REST + 5]), tonumber(ARGV[REST + 6])
 local aging_us, level_max = tonumber(ARGV[REST + 7]), tonumber(ARGV[REST + 8])
-local demote_us = tonumber(ARGV[REST + 9])
+local demote_us, slots = tonumber(ARGV[REST + 9]), tonumber(ARGV[REST + 10])
 local now = now_us()
 if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
     or redis.call('ZSCORE', K_LEASES, rid)) then
@@ -290,9 +259,9 @@ end
 -- Fast path: nobody waits and a slot is free: the lease at once, no queue entry to write.
 if POLICY == 'continuous' and redis.call('ZCARD', K_QUEUE) == 0 then
   EPOCH_ID, READY_AT = check_epoch(now)
-  local ep = now >= READY_AT and best_endpoint(false)
+  local ep = now >= READY_AT and best_endpoint(false, slots)
   if ep then
-    grant(rid, CALLER, ep.url, now, false)
+    grant(rid, CALLER, ep.url, slots, now, false)
     touch()
     return result('ok', 0)
   end
@@ -303,7 +272,7 @@ local deadline = now + timeout_us
 -- Aging: a level is worth aging_us of waiting, so no level waits forever behind another.
 redis.call('ZADD', K_QUEUE, now + priority * aging_us, rid)
 redis.call('HSET', K_ENTRIES, rid, CALLER .. '|' .. fmt(deadline) .. '|' .. fmt(now) .. '|'
-  .. priority)
+  .. priority .. '|' .. slots)
 count_level(priority, 1)
 redis.call('ZADD', K_DEADLINES, deadline, rid)
 if demote_us > 0 then redis.call('ZADD', K_DELAYS, now + demote_us, rid) end

@@ -46,9 +46,10 @@ end
 """
 
 # Not pool-bound: ARGV[1] prefix, [2] replica, [3] lease TTL (us), [4] state TTL (ms), [5] the
-# epoch the caller knows, [6] restore flag, then per pool: name, number of leases N, N pairs
-# (request id, endpoint). Renews liveness and leases; with restore, leases missing from Redis
-# (it lost them) are written back. Returns {was alive (0/1), epoch id, us until it dispatches}.
+# epoch the caller knows, [6] restore flag, then per pool: name, number of leases N, N triples
+# (request id, endpoint, slots it holds). Renews liveness and leases; with restore, leases
+# missing from Redis (it lost them) are written back. Returns {was alive (0/1), epoch id, us
+# until it dispatches}.
 HEARTBEAT = (
     r"""#!lua flags=allow-cross-slot-keys
 local PREFIX, CALLER = ARGV[1], ARGV[2]
@@ -66,20 +67,21 @@ local i = 7
 while i <= #ARGV do
   local pool, n = ARGV[i], tonumber(ARGV[i + 1])
   local k = PREFIX .. ':{' .. pool .. '}:'
-  for j = i + 2, i + 2 * n, 2 do
-    local rid, ep = ARGV[j], ARGV[j + 1]
+  for j = i + 2, i + 3 * n - 1, 3 do
+    local rid, ep, slots = ARGV[j], ARGV[j + 1], tonumber(ARGV[j + 2])
     if redis.call('ZSCORE', k .. 'leases', rid) then
       redis.call('ZADD', k .. 'leases', now + LEASE_TTL_US, rid)
-    elseif restore then
+    elseif restore then  -- a lease weighs its slots (``lua_slots.py``)
       redis.call('ZADD', k .. 'leases', now + LEASE_TTL_US, rid)
       redis.call('HSET', k .. 'lease_endpoint', rid, ep)
-      redis.call('HINCRBY', k .. 'inflight', ep, 1)
+      if slots > 1 then redis.call('HSET', k .. 'lease_slots', rid, slots) end
+      redis.call('HINCRBY', k .. 'inflight', ep, slots)
     end
   end
-  for _, name in ipairs({'leases', 'lease_endpoint', 'inflight'}) do
+  for _, name in ipairs({'leases', 'lease_endpoint', 'lease_slots', 'inflight'}) do
     redis.call('PEXPIRE', k .. name, STATE_TTL_MS)
   end
-  i = i + 2 + 2 * n
+  i = i + 2 + 3 * n
 end
 return {was_alive, epoch, math.max(0, ready - now)}
 """

@@ -40,6 +40,7 @@ class _Entry:
     deadline_us: int
     enqueued_us: int
     level: int
+    slots: int = 1  # slots its lease will hold: one per choice (``n``)
 
 
 @dataclass
@@ -59,7 +60,8 @@ class _PoolState:
     leases: dict[str, int] = field(default_factory=dict)  # request id -> expiry (us)
     lease_heap: list[tuple[int, str]] = field(default_factory=list)
     lease_endpoint: dict[str, str] = field(default_factory=dict)
-    inflight: dict[str, int] = field(default_factory=dict)
+    lease_slots: dict[str, int] = field(default_factory=dict)  # request id -> slots held
+    inflight: dict[str, int] = field(default_factory=dict)  # endpoint -> slots held
     num_dispatched: int = 0
     retry_horizon_us: int = 0
     promised: list[int] = field(default_factory=list)  # heap of promised return times (us)
@@ -121,12 +123,19 @@ class _PoolState:
         self.leases[request_id] = expiry_us
         heapq.heappush(self.lease_heap, (expiry_us, request_id))
 
+    def hold_slots(self, request_id: str, endpoint: str, slots: int) -> None:
+        """A new lease weighs its slots (``lua_slots.py``)."""
+        self.lease_endpoint[request_id] = endpoint
+        self.lease_slots[request_id] = slots
+        self.inflight[endpoint] = self.inflight.get(endpoint, 0) + slots
+
     def free_lease(self, request_id: str) -> bool:
         if self.leases.pop(request_id, None) is None:
             return False
         self.num_freed += 1
         endpoint = self.lease_endpoint.pop(request_id, "")
-        self.inflight[endpoint] = self.inflight.get(endpoint, 0) - 1
+        slots = self.lease_slots.pop(request_id, 1)
+        self.inflight[endpoint] = self.inflight.get(endpoint, 0) - slots
         if self.inflight[endpoint] <= 0:
             del self.inflight[endpoint]
         return True
@@ -221,8 +230,7 @@ class InProcessHub:
         def grant(request_id: str, entry: _Entry, endpoint: str) -> None:
             state._drop(request_id)
             state.set_lease(request_id, now_us + self.lease_ttl_us)
-            state.lease_endpoint[request_id] = endpoint
-            state.inflight[endpoint] = state.inflight.get(endpoint, 0) + 1
+            state.hold_slots(request_id, endpoint, entry.slots)
             state.num_dispatched += 1
             if entry.replica in self.listeners:
                 self.listeners[entry.replica](policy.name, request_id, endpoint)
@@ -230,7 +238,8 @@ class InProcessHub:
         idle_only = policy.policy != "continuous"
         while (head := state.head(now_us, alive)) is not None:
             request_id, entry = head
-            ranked = rank_endpoints(offers, state.inflight, idle_only=idle_only)
+            # The head waits for all its slots, and those behind it wait for the head (FIFO).
+            ranked = rank_endpoints(offers, state.inflight, idle_only=idle_only, need=entry.slots)
             if not ranked:
                 break
             if not idle_only:
@@ -248,11 +257,13 @@ class InProcessHub:
                 hold_us = max(1, policy.max_queue_delay_us - waited_us)
                 break
             grant(request_id, entry, ranked[0].url)
+            free = ranked[0].slots_total - entry.slots
             for _ in range(size - 1):
                 nxt = state.head(now_us, alive)
-                if nxt is None:
+                if nxt is None or nxt[1].slots > free:
                     break
                 grant(nxt[0], nxt[1], ranked[0].url)
+                free -= nxt[1].slots
         state.hold_freed_places(policy.max_queue_size)
         return DispatchResult(len(state.queue), state.num_dispatched, hold_us)
 
@@ -283,6 +294,7 @@ class InProcessBackend:
         aging_us: int = DEFAULT_AGING_US,
         demote_after_us: int | None = None,
         only_if_absent: bool = False,
+        slots: int = 1,
     ) -> DispatchResult:
         now = self.hub.clock_us()
         state = self.hub.pool(pool.name)
@@ -290,7 +302,7 @@ class InProcessBackend:
             return DispatchResult(len(state.queue), state.num_dispatched, 0)
         state.settle_promises(now)
         state.seq += 1
-        entry = _Entry(self.replica_id, now + timeout_us, now, priority)
+        entry = _Entry(self.replica_id, now + timeout_us, now, priority, slots)
         demote_at = 0
         if demote_after_us is not None and 0 < demote_after_us < timeout_us:
             demote_at = now + demote_after_us
@@ -349,19 +361,20 @@ class InProcessBackend:
         self.hub.pool(pool.name).sweep(now, lambda replica: self.hub.is_alive(replica, now))
         return self.hub.dispatch(pool, offers, self.replica_id, now)
 
-    async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> bool:
+    async def heartbeat(
+        self, leases: dict[str, list[tuple[str, str, int]]], *, restore: bool
+    ) -> bool:
         now = self.hub.clock_us()
         was_alive = self.hub.alive_until.get(self.replica_id, 0) > now
         self.hub.alive_until[self.replica_id] = now + self.hub.lease_ttl_us
         for pool_name, held in leases.items():
             state = self.hub.pool(pool_name)
-            for request_id, endpoint in held:
+            for request_id, endpoint, slots in held:
                 if request_id in state.leases:
                     state.set_lease(request_id, now + self.hub.lease_ttl_us)
                 elif restore:
                     state.set_lease(request_id, now + self.hub.lease_ttl_us)
-                    state.lease_endpoint[request_id] = endpoint
-                    state.inflight[endpoint] = state.inflight.get(endpoint, 0) + 1
+                    state.hold_slots(request_id, endpoint, slots)
         return was_alive
 
     async def inflight(self, pool: PoolPolicy) -> dict[str, int]:

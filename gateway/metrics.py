@@ -23,7 +23,7 @@ class GatewayMetrics:
         )
         self.inflight = Gauge(
             "slotserve_gateway_inflight_requests",
-            "Requests this replica has in flight on each endpoint.",
+            "Slots this replica's requests hold on each endpoint (one per choice, n).",
             ["pool", "endpoint"],
             registry=r,
         )

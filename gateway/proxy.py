@@ -23,7 +23,7 @@ import aiohttp
 from aiohttp import web
 
 from slotserve.gateway.admission import Admission, Lease
-from slotserve.gateway.admission_types import RETRY_PRIORITY, AdmissionError, PoolPolicy
+from slotserve.gateway.admission_types import RETRY_PRIORITY, AdmissionError
 from slotserve.gateway.engines import EngineMonitor
 from slotserve.gateway.errors import error_response, sse_error_event
 from slotserve.gateway.metrics import GatewayMetrics
@@ -102,9 +102,10 @@ class _UpstreamFailedError(Exception):
     """The engine failed before the first byte; the request may go elsewhere."""
 
 
-async def _reacquire(ctx: ProxyContext, pool: PoolPolicy, deadline: float) -> Lease:
+async def _reacquire(ctx: ProxyContext, lease: Lease, deadline: float) -> Lease:
+    pool = lease.pool
     remaining = max(0.05, deadline - time.monotonic())
-    return await ctx.admission.acquire(pool, RETRY_PRIORITY, remaining)
+    return await ctx.admission.acquire(pool, RETRY_PRIORITY, remaining, slots=lease.slots)
 
 
 async def proxy_request(
@@ -119,7 +120,7 @@ async def proxy_request(
     headers = {h: request.headers[h] for h in FORWARD_REQUEST_HEADERS if h in request.headers}
     attempt = 1
     while True:
-        ctx.metrics.inflight.labels(pool.name, lease.endpoint).inc()
+        ctx.metrics.inflight.labels(pool.name, lease.endpoint).inc(lease.slots)
         try:
             forward = partial(_forward_once, request, ctx, lease, body)
             return await traced_upstream(request, lease, headers, forward)
@@ -131,11 +132,11 @@ async def proxy_request(
                     502, f"no engine of pool {pool.name!r} answered: {exc}", "upstream_failed"
                 )
         finally:
-            ctx.metrics.inflight.labels(pool.name, lease.endpoint).dec()
+            ctx.metrics.inflight.labels(pool.name, lease.endpoint).dec(lease.slots)
             ctx.admission.release_soon(lease)
         attempt += 1
         try:
-            lease = await _reacquire(ctx, pool, deadline)
+            lease = await _reacquire(ctx, lease, deadline)
         except AdmissionError as exc:
             return error_response(
                 exc.status, exc.message, exc.code, retry_after_s=exc.retry_after_s

@@ -242,12 +242,14 @@ class RedisBackend:
         aging_us: int = DEFAULT_AGING_US,
         demote_after_us: int | None = None,
         only_if_absent: bool = False,
+        slots: int = 1,
     ) -> DispatchResult:
         level = pool.level(priority)
         demote_us = demote_after_us if demote_after_us and demote_after_us < timeout_us else 0
         args = [*self._args(pool, offers), request_id, priority, timeout_us, pool.max_queue_size]
         args += [1 if only_if_absent else 0, max(1, drain_gap_us)]
         args += [int(pool.queue_timeout_s * 1_000_000), aging_us, level.max_queue_size, demote_us]
+        args.append(slots)
         reply = await self._run("enqueue", self.keys.pool(pool.name), args)
         result = self._result(reply)
         if reply[0] in ("full", "level_full"):
@@ -305,13 +307,15 @@ class RedisBackend:
         reply = await self._run("tick", self.keys.pool(pool.name), self._args(pool, offers))
         return self._result(reply)
 
-    async def heartbeat(self, leases: dict[str, list[tuple[str, str]]], *, restore: bool) -> bool:
+    async def heartbeat(
+        self, leases: dict[str, list[tuple[str, str, int]]], *, restore: bool
+    ) -> bool:
         args: list[str | int] = [self.keys.prefix, self.replica_id, self.lease_ttl_us]
         args += [STATE_TTL_S * 1000, self.epoch, "1" if restore else "0"]
         for pool_name, held in leases.items():
             args += [pool_name, len(held)]
-            for request_id, endpoint in held:
-                args += [request_id, endpoint]
+            for request_id, endpoint, slots in held:
+                args += [request_id, endpoint, slots]
         script = self.scripts["heartbeat"]
         try:
             # Its own client, outside the request pipeline: a burst must not delay it.

@@ -33,9 +33,13 @@ def load_score(running: int, waiting: int, kv_cache_usage: float, slots_total: i
 
 
 def rank_endpoints(
-    offers: Sequence[EndpointOffer], inflight: Mapping[str, int], *, idle_only: bool = False
+    offers: Sequence[EndpointOffer],
+    inflight: Mapping[str, int],
+    *,
+    idle_only: bool = False,
+    need: int = 1,
 ) -> list[EndpointOffer]:
-    """Endpoints with a free slot, least loaded first.
+    """Endpoints with ``need`` free slots (a request's ``n``), least loaded first.
 
     Load is first the share of slots the gateways hold in flight (exact and current, shared by all
     replicas), then the engine's own report, then the URL so that every replica agrees.
@@ -43,7 +47,7 @@ def rank_endpoints(
     eligible = [
         offer
         for offer in offers
-        if inflight.get(offer.url, 0) < offer.slots_total
+        if inflight.get(offer.url, 0) + need <= offer.slots_total
         and (not idle_only or inflight.get(offer.url, 0) == 0)
     ]
     return sorted(
