@@ -2,7 +2,8 @@
 
 It speaks the engine's HTTP surface the gateway relies on (``GET /load``, ``POST
 /v1/completions``, ``POST /v1/chat/completions`` with SSE streaming, the slot headers) and
-RECORDS what a real engine would feel: the peak number of requests in flight at once, the order
+RECORDS what a real engine would feel: the peak number of sequences in flight at once (a
+request asking for ``n`` choices runs ``n``, one slot each, as the real engine does), the order
 in which prompts arrived, and how many requests were aborted by a closed connection. It never
 pretends to generate text: answers are fixed strings. A request can ask it to fail the way a
 broken engine does (``x_fail``, after ``x_fail_after`` stream chunks; see ``FAILURES``). Run it
@@ -74,7 +75,12 @@ async def completion(request: web.Request) -> web.StreamResponse:
     if s["fail"] == "503":
         return web.json_response({"error": {"message": "draining"}}, status=503)
     payload = await request.json()
-    s["inflight"] += 1
+    n = payload.get("n")
+    num_sequences = n if isinstance(n, int) and n > 1 else 1  # one slot per choice
+    if num_sequences > s["slots"]:  # the real engine's answer (engine/openai_routes.py)
+        error = {"message": f"'n' ({n}) exceeds this engine's slots", "param": "n"}
+        return web.json_response({"error": error}, status=400)
+    s["inflight"] += num_sequences
     s["max_inflight"] = max(s["max_inflight"], s["inflight"])
     s["num_requests"] += 1
     s["arrivals"].append(_prompt_of(payload))
@@ -135,7 +141,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         s["num_aborted"] += 1
         raise
     finally:
-        s["inflight"] -= 1
+        s["inflight"] -= num_sequences
 
 
 async def _fail_stream(
