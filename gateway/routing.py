@@ -6,7 +6,6 @@ admission test suite checks that both backends agree.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -80,10 +79,3 @@ def group_size(
     if waited_us >= max_queue_delay_us:
         return num_waiting
     return 0
-
-
-def retry_after_seconds(queue_depth: int, drain_rate_per_s: float) -> int:
-    """Seconds a rejected client should wait: the time to drain the queue ahead of it (1..60)."""
-    if drain_rate_per_s <= 0:
-        return 1 if queue_depth == 0 else min(60, max(1, queue_depth))
-    return int(min(60, max(1, math.ceil((queue_depth + 1) / drain_rate_per_s))))

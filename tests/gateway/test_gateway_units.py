@@ -16,7 +16,6 @@ from slotserve.gateway.routing import (
     group_size,
     load_score,
     rank_endpoints,
-    retry_after_seconds,
 )
 from slotserve.gateway.settings import GatewaySettings
 
@@ -64,13 +63,6 @@ def test_group_size(waiting, preferred, waited, expected):
         )
         == expected
     )
-
-
-def test_retry_after_follows_depth_and_drain_rate():
-    assert retry_after_seconds(0, 10.0) == 1
-    assert retry_after_seconds(99, 10.0) == 10
-    assert retry_after_seconds(10_000, 1.0) == 60
-    assert retry_after_seconds(5, 0.0) == 5
 
 
 def test_drain_rate_estimates_dispatches_per_second():
