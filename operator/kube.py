@@ -206,6 +206,10 @@ class Children:
         except ApiException as error:
             if error.status != 404:
                 raise
+            if self._owner_pool_gone(desired, owner_uid):
+                # A converge that began before its pool was deleted must not re-create children
+                # the garbage collector has just removed (they would dangle until GC runs again).
+                return "unchanged"
             kind.create(namespace, desired, _preload_content=False)
             return "created"
         owners = live["metadata"].get("ownerReferences") or []
@@ -235,6 +239,16 @@ class Children:
         }
         kind.patch(name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False)
         return "patched"
+
+    def _owner_pool_gone(self, desired: dict[str, Any], owner_uid: str) -> bool:
+        owners = desired["metadata"].get("ownerReferences") or []
+        pool = next(
+            (ref for ref in owners if ref.get("uid") == owner_uid and ref.get("kind") == KIND),
+            None,
+        )
+        return pool is not None and not self.pool_exists(
+            desired["metadata"]["namespace"], pool["name"], owner_uid
+        )
 
     def pool_exists(self, namespace: str, name: str, uid: str) -> bool:
         """Whether the pool with this uid still exists (not deleted, not re-created)."""
