@@ -8,6 +8,7 @@ file right now, before anything imports it, and rewrite that file for every test
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,10 @@ from operator_harness import (  # noqa: E402
     assert_rbac_covers,
 )
 from support import free_port  # noqa: E402
+
+# The admission and autoscaling tests run real gateway processes (the gateway suite's helpers).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+from gateway_support import Spawner  # noqa: E402
 
 from slotserve.operator import crd  # noqa: E402
 from slotserve.operator.settings import OperatorSettings  # noqa: E402
@@ -69,3 +74,13 @@ def operator(
     # Checked after every scenario: the chart's ClusterRole (which must equal REQUIRED_RULES)
     # lets the operator do everything it just did.
     assert_rbac_covers(apiserver)
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawner]:
+    """Gateway and engine-double processes for a test, all stopped at its end."""
+    spawner = Spawner(tmp_path)
+    try:
+        yield spawner
+    finally:
+        spawner.stop_all()

@@ -16,7 +16,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +35,6 @@ from gateway_support import Spawner, pool, write_pools
 pytestmark = pytest.mark.slow
 MODEL = "chat"
 SLOTS = 2
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Spawner]:
-    spawner = Spawner(tmp_path)
-    try:
-        yield spawner
-    finally:
-        spawner.stop_all()
 
 
 @pytest.fixture

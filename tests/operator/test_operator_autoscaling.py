@@ -15,7 +15,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +64,6 @@ KEDA_CRD = {
     },
 }
 KEDA = {"serverAddress": "http://prometheus.monitoring:9090"}
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Spawner]:
-    spawner = Spawner(tmp_path)
-    try:
-        yield spawner
-    finally:
-        spawner.stop_all()
 
 
 @pytest.fixture
