@@ -171,10 +171,15 @@ class ChatFormat(OutputFormat):
             )
             for index, choice in enumerate(choices)
         ]
+        return self._response_json(out, num_prompt_tokens, num_generated_tokens)
+
+    def _response_json(
+        self, choices: list[ChatChoice], num_prompt_tokens: int, num_generated_tokens: int
+    ) -> str:
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=out,
+            choices=choices,
             usage=Usage.of(num_prompt_tokens, num_generated_tokens),
         ).model_dump_json()

@@ -13,10 +13,8 @@ from slotserve.engine.openai_format import ChatFormat, ChoiceOutput
 from slotserve.engine.openai_responses import (
     ChatChoice,
     ChatChunkChoice,
-    ChatCompletionResponse,
     ChatDelta,
     ChatMessageOut,
-    Usage,
 )
 from slotserve.engine.sequence import FinishReason
 from slotserve.engine.tool_calls import ParsedCall, ToolCallDelta, ToolPlan
@@ -92,10 +90,4 @@ class ToolChatFormat(ChatFormat):
                     else None,
                 )
             )
-        return ChatCompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=out,
-            usage=Usage.of(num_prompt_tokens, num_generated_tokens),
-        ).model_dump_json()
+        return self._response_json(out, num_prompt_tokens, num_generated_tokens)
