@@ -48,6 +48,10 @@ T = TypeVar("T")
 TOKENIZER_NICENESS = 19
 # How often the worker checks that its engine is still there.
 ENGINE_WATCH_SECONDS = 0.5
+# Longest a request waits for the worker (its own prompt plus those queued ahead of it): a prompt
+# within the characters bound takes well under a second, so this only trips when a flood of huge
+# prompts queues everyone behind it; the request then gets 503 (retryable elsewhere).
+TOKENIZE_WAIT_SECONDS = 30.0
 
 
 class _FromWorker(InvalidRequestError):
@@ -66,7 +70,7 @@ class ChatTemplateError(_FromWorker):
 
 
 class TokenizerUnavailableError(EngineError):
-    """The worker process died while it held this prompt (503: retry)."""
+    """The worker process died, or was busy too long, while it held this prompt (503: retry)."""
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -142,7 +146,14 @@ class PromptTokenizer:
         # bounded by max_prompt_chars, and the result is dropped.
         executor = self._pool()
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+            return await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(executor, fn, *args),
+                TOKENIZE_WAIT_SECONDS,
+            )
+        except TimeoutError as error:
+            raise TokenizerUnavailableError(
+                f"tokenizing waited over {TOKENIZE_WAIT_SECONDS:g} s behind other prompts; retry"
+            ) from error
         except BrokenProcessPool as error:
             if self._executor is executor:
                 self._executor = None  # the next prompt starts a new worker

@@ -115,3 +115,18 @@ def test_the_worker_exits_with_its_engine(tokenizer, tmp_path):
     engine.wait(timeout=30)
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
+
+
+async def test_a_wait_behind_a_busy_worker_is_bounded(prompts, tokenizer, monkeypatch):
+    await prompts.encode("warm")
+    worker = worker_process()
+    worker.suspend()  # a worker stuck behind a flood of huge prompts, as the caller sees it
+    try:
+        monkeypatch.setattr("slotserve.engine.tokenize.TOKENIZE_WAIT_SECONDS", 0.5)
+        started = time.monotonic()
+        with pytest.raises(TokenizerUnavailableError, match="waited over"):
+            await prompts.encode("hello")
+        assert time.monotonic() - started < 5
+    finally:
+        worker.resume()
+    assert await prompts.encode("hello") == tokenizer.encode("hello")
