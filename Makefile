@@ -20,15 +20,15 @@ lint: $(STAMP)
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml engine/pyproject.toml gateway/pyproject.toml operator/pyproject.toml \
+		constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
 		{ echo "slotserve needs Python 3.11 or newer (found $$($(PYTHON) --version))"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# compat mode: a .pth with the checkout root, so engine/, gateway/, operator/ import as
-	# slotserve.engine, ... without a setuptools import hook.
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[engine,gateway,operator,dev]' \
-		--config-settings editable_mode=compat
+	# The core (this folder) and each part (engine/, gateway/, operator/) are distributions of
+	# one `slotserve` namespace package; editable installs put each folder on sys.path as is.
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]' -e ./engine -e ./gateway -e ./operator
 	touch $(STAMP)
 
 redis:

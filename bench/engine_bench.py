@@ -16,7 +16,7 @@ import random
 import sys
 import time
 
-from slotserve.engine.openmp import openmp_environment
+from slotserve.engine.core.openmp import openmp_environment
 
 os.environ.update(openmp_environment())  # libgomp reads it when torch loads
 from dataclasses import asdict, dataclass
@@ -26,9 +26,9 @@ import torch
 from engine_plots import plot_decode, plot_occupancy, plot_poisson
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from slotserve.engine.engine import LLMEngine
-from slotserve.engine.params import SamplingParams
-from slotserve.engine.runner import ModelRunner, load_model, pick_device, pick_dtype
+from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.runner import ModelRunner, load_model, pick_device, pick_dtype
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
 

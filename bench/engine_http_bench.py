@@ -28,8 +28,8 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from slotserve.engine.async_engine import AsyncEngine
-from slotserve.engine.params import SamplingParams
+from slotserve.engine.core.async_engine import AsyncEngine
+from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.settings import EngineSettings
 from slotserve.local.stack import free_port
 from slotserve.models.resolve import resolve_model

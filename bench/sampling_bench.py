@@ -20,18 +20,18 @@ import statistics
 import time
 from pathlib import Path
 
-from slotserve.engine.openmp import openmp_environment
+from slotserve.engine.core.openmp import openmp_environment
 
 os.environ.update(openmp_environment())  # libgomp reads it when torch loads
 
 import torch
 
-from slotserve.engine.engine import LLMEngine
-from slotserve.engine.params import SamplingParams
-from slotserve.engine.sampling import Sampler
-from slotserve.engine.sequence import Sequence
+from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.sampling import Sampler
+from slotserve.engine.core.sequence import Sequence
+from slotserve.engine.core.structured import Grammars, json_schema_grammar
 from slotserve.engine.settings import EngineSettings
-from slotserve.engine.structured import Grammars, json_schema_grammar
 
 VOCAB = 49_152
 PROMPT_LEN = 128

@@ -27,13 +27,12 @@ RUN groupadd --gid 1000 slotserve \
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 WORKDIR /src
+# The shared core (this pyproject, slotserve/) and this image's part only.
 COPY pyproject.toml constraints.txt README.md ./
 COPY slotserve/ slotserve/
 COPY engine/ engine/
-COPY gateway/ gateway/
-COPY operator/ operator/
 RUN grep -v '^torch==' constraints.txt > /tmp/constraints.txt \
- && pip install -c /tmp/constraints.txt ".[engine]" \
+ && pip install -c /tmp/constraints.txt . ./engine \
  && cd / && rm -rf /src /tmp/constraints.txt
 
 # Weights baked at build time stay read-only at run time under SLOTSERVE_HOME.

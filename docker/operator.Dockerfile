@@ -14,14 +14,11 @@ RUN groupadd --gid 10001 slotserve \
  && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/slotserve slotserve
 
 WORKDIR /src
-# setuptools maps every part folder into the slotserve namespace, so all of them must exist to
-# build; only the operator's dependencies are installed.
+# The shared core (this pyproject, slotserve/) and this image's part only.
 COPY pyproject.toml constraints.txt README.md ./
 COPY slotserve/ slotserve/
-COPY engine/ engine/
-COPY gateway/ gateway/
 COPY operator/ operator/
-RUN pip install -c constraints.txt ".[operator]" \
+RUN pip install -c constraints.txt . ./operator \
  && cd / && rm -rf /src
 
 WORKDIR /home/slotserve

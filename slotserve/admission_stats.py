@@ -1,7 +1,7 @@
 """Admission statistics shared through Redis: what the gateway records, what the operator reads.
 
 The gateway's replicas already share each pool's queue and slot leases in Redis
-(``slotserve.gateway.keys``). For the pool's ``status.admission`` the operator also needs rates
+(``contracts.redis_keys``). For the pool's ``status.admission`` the operator also needs rates
 and queue waits over the last minute, summed over every gateway replica. Each replica adds its
 counts to one small hash per pool and 10-second window (``Keys.window``), every second, with
 ``HINCRBY`` + ``EXPIRE`` in one ``MULTI``/``EXEC`` (atomic; the hash tag keeps it in one cluster

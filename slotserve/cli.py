@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if args[0] == "--version":
-        from slotserve import __version__
+        from importlib.metadata import version
 
-        print(__version__)
+        print(version("slotserve"))
         return 0
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:

@@ -5,7 +5,7 @@ One trace per request. The gateway's server span continues the client's W3C ``tr
 any) and holds an ``admission`` span (the queue wait) and one ``upstream`` span per attempt,
 whose context travels to the engine as ``traceparent``. The engine's server span continues that
 and holds ``queued``, ``prefill`` and ``decode`` spans built from the engine's own timestamps
-when the request ends (engine/tracing.py), so the step loop never touches tracing.
+when the request ends (slotserve/engine/http/tracing.py), so the step loop never touches tracing.
 
 Each command builds its tracer provider once at start-up (``tracer_provider_from_env``) and hands
 it to ``create_app``; tests hand in their own, with an in-memory exporter. Nothing is installed

@@ -29,7 +29,7 @@ DEMO_MODEL = "smollm2"
 
 @dataclass
 class EngineOptions:
-    """Engine flags shared by every engine of one pool (see engine/settings.py)."""
+    """Engine flags shared by every engine of one pool (see slotserve/engine/settings.py)."""
 
     model: str
     served_model_name: str

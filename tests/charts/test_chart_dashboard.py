@@ -10,8 +10,8 @@ import re
 from chart_support import NAMESPACE, RELEASE, ROOT
 from metric_registry import series_names
 
-from slotserve.engine.metrics import EngineMetrics
-from slotserve.engine.stats import EngineStats
+from slotserve.engine.http.metrics import EngineMetrics
+from slotserve.engine.core.stats import EngineStats
 from slotserve.gateway.metrics import GatewayMetrics
 
 DASHBOARD = ROOT / "charts" / "slotserve" / "dashboards" / "slotserve-pools.json"

@@ -1,9 +1,9 @@
 """The Dockerfiles behind the chart's default images agree with the chart and the operator.
 
 No container engine runs here, so the images cannot be built; what can be checked is checked:
-the files each Dockerfile copies exist and survive its .dockerignore, the package builds from
-exactly those files, the right extra is installed, and users, ports and entrypoints match what
-the chart and the operator expect.
+the files each Dockerfile copies exist and survive its .dockerignore, the core and the image's part
+build from exactly those files into wheels that hold every module the image runs, no other part is
+installed, and users, ports and entrypoints match what the chart and the operator expect.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from chart_support import CHART, ROOT, load_yaml
 from slotserve.operator.builders import ENGINE_PORT, RUN_AS_USER
 
 DOCKER = ROOT / "docker"
-# image -> (extra installed, uid the pods run as, port the container serves)
+# image -> (part folder installed beside the core, uid the pods run as, port the container serves)
 IMAGES = {
     "engine": ("engine", RUN_AS_USER, ENGINE_PORT),
     "gateway": ("gateway", None, None),
@@ -89,20 +89,26 @@ def test_image_runs_slotserve_as_a_numeric_non_root_user(image):
 
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
-def test_image_installs_only_its_own_extra(image):
-    extra = IMAGES[image][0]
+def test_image_installs_the_core_and_only_its_own_part(image):
+    part = IMAGES[image][0]
     runs = " ".join(args for word, args in instructions(dockerfile(image)) if word == "RUN")
-    installs = re.findall(r'pip install [^&]*?"\.\[([a-z,]+)\]"', runs)
-    assert installs == [extra]
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"
-    ]
-    assert extra in extras
+    installs = re.findall(r"pip install -c \S+ ([^&]*?) *(?:\\|&&|$)", runs)
+    assert [i.split() for i in installs] == [[".", f"./{part}"]]
+    assert sorted(copy_sources(image)) == sorted(
+        ["pyproject.toml", "constraints.txt", "README.md", "slotserve", part]
+    )
+    dependencies = part_project(part)["dependencies"]
     if image == "engine":
-        assert "torch==2.13.0" in extras["engine"]
+        assert "torch==2.13.0" in dependencies
         assert re.search(r"ARG TORCH_VERSION=2\.13\.0\b", dockerfile(image))
         port = IMAGES[image][2]
         assert f"EXPOSE {port}" in dockerfile(image)
+    else:
+        assert not any(d.startswith("torch") for d in dependencies)
+
+
+def part_project(part: str) -> dict:
+    return tomllib.loads((ROOT / part / "pyproject.toml").read_text())["project"]
 
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
@@ -114,42 +120,50 @@ def test_copied_files_exist_and_pass_the_dockerignore(image):
         assert allowed & set(ignore), f"{source} is excluded from the {image} build context"
 
 
-@pytest.fixture(scope="module")
-def wheel_from_copied_files(tmp_path_factory) -> Path:
-    """Build the wheel the way `pip install ".[extra]"` does in the images: from the copies."""
-    context = tmp_path_factory.mktemp("image-context")
-    for source in copy_sources("gateway"):
-        src = ROOT / source
-        if src.is_dir():
-            shutil.copytree(src, context / source, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, context / source)
-    out = context / "dist"
+def build_wheel(source: Path, out: Path) -> Path:
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
     proc = subprocess.run(
-        [*pip_wheel, "-q", "--no-index", "-w", str(out), str(context)],
+        [*pip_wheel, "-q", "--no-index", "-w", str(out), str(source)],
         capture_output=True,
         text=True,
         timeout=180,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (wheel,) = out.glob("slotserve-*.whl")
+    (wheel,) = out.glob(f"{'slotserve' if source.name == 'context' else 'slotserve_*'}-*.whl")
     return wheel
 
 
-def test_package_builds_from_exactly_the_copied_files(wheel_from_copied_files):
-    assert {tuple(copy_sources(image)) for image in IMAGES} == {tuple(copy_sources("gateway"))}
-    with zipfile.ZipFile(wheel_from_copied_files) as wheel:
+@pytest.fixture(scope="module", params=sorted(IMAGES))
+def image_wheels(request, tmp_path_factory) -> tuple[str, Path, Path]:
+    """(image, core wheel, part wheel), built the way the image's `pip install . ./part` does:
+    from the copied files only."""
+    image = request.param
+    context = tmp_path_factory.mktemp(f"{image}-image") / "context"
+    context.mkdir()
+    for source in copy_sources(image):
+        src = ROOT / source
+        if src.is_dir():
+            shutil.copytree(
+                src, context / source, ignore=shutil.ignore_patterns("__pycache__", "build")
+            )
+        else:
+            shutil.copy2(src, context / source)
+    core = build_wheel(context, context.parent / "core")
+    part = build_wheel(context / IMAGES[image][0], context.parent / "part")
+    return image, core, part
+
+
+def test_core_wheel_holds_the_dispatcher_and_no_part(image_wheels):
+    _, core, _ = image_wheels
+    with zipfile.ZipFile(core) as wheel:
         names = set(wheel.namelist())
         metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
-        text = wheel.read(metadata).decode()
         entry_points = wheel.read(metadata.replace("METADATA", "entry_points.txt")).decode()
     assert "slotserve/cli.py" in names
+    assert "slotserve/__init__.py" not in names  # a namespace: each part adds to it
     for part in ("engine", "gateway", "operator"):
-        assert any(n.startswith(f"slotserve/{part}/") for n in names), part
-        assert f"Provides-Extra: {part}" in text
-    assert not any(n.startswith("slotserve/operator/__init__") for n in names)
+        assert not any(n.startswith(f"slotserve/{part}/") for n in names), part
     assert "slotserve = slotserve.cli:main" in entry_points
 
 
@@ -162,9 +176,9 @@ IMAGE_ENTRY_MODULES = {
 }
 PART_DIRS = {
     "slotserve": ROOT / "slotserve",
-    "slotserve.engine": ROOT / "engine",
-    "slotserve.gateway": ROOT / "gateway",
-    "slotserve.operator": ROOT / "operator",
+    "slotserve.engine": ROOT / "engine" / "slotserve" / "engine",
+    "slotserve.gateway": ROOT / "gateway" / "slotserve" / "gateway",
+    "slotserve.operator": ROOT / "operator" / "slotserve" / "operator",
 }
 
 
@@ -215,19 +229,21 @@ def import_closure(entry_modules: list[str]) -> tuple[set[Path], set[str]]:
 
 
 def wheel_path(source: Path) -> str:
-    """Where a source file of the checkout lands inside the wheel."""
+    """Where a source file of the checkout lands inside its wheel."""
     relative = source.relative_to(ROOT)
-    part = relative.parts[0]
-    prefix = ("slotserve",) if part == "slotserve" else ("slotserve", part)
-    return "/".join(prefix + relative.parts[1:])
+    if relative.parts[0] == "slotserve":
+        return relative.as_posix()
+    return Path(*relative.parts[1:]).as_posix()  # engine/slotserve/engine/x.py -> slotserve/...
 
 
-@pytest.mark.parametrize("image", sorted(IMAGES))
-def test_wheel_holds_every_module_the_image_runs(wheel_from_copied_files, image):
-    """A module left out of pyproject's package list would be an ImportError in the image."""
+def test_wheels_hold_every_module_the_image_runs(image_wheels):
+    """A module outside the packages found would be an ImportError in the image."""
+    image, core, part = image_wheels
     files, _ = import_closure(IMAGE_ENTRY_MODULES[image])
-    with zipfile.ZipFile(wheel_from_copied_files) as wheel:
-        names = set(wheel.namelist())
+    names: set[str] = set()
+    for built in (core, part):
+        with zipfile.ZipFile(built) as wheel:
+            names |= set(wheel.namelist())
     missing = sorted(wheel_path(f) for f in files if wheel_path(f) not in names)
     assert not missing, f"the {image} image would miss: {missing}"
 
@@ -237,13 +253,12 @@ def requirement_name(requirement: str) -> str:
 
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
-def test_image_extra_provides_every_package_its_code_imports(image):
-    """`pip install ".[extra]"` must bring everything the image's commands import."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extra = IMAGES[image][0]
+def test_image_installs_every_package_its_code_imports(image):
+    """`pip install . ./part` must bring everything the image's commands import."""
+    core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     installed = {
         requirement_name(r)
-        for r in project["dependencies"] + project["optional-dependencies"][extra]
+        for r in core["dependencies"] + part_project(IMAGES[image][0])["dependencies"]
     }
     distributions = packages_distributions()
     missing = {}
@@ -251,4 +266,4 @@ def test_image_extra_provides_every_package_its_code_imports(image):
         names = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
         if not names & installed:
             missing[module] = sorted(names)
-    assert not missing, f'the {image} image lacks these imports in ".[{extra}]": {missing}'
+    assert not missing, f"the {image} image lacks these imports: {missing}"

@@ -6,9 +6,9 @@ import math
 import shutil
 from pathlib import Path
 
-from slotserve.engine.engine import LLMEngine
-from slotserve.engine.params import SamplingParams
-from slotserve.engine.sequence import Sequence
+from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.sequence import Sequence
 from slotserve.engine.settings import EngineSettings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

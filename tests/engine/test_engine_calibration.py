@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from slotserve.engine import linear
-from slotserve.engine.calibration import CalibrationCache, Measurement, cpu_identity
-from slotserve.engine.linear import PackedLinear, onednn_supported
-from slotserve.engine.runner import ModelRunner
+from slotserve.engine.core import linear
+from slotserve.engine.core.calibration import CalibrationCache, Measurement, cpu_identity
+from slotserve.engine.core.linear import PackedLinear, onednn_supported
+from slotserve.engine.core.runner import ModelRunner
 
 CPU_A = {"cpu_model": "Test CPU A", "cpu_flags": "avx2 fma", "machine": "x86_64", "torch": "t"}
 CPU_B = {**CPU_A, "cpu_flags": "avx2 avx512f fma"}

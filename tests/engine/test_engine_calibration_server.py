@@ -8,13 +8,13 @@ import logging
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from slotserve.engine.server import create_app
+from slotserve.engine.http.server import create_app
 from slotserve.engine.settings import EngineSettings
 
 
 async def load_report(tiny_model_dir) -> tuple[dict, dict[tuple[str, str], float]]:
     """One engine's /load body, and its calibration metrics by (metric, source)."""
-    from slotserve.engine.async_engine import AsyncEngine
+    from slotserve.engine.core.async_engine import AsyncEngine
 
     settings = EngineSettings(model=str(tiny_model_dir), served_model_name="tiny", num_threads=1)
     engine = await asyncio.to_thread(AsyncEngine.load, settings)
@@ -40,7 +40,7 @@ async def test_calibrations_are_counted_and_the_second_start_reads_them(
     tiny_model_dir, tmp_path, monkeypatch, caplog
 ):
     monkeypatch.setenv("SLOTSERVE_HOME", str(tmp_path))
-    caplog.set_level(logging.INFO, logger="slotserve.engine.runner")
+    caplog.set_level(logging.INFO, logger="slotserve.engine.core.runner")
     first, first_metrics = await load_report(tiny_model_dir)
     second, second_metrics = await load_report(tiny_model_dir)
 

@@ -8,9 +8,9 @@ import time
 import pytest
 from engine_core_support import build_sharp_tiny_model, make_engine
 
-from slotserve.engine.async_engine import AsyncEngine
-from slotserve.engine.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
-from slotserve.engine.params import SamplingParams
+from slotserve.engine.core.async_engine import AsyncEngine
+from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
+from slotserve.engine.core.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

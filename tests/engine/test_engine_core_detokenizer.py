@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from slotserve.engine.detokenizer import IncrementalDetokenizer
+from slotserve.engine.core.detokenizer import IncrementalDetokenizer
 
 TEXT = "Héllo wörld! 日本語のテキスト and emoji 🎉 done. The END is near; stop here."
 

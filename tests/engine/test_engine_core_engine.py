@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from engine_core_support import build_sharp_tiny_model, make_engine
 
-from slotserve.engine.errors import InvalidRequestError, QueueFullError
-from slotserve.engine.params import SamplingParams
+from slotserve.engine.core.errors import InvalidRequestError, QueueFullError
+from slotserve.engine.core.params import SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 

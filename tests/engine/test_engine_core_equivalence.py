@@ -7,7 +7,7 @@ import torch
 from engine_core_support import build_sharp_tiny_model, make_engine, run_staggered
 from transformers import AutoModelForCausalLM
 
-from slotserve.engine.params import SamplingParams
+from slotserve.engine.core.params import SamplingParams
 
 NUM_NEW = 24
 
@@ -48,7 +48,7 @@ def test_outputs_vary_so_equivalence_means_something(reference_model):
     assert len(set(out)) > 6
 
 
-# aten: PyTorch's own products; onednn: packed weights and fused MLPs (engine/linear.py),
+# aten: PyTorch's own products; onednn: packed weights and fused MLPs (core/linear.py),
 # which "auto" picks for larger models; tiny test models would otherwise never exercise them.
 LINEAR_BACKENDS = ["aten", "onednn"]
 

@@ -8,7 +8,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from slotserve.engine.linear import (
+from slotserve.engine.core.linear import (
     FusedGatedMLP,
     PackedLinear,
     QKVPart,

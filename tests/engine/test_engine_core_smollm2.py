@@ -11,7 +11,7 @@ import torch
 from engine_core_support import make_engine, run_staggered
 from transformers import AutoModelForCausalLM
 
-from slotserve.engine.params import SamplingParams
+from slotserve.engine.core.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import psutil
 import pytest
 from transformers import AutoTokenizer
 
-from slotserve.engine.tokenize import (
+from slotserve.engine.core.tokenize import (
     TOKENIZER_NICENESS,
     ChatTemplateError,
     PromptTokenizer,
@@ -99,7 +99,7 @@ def test_the_worker_exits_with_its_engine(tokenizer, tmp_path):
     script.write_text(
         "import asyncio, os, sys\n"
         "from transformers import AutoTokenizer\n"
-        "from slotserve.engine.tokenize import PromptTokenizer\n"
+        "from slotserve.engine.core.tokenize import PromptTokenizer\n"
         "if __name__ == '__main__':\n"
         "    prompts = PromptTokenizer(AutoTokenizer.from_pretrained(sys.argv[1]), 64)\n"
         "    prompts.start()\n"
@@ -122,7 +122,7 @@ async def test_a_wait_behind_a_busy_worker_is_bounded(prompts, tokenizer, monkey
     worker = worker_process()
     worker.suspend()  # a worker stuck behind a flood of huge prompts, as the caller sees it
     try:
-        monkeypatch.setattr("slotserve.engine.tokenize.TOKENIZE_WAIT_SECONDS", 0.5)
+        monkeypatch.setattr("slotserve.engine.core.tokenize.TOKENIZE_WAIT_SECONDS", 0.5)
         started = time.monotonic()
         with pytest.raises(TokenizerUnavailableError, match="waited over"):
             await prompts.encode("hello")

@@ -195,8 +195,8 @@ async def test_nan_logits_fail_that_request_only_with_openai_errors(engine):
 async def test_a_broken_runner_fails_probes_and_ends_streams_retryably(tiny_model_dir):
     """A step that raises (a device error) ends every request with a retryable 503-class
     error, fails /health and /ready so Kubernetes restarts the pod, and is counted."""
-    from slotserve.engine.async_engine import AsyncEngine
-    from slotserve.engine.server import create_app
+    from slotserve.engine.core.async_engine import AsyncEngine
+    from slotserve.engine.http.server import create_app
 
     settings = EngineSettings(
         model=str(tiny_model_dir), served_model_name="tiny", num_threads=1, max_model_len=512

@@ -9,7 +9,7 @@ import openai
 import pytest
 from engine_server_support import EngineProcess
 
-from slotserve.engine.generation_defaults import (
+from slotserve.engine.core.generation_defaults import (
     GenerationDefaults,
     load_generation_defaults,
     parse_override,

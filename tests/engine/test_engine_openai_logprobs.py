@@ -9,9 +9,9 @@ import pytest
 import torch
 from engine_server_support import module_engine
 
-from slotserve.engine.logprobs import MASKED_LOGPROB, SampledLogprobs, TokenTexts
-from slotserve.engine.params import SamplingParams
-from slotserve.engine.sampling import sample
+from slotserve.engine.core.logprobs import MASKED_LOGPROB, SampledLogprobs, TokenTexts
+from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.sampling import sample
 
 # ------------------------------------------------------------------------------ the sampler
 

@@ -18,7 +18,7 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from slotserve.engine.params import SamplingParams
+from slotserve.engine.core.params import SamplingParams
 
 NUM_NEW = 20
 

@@ -14,8 +14,8 @@ from engine_server_support import module_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slotserve.engine.params import SamplingParams
-from slotserve.engine.structured import choice_grammar, json_schema_grammar, regex_grammar
+from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.structured import choice_grammar, json_schema_grammar, regex_grammar
 
 
 @pytest.fixture(scope="module")

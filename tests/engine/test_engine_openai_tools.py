@@ -18,10 +18,10 @@ from engine_server_support import SLOTSERVE, module_engine
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from support import free_port, http_ok, wait_until
 
-from slotserve.engine.openai_api import ChatCompletionRequest
-from slotserve.engine.structured import Grammars
-from slotserve.engine.tool_calls import PARSERS, choose_parser, plan_tools
-from slotserve.engine.tool_format import ToolChatFormat
+from slotserve.engine.core.structured import Grammars
+from slotserve.engine.http.openai_api import ChatCompletionRequest
+from slotserve.engine.http.tool_calls import PARSERS, choose_parser, plan_tools
+from slotserve.engine.http.tool_format import ToolChatFormat
 
 WEATHER = {
     "type": "object",

@@ -10,8 +10,8 @@ import pytest
 import torch
 from engine_core_support import build_sharp_tiny_model, make_engine, run_staggered
 
-from slotserve.engine.metrics import EngineStatsCollector
-from slotserve.engine.params import SamplingParams
+from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.http.metrics import EngineStatsCollector
 
 POISON = 4321  # made NaN in the embedding in one test; no other prompt holds it
 

@@ -6,16 +6,16 @@ import random
 
 import pytest
 
-from slotserve.engine.kv_cache import KVCacheManager
-from slotserve.engine.params import SamplingParams
-from slotserve.engine.prefix_cache import (
+from slotserve.engine.core.kv_cache import KVCacheManager
+from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.prefix_cache import (
     MIN_REUSE_TOKENS,
     MIN_WAIT_TOKENS,
     SlotCopy,
     common_prefix_len,
 )
-from slotserve.engine.scheduler import Scheduler, SchedulerConfig
-from slotserve.engine.sequence import Sequence, SequenceError
+from slotserve.engine.core.scheduler import Scheduler, SchedulerConfig
+from slotserve.engine.core.sequence import Sequence, SequenceError
 
 SYSTEM = list(range(1000, 1100))  # a 100-token "system prompt"
 

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from slotserve.engine.kv_cache import KVCacheManager
-from slotserve.engine.params import SamplingParams
-from slotserve.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from slotserve.engine.sequence import Sequence, SequenceStatus
+from slotserve.engine.core.kv_cache import KVCacheManager
+from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.scheduler import Scheduler, SchedulerConfig, StepPlan
+from slotserve.engine.core.sequence import Sequence, SequenceStatus
 
 SEED_LENGTHS = [20, 50, 100, 500]
 TOKEN = 7  # what the fake model "samples": never a stop token here
@@ -252,11 +252,11 @@ def test_decode_budget_smaller_than_slots():
 
 
 def test_scheduler_imports_no_torch():
-    assert "slotserve.engine.scheduler" in sys.modules
+    assert "slotserve.engine.core.scheduler" in sys.modules
     import subprocess
 
     code = (
-        "import sys; import slotserve.engine.scheduler, slotserve.engine.kv_cache; "
+        "import sys; import slotserve.engine.core.scheduler, slotserve.engine.core.kv_cache; "
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

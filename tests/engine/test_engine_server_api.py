@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from slotserve.engine.openai_api import (
+from slotserve.engine.http.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     describe_validation_error,

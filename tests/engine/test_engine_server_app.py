@@ -6,7 +6,7 @@ import asyncio
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from slotserve.engine.server import STATE, create_app
+from slotserve.engine.http.server import STATE, create_app
 from slotserve.engine.settings import EngineSettings
 
 
@@ -54,7 +54,7 @@ async def test_unknown_paths_answer_openai_errors(tmp_path):
 
 
 async def test_app_serves_a_preloaded_engine_and_shuts_it_down(tiny_model_dir):
-    from slotserve.engine.async_engine import AsyncEngine
+    from slotserve.engine.core.async_engine import AsyncEngine
 
     settings = EngineSettings(model=str(tiny_model_dir), served_model_name="tiny", num_threads=1)
     engine = await asyncio.to_thread(AsyncEngine.load, settings)

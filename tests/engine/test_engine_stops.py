@@ -8,7 +8,7 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slotserve.engine.stops import FilteredText, StopStringFilter, failure_table
+from slotserve.engine.core.stops import FilteredText, StopStringFilter, failure_table
 
 
 class NaiveStops:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from engine_server_support import EngineProcess
 
-from slotserve.engine.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from slotserve.engine.core.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 NEIGHBOUR_TOKENS = 300
 STREAM_TOKENS = 150

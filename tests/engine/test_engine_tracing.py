@@ -1,4 +1,4 @@
-"""Engine tracing (slotserve/tracing.py, engine/tracing.py): the engine app in process with an
+"""Engine tracing (slotserve/tracing.py, engine http/tracing.py): the engine app in process with an
 injected tracer provider and an in-memory exporter; off without one; the CLI refuses an OTLP
 endpoint it cannot serve."""
 
@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from slotserve.engine import cli as engine_cli
-from slotserve.engine.server import create_app
+from slotserve.engine.http.server import create_app
 from slotserve.engine.settings import EngineSettings
 from slotserve.tracing import TRACER, tracer_provider_from_env
 
@@ -42,7 +42,7 @@ def completion(stream: bool) -> dict:
 
 
 async def start_engine_app(model_dir, tracer_provider=None) -> TestClient:
-    from slotserve.engine.async_engine import AsyncEngine
+    from slotserve.engine.core.async_engine import AsyncEngine
 
     settings = EngineSettings(
         model=str(model_dir), served_model_name="tiny", num_threads=1, max_batch_size=2

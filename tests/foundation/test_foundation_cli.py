@@ -58,12 +58,48 @@ def test_stdlib_operator_is_not_shadowed_from_the_checkout_root() -> None:
 def test_parts_import_under_the_slotserve_namespace() -> None:
     import slotserve.engine
     import slotserve.gateway
+    import slotserve.operator
 
-    assert Path(slotserve.engine.__file__).parent == ROOT / "engine"
-    assert Path(slotserve.gateway.__file__).parent == ROOT / "gateway"
+    assert Path(slotserve.engine.__file__).parent == ROOT / "engine" / "slotserve" / "engine"
+    assert Path(slotserve.gateway.__file__).parent == ROOT / "gateway" / "slotserve" / "gateway"
+    assert Path(slotserve.operator.__file__).parent == ROOT / "operator" / "slotserve" / "operator"
 
 
-def test_wheel_maps_folders_under_slotserve(tmp_path: Path) -> None:
+def test_editable_install_is_plain_path_entries() -> None:
+    """Type checkers and IDEs follow .pth path lines, not import hooks: no finder may remain."""
+    site = Path(slotserve_cli_file()).parents[1]
+    pth_lines = {
+        line.strip()
+        for pth in Path(sys.prefix).glob("lib/python3*/site-packages/__editable__*slotserve*.pth")
+        for line in pth.read_text().splitlines()
+        if line.strip()
+    }
+    assert pth_lines == {
+        str(site),
+        str(ROOT / "engine"),
+        str(ROOT / "gateway"),
+        str(ROOT / "operator"),
+    }
+
+
+def slotserve_cli_file() -> str:
+    import slotserve.cli
+
+    return slotserve.cli.__file__
+
+
+@pytest.mark.parametrize(
+    ("folder", "wheel_glob", "present", "absent"),
+    [
+        (".", "slotserve-*.whl", ["slotserve/cli.py", "slotserve/models/pull.py"], ["engine"]),
+        ("engine", "slotserve_engine-*.whl", ["slotserve/engine/core/runner.py"], ["gateway"]),
+        ("gateway", "slotserve_gateway-*.whl", ["slotserve/gateway/app.py"], ["engine"]),
+        ("operator", "slotserve_operator-*.whl", ["slotserve/operator/handlers.py"], ["engine"]),
+    ],
+)
+def test_each_part_is_its_own_wheel(
+    tmp_path: Path, folder: str, wheel_glob: str, present: list[str], absent: list[str]
+) -> None:
     subprocess.run(
         [
             sys.executable,
@@ -75,27 +111,30 @@ def test_wheel_maps_folders_under_slotserve(tmp_path: Path) -> None:
             "-q",
             "-w",
             str(tmp_path),
-            str(ROOT),
+            str(ROOT / folder),
         ],
         check=True,
         timeout=240,
         capture_output=True,
     )
-    (wheel,) = tmp_path.glob("slotserve-*.whl")
+    (wheel,) = tmp_path.glob(wheel_glob)
     names = zipfile.ZipFile(wheel).namelist()
-    for module in (
-        "slotserve/cli.py",
-        "slotserve/models/pull.py",
-        "slotserve/local/up.py",
-        "slotserve/engine/__init__.py",
-        "slotserve/engine/runner.py",
-        "slotserve/gateway/__init__.py",
-        "slotserve/gateway/app.py",
-        "slotserve/operator/handlers.py",
-    ):
+    for module in present:
         assert module in names, module
-    assert "slotserve/operator/__init__.py" not in names
-    assert not any(n.startswith(("operator/", "engine/", "gateway/")) for n in names)
+    # No namespace __init__ (each part would overwrite the others') and no other part's code.
+    assert "slotserve/__init__.py" not in names
+    for other in absent:
+        assert not any(n.startswith(f"slotserve/{other}/") for n in names)
+    assert not any(n.startswith(("operator/", "engine/", "gateway/", "tests/")) for n in names)
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    requires = [
+        line.split(":", 1)[1].strip()
+        for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+    if folder in ("gateway", "operator"):
+        # Their images need no torch.
+        assert not any(r.startswith("torch") for r in requires)
 
 
 def test_console_script_runs() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 MERGE_PATCH = "application/merge-patch+json"
-# The labels of a pool's Service that the gateway selects slices by (operator/builders.py).
+# The labels of a pool's Service that the gateway selects slices by (operator builders.py).
 POOL_SERVICE_LABELS = {"app.kubernetes.io/managed-by": "slotserve-operator"}
 
 

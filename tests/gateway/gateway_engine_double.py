@@ -77,7 +77,9 @@ async def completion(request: web.Request) -> web.StreamResponse:
     payload = await request.json()
     n = payload.get("n")
     num_sequences = n if isinstance(n, int) and n > 1 else 1  # one slot per choice
-    if num_sequences > s["slots"]:  # the real engine's answer (engine/openai_routes.py)
+    if (
+        num_sequences > s["slots"]
+    ):  # the real engine's answer (slotserve/engine/http/openai_routes.py)
         error = {"message": f"'n' ({n}) exceeds this engine's slots", "param": "n"}
         return web.json_response({"error": error}, status=400)
     s["inflight"] += num_sequences

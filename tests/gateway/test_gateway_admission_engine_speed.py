@@ -53,8 +53,8 @@ async def test_first_retry_after_comes_from_the_engines_speed(cluster: Cluster):
 
 
 async def test_a_real_engine_reports_its_mean_seconds_per_request(tiny_model_dir):
-    from slotserve.engine.async_engine import AsyncEngine
-    from slotserve.engine.server import create_app
+    from slotserve.engine.core.async_engine import AsyncEngine
+    from slotserve.engine.http.server import create_app
     from slotserve.engine.settings import EngineSettings
 
     settings = EngineSettings(model=str(tiny_model_dir), served_model_name="tiny", num_threads=1)

@@ -1,4 +1,4 @@
-"""Gateway tracing (slotserve/tracing.py, gateway/tracing.py): the gateway app in process with an
+"""Gateway tracing (slotserve/tracing.py, gateway tracing.py): the gateway app in process with an
 injected tracer provider and an in-memory exporter, in front of an in-process engine double that
 records the headers it receives, then in front of the real engine app (tiny model) tracing into
 its own provider: one trace from client to decode. Off without a provider."""
@@ -168,8 +168,8 @@ async def test_a_refused_request_has_a_failed_admission_span(tmp_path):
 async def test_one_trace_from_the_client_through_the_gateway_to_the_engine(
     tmp_path, tiny_model_dir
 ):
-    from slotserve.engine.async_engine import AsyncEngine
-    from slotserve.engine.server import create_app as create_engine_app
+    from slotserve.engine.core.async_engine import AsyncEngine
+    from slotserve.engine.http.server import create_app as create_engine_app
     from slotserve.engine.settings import EngineSettings
 
     gateway_provider, gateway_spans = in_memory_provider()

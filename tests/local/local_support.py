@@ -11,8 +11,8 @@ import psutil
 def stack_missing() -> str | None:
     """Why `slotserve up` cannot run in this checkout yet (engine or gateway not landed)."""
     for module in (
-        "slotserve.engine.server",
-        "slotserve.engine.async_engine",
+        "slotserve.engine.http.server",
+        "slotserve.engine.core.async_engine",
         "slotserve.gateway.cli",
     ):
         if importlib.util.find_spec(module) is None:

@@ -255,7 +255,7 @@ def test_engine_cli_accepts_the_built_arguments(pool: InferencePool):
 def test_sampling_defaults_and_tool_parser_reach_the_engine():
     """spec.model.samplingDefaults becomes the engine's generation-config override, as JSON."""
     engine_cli = pytest.importorskip("slotserve.engine.cli")
-    from slotserve.engine.generation_defaults import parse_override
+    from slotserve.engine.core.generation_defaults import parse_override
     from slotserve.engine.settings import EngineSettings
     from slotserve.settings import settings_from_args
 

@@ -1,0 +1,1 @@
+"""The engine core: scheduler, KV cache, model runner and sampling (no HTTP)."""

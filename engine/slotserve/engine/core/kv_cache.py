@@ -1,0 +1,105 @@
+"""KV cache bookkeeping (pure Python): which slot row a sequence owns and how many tokens it holds.
+
+The tensors live in the model runner: one pre-allocated row of ``max_model_len`` positions per
+slot, written in place. This class enforces the budget: the sum of reserved token positions over
+all running sequences never exceeds ``num_tokens_total``, which may be smaller than
+slots x max_model_len (a memory budget), so admission and decode growth are checked here.
+
+With prefix caching (:mod:`slotserve.engine.core.prefix_cache`), a new sequence may start with some
+tokens already computed: the slot is chosen for the prefix its row holds, and ``allocate``
+returns the row copies the runner must make before the step's forward.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from slotserve.engine.core.prefix_cache import SlotCopy, SlotPrefixCache
+from slotserve.engine.core.sequence import Sequence
+
+
+class KVCacheManager:
+    """Slots and token budget, with paired check/act methods (``can_*`` then the action)."""
+
+    def __init__(
+        self, *, num_slots: int, num_tokens_total: int, enable_prefix_caching: bool = False
+    ) -> None:
+        if num_slots < 1 or num_tokens_total < 1:
+            raise ValueError("num_slots and num_tokens_total must be at least 1")
+        self.num_slots = num_slots
+        self.num_tokens_total = num_tokens_total
+        self.num_tokens_used = 0
+        # A heap, lowest free slot first: live rows stay packed at the front of the cache.
+        self._free_slots: list[int] = list(range(num_slots))
+        self.prefix_cache = SlotPrefixCache(num_slots) if enable_prefix_caching else None
+        # vLLM's prefix-cache counters, in tokens, over first admissions (not recomputes).
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def num_tokens_free(self) -> int:
+        return self.num_tokens_total - self.num_tokens_used
+
+    @property
+    def usage(self) -> float:
+        return self.num_tokens_used / self.num_tokens_total
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """A free slot and room for every token the sequence has now (prompt, or recompute)."""
+        return bool(self._free_slots) and seq.num_tokens <= self.num_tokens_free
+
+    def should_wait_for_prefix(self, seq: Sequence) -> bool:
+        """With prefix caching: a running sequence is computing a prefix ``seq`` shares (see
+        :meth:`SlotPrefixCache.should_wait`), so admitting ``seq`` later saves its recompute."""
+        return self.prefix_cache is not None and self.prefix_cache.should_wait(seq)
+
+    def allocate(self, seq: Sequence) -> tuple[SlotCopy, ...]:
+        """Give ``seq`` a slot and reserve its tokens; with prefix caching, mark the tokens its
+        row already holds as computed. Returns the row copies to make before the next forward.
+        """
+        if not self.can_allocate(seq):
+            raise RuntimeError(f"cannot allocate KV for {seq.request_id}")
+        copies: tuple[SlotCopy, ...] = ()
+        if self.prefix_cache is None:
+            seq.slot = heapq.heappop(self._free_slots)
+        else:
+            choice = self.prefix_cache.choose(seq, self._free_slots)
+            self._free_slots.remove(choice.slot)
+            heapq.heapify(self._free_slots)
+            seq.slot = choice.slot
+            seq.num_computed_tokens = choice.num_cached_tokens
+            copies = choice.copies
+            self.prefix_cache.occupy(choice.slot, seq)
+            if seq.num_preemptions == 0:
+                self.num_prefix_query_tokens += seq.num_tokens
+                self.num_prefix_hit_tokens += choice.num_cached_tokens
+        seq.num_kv_tokens = seq.num_tokens
+        self.num_tokens_used += seq.num_tokens
+        return copies
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for the tokens appended since the last reservation (one per decode step)."""
+        return seq.num_tokens - seq.num_kv_tokens <= self.num_tokens_free
+
+    def append(self, seq: Sequence) -> None:
+        growth = seq.num_tokens - seq.num_kv_tokens
+        if growth > self.num_tokens_free:
+            raise RuntimeError(f"cannot grow KV for {seq.request_id}")
+        seq.num_kv_tokens += growth
+        self.num_tokens_used += growth
+
+    def free(self, seq: Sequence, *, keep_prefix: bool = True) -> None:
+        """Release the sequence's slot. Its row stays reusable unless ``keep_prefix`` is False
+        (the sequence failed: its keys and values may be NaN, and the runner zeroes the row)."""
+        if seq.slot is None:
+            return
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq.slot, keep=keep_prefix)
+        self.num_tokens_used -= seq.num_kv_tokens
+        heapq.heappush(self._free_slots, seq.slot)
+        seq.slot = None
+        seq.num_kv_tokens = 0

@@ -1,0 +1,362 @@
+"""The model runner: the only module that touches torch and transformers model classes.
+
+It loads an ``AutoModelForCausalLM`` and its tokenizer, owns the per-slot KV cache (allocated
+once, written in place), and runs one packed forward per step for any mix of prefill chunks and
+decodes. Logits are computed only at the last position of each sequence that samples this step:
+the output projection (49152 x 576 for SmolLM2) would otherwise dominate prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+from slotserve.engine.core.openmp import openmp_environment
+
+os.environ.update(openmp_environment())  # libgomp reads it when torch loads
+
+import torch
+
+from slotserve.engine.core.attention import PrefillChunkInput, SlotStep, register_slot_attention
+from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
+from slotserve.engine.core.linear import (
+    LinearBackend,
+    aten_logits,
+    choose_linear_backend,
+    pack_linears,
+)
+from slotserve.engine.core.logprobs import SampledLogprobs
+from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
+from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
+from slotserve.engine.core.prefix_cache import SlotCopy
+from slotserve.engine.core.sampling import Sampler
+from slotserve.engine.core.scheduler import ScheduledChunk
+from slotserve.engine.core.sequence import SequenceError
+from slotserve.settings import CommonSettings
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 2048
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # CPUs without bf16 units run fp32 fastest; GPUs run bf16.
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
+            vocab_size=config.vocab_size,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def load_model(source: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Load model and tokenizer from a local folder or hub id (already resolved)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def available_memory_bytes(device: torch.device, sources: MemorySources) -> int:
+    """Free memory on the device (GPU), or RAM this process may still use (CPU: the node's,
+    capped by the container's cgroup limit)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return host_available_memory_bytes(sources)
+
+
+class ModelRunner:
+    """Runs steps of packed chunks against a pre-allocated per-slot KV cache."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_slots: int,
+        max_model_len: int,
+        linear_backend: LinearBackend = "auto",
+        calibration: CalibrationCache | None = None,
+    ) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.shape = ModelShape.from_config(model.config)
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        model.set_attn_implementation(register_slot_attention())
+        self.decoder = model.get_decoder()
+        # Logits for the sampling rows only: oneDNN-packed when that pays, else the stock layer.
+        # ``auto`` is decided here (measured, or read from the calibration cache) and reported.
+        backend, record = choose_linear_backend(
+            model, linear_backend, max_rows=num_slots, cache=calibration
+        )
+        self.calibrations: list[CalibrationRecord] = [record] if record is not None else []
+        self.logits = pack_linears(model, backend, max_rows=num_slots) or aten_logits(
+            model.get_output_embeddings()
+        )
+        cache_shape = (num_slots, self.shape.num_kv_heads, max_model_len, self.shape.head_dim)
+        # torch.empty: on a CPU, pages are only committed as positions get written.
+        self.k_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
+        self.v_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
+        self._arange = torch.arange(max_model_len, device=self.device)
+        # Attention reads cache rows up to the longest decode of the step, past what each row
+        # holds; masked positions still enter ``0 * value``, so they must hold finite numbers.
+        # Rows are zeroed lazily in blocks, which also keeps untouched CPU pages uncommitted.
+        self._num_finite = [0] * num_slots
+        from slotserve.engine.core.engine import eos_token_ids  # the engine's rule, not duplicated
+
+        # min_tokens bans the model's EOS ids (the tokenizer's equal them for the models served).
+        self.sampler = Sampler(
+            num_slots, self.shape.vocab_size, self.device, frozenset(eos_token_ids(model, None))
+        )
+        # Per sampling chunk of the last step: its logprobs, for rows that asked (else None).
+        self.last_logprobs: list[SampledLogprobs | None] = []
+
+    def _ensure_finite(self, num_rows: int, kv_len: int) -> None:
+        block = 256
+        target = min(self.max_model_len, -(-kv_len // block) * block)
+        for row in range(num_rows):
+            start = self._num_finite[row]
+            if start >= kv_len:
+                continue
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[row, :, start:target].zero_()
+            self._num_finite[row] = target
+
+    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def copy_prefixes(self, copies: Seq[SlotCopy]) -> None:
+        """Copy prefix rows between slots (prefix caching), in order, before the forward."""
+        for copy in copies:
+            n = copy.num_tokens
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[copy.dst_slot, :, :n] = cache[copy.src_slot, :, :n]
+            # Positions [0, n) are finite now; the row's lazy zeroing must start past them.
+            self._num_finite[copy.dst_slot] = max(self._num_finite[copy.dst_slot], n)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Seq[ScheduledChunk]) -> list[int | SequenceError]:
+        """Run one step; returns, per chunk that samples (in chunk order), the sampled token or
+        why that sequence has none. Raises only when the step as a whole fails."""
+        # A step that samples nothing (a prefill chunk alone) must not leave the previous
+        # step's logprobs for the engine to pair with this step's (empty) samples.
+        self.last_logprobs = []
+        if not chunks:
+            return []
+        step, input_ids, positions, sample_index = self._prepare(chunks)
+        hidden = self.decoder(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            slot_step=step,
+        ).last_hidden_state[0]
+        if not sample_index:
+            return []
+        index = torch.tensor(sample_index, device=self.device)
+        logits = self.logits(hidden.index_select(0, index))
+        sampling = [chunk for chunk in chunks if chunk.samples]
+        result = self.sampler.sample(logits, [chunk.seq for chunk in sampling])
+        samples, self.last_logprobs = result.tokens, result.logprobs
+        for chunk, sample in zip(sampling, samples, strict=True):
+            if isinstance(sample, SequenceError) and chunk.seq.slot is not None:
+                # Its keys and values may hold NaN, which masked attention turns into NaN
+                # (0 * NaN): zero the row again before the slot's next owner reads it.
+                self._num_finite[chunk.seq.slot] = 0
+        return samples
+
+    def _prepare(
+        self, chunks: Seq[ScheduledChunk]
+    ) -> tuple[SlotStep, torch.Tensor, torch.Tensor, list[int]]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_index: list[int] = []
+        decode_token_index: list[int] = []
+        decode_slots: list[int] = []
+        decode_lens: list[int] = []
+        prefill_specs: list[tuple[int, int, int, int]] = []
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.slot is None:
+                raise RuntimeError(f"sequence {seq.request_id} is scheduled without a slot")
+            token_start = len(token_ids)
+            end = chunk.start + chunk.num_tokens
+            token_ids.extend(seq.token_ids[chunk.start : end])
+            positions.extend(range(chunk.start, end))
+            slots.extend([seq.slot] * chunk.num_tokens)
+            if chunk.num_tokens == 1:
+                decode_token_index.append(token_start)
+                decode_slots.append(seq.slot)
+                decode_lens.append(end)
+            else:
+                prefill_specs.append((token_start, chunk.num_tokens, seq.slot, chunk.start))
+            if chunk.samples:
+                sample_index.append(len(token_ids) - 1)
+
+        # Before this step writes anything: positions past a row's zeroed extent were never
+        # written, so zeroing them cannot destroy keys or values.
+        self._ensure_finite(max(slots) + 1, max(positions) + 1)
+        device = self.device
+        positions_t = torch.tensor(positions, device=device)
+        decode_mask = None
+        num_rows = kv_len = 0
+        if decode_slots:
+            num_rows = max(decode_slots) + 1
+            kv_len = max(decode_lens)
+            lens = torch.zeros(num_rows, dtype=torch.long, device=device)
+            # Rows of idle slots attend to position 0 only: finite garbage, never read back.
+            lens.fill_(1)
+            lens[torch.tensor(decode_slots, device=device)] = torch.tensor(
+                decode_lens, device=device
+            )
+            decode_mask = (self._arange[:kv_len].unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            if device.type == "cpu":
+                decode_mask = torch.zeros(
+                    decode_mask.shape, dtype=self.dtype, device=device
+                ).masked_fill_(~decode_mask, float("-inf"))
+
+        group = self.model.config.num_attention_heads // self.shape.num_kv_heads
+        prefills = []
+        for token_start, num_tokens, slot, start in prefill_specs:
+            mask = None
+            if start > 0:
+                query_pos = self._arange[start : start + num_tokens].unsqueeze(1)
+                causal = self._arange[: start + num_tokens].unsqueeze(0) <= query_pos
+                mask = causal.repeat(group, 1)  # rows follow the (head-in-group, token) fold
+            prefills.append(
+                PrefillChunkInput(token_start, num_tokens, slot, start + num_tokens, mask)
+            )
+
+        step = SlotStep(
+            k_cache=self.k_cache,
+            v_cache=self.v_cache,
+            write_slots=torch.tensor(slots, device=device),
+            write_positions=positions_t,
+            num_tokens=len(token_ids),
+            decode_token_index=(
+                torch.tensor(decode_token_index, device=device) if decode_slots else None
+            ),
+            decode_slots=torch.tensor(decode_slots, device=device) if decode_slots else None,
+            num_decode_rows=num_rows,
+            decode_kv_len=kv_len,
+            decode_mask=decode_mask,
+            prefills=tuple(prefills),
+        )
+        return step, torch.tensor(token_ids, device=device), positions_t, sample_index
+
+
+def build_runner(
+    settings: Any, source: str, memory: MemorySources = SYSTEM
+) -> tuple[ModelRunner, Any, int]:
+    """Load the model for ``settings`` (an EngineSettings) and size the KV cache.
+
+    Returns the runner, the tokenizer and the KV capacity in tokens: ``kv_cache_tokens`` if
+    set (never more than the slot rows hold), else as many slot rows of ``max_model_len`` as
+    ``kv_cache_memory_fraction`` of the memory available after loading holds, at most
+    ``max_batch_size`` (see :mod:`slotserve.engine.core.memory`). ``runner.num_slots`` is the
+    number of slots.
+    """
+    if settings.num_threads is not None:
+        torch.set_num_threads(settings.num_threads)
+    load_start = time.perf_counter()
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    model, tokenizer = load_model(source, device, dtype)
+    shape = ModelShape.from_config(model.config)
+    max_model_len = settings.max_model_len or min(
+        shape.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
+    )
+    if max_model_len > shape.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's "
+            f"{shape.max_position_embeddings} positions"
+        )
+    available = (
+        0 if settings.kv_cache_tokens is not None else available_memory_bytes(device, memory)
+    )
+    size = size_kv_cache(
+        max_batch_size=settings.max_batch_size,
+        max_model_len=max_model_len,
+        bytes_per_token=shape.kv_bytes_per_token(dtype),
+        budget_bytes=settings.kv_cache_memory_fraction * available,
+        kv_cache_tokens=settings.kv_cache_tokens,
+    )
+    if size.num_slots < settings.max_batch_size:
+        logger.warning(
+            "the KV budget (%.0f%% of %.1f GiB available) holds %d of %d slots of %d positions;"
+            " raise kv_cache_memory_fraction or the memory limit, or lower max_model_len",
+            100 * settings.kv_cache_memory_fraction,
+            available / 2**30,
+            size.num_slots,
+            settings.max_batch_size,
+            max_model_len,
+        )
+    runner = ModelRunner(
+        model,
+        num_slots=size.num_slots,
+        max_model_len=max_model_len,
+        linear_backend=settings.linear_backend,
+        calibration=CalibrationCache(CommonSettings().home / "calibration"),
+    )
+    for record in runner.calibrations:
+        logger.info(
+            "calibrated at load: %s=%s (%s, %.3f s) %s",
+            record.name,
+            record.choice,
+            record.source,
+            record.seconds,
+            {name: round(value, 3) for name, value in record.figures.items()},
+        )
+    logger.info(
+        "loaded %s on %s/%s in %.1f s (%d calibrations, %.2f s): %d slots x %d positions,"
+        " KV budget %d tokens",
+        source,
+        device,
+        dtype,
+        time.perf_counter() - load_start,
+        len(runner.calibrations),
+        sum(record.seconds for record in runner.calibrations),
+        size.num_slots,
+        max_model_len,
+        size.num_tokens,
+    )
+    return runner, tokenizer, size.num_tokens

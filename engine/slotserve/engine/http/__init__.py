@@ -1,0 +1,1 @@
+"""The engine's OpenAI-compatible HTTP layer over the core."""

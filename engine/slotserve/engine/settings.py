@@ -1,0 +1,83 @@
+"""The engine's one settings object (env prefix ``SLOTSERVE_ENGINE_``), built once at start-up."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from slotserve.engine.core.generation_defaults import parse_override
+from slotserve.engine.http.tool_calls import ToolParserName
+from slotserve.pools import BatchingSpec
+
+Policy = Literal["static", "dynamic", "continuous"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+LinearBackend = Literal["auto", "onednn", "aten"]
+
+
+class EngineSettings(BaseSettings):
+    """Everything one engine process needs: model, batching policy, KV budget, HTTP server."""
+
+    model_config = SettingsConfigDict(env_prefix="SLOTSERVE_ENGINE_", extra="ignore")
+
+    model: str = Field("smollm2", min_length=1, description="Name, local HF folder or hub id.")
+    served_model_name: str | None = Field(None, description="Name clients send in `model`.")
+    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, ...")
+    dtype: DType = Field("auto", description="auto = float32 on CPU, bfloat16 on GPU.")
+    policy: Policy = Field("continuous", description="static | dynamic | continuous.")
+    max_batch_size: int = Field(32, ge=1, le=1024, description="Slots: sequences per step.")
+    max_queue_delay_microseconds: int = Field(100, ge=0, le=60_000_000)
+    preferred_batch_sizes: list[int] = Field(default_factory=list)
+    max_batched_tokens: int = Field(2048, ge=1, le=1_048_576, description="Tokens per step.")
+    max_model_len: int | None = Field(None, ge=2, description="Prompt + output tokens at most.")
+    kv_cache_tokens: int | None = Field(None, ge=2, description="KV capacity in tokens.")
+    kv_cache_memory_fraction: float = Field(0.5, gt=0.0, le=1.0)
+    max_waiting: int = Field(1024, ge=0, description="Waiting requests beyond: QueueFullError.")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
+    linear_backend: LinearBackend = Field(
+        "auto", description="CPU matrix products: auto (measured at start), onednn, aten."
+    )
+    generation_config: str = Field(
+        "auto",
+        min_length=1,
+        description="Sampling defaults for fields a request leaves out: auto (the model's "
+        "generation_config.json), none (OpenAI's defaults) or a folder holding that file.",
+    )
+    override_generation_config: str | None = Field(
+        None,
+        description='JSON object over the generation config, e.g. {"temperature": 0.7}.',
+    )
+    tool_call_parser: ToolParserName = Field(
+        "auto",
+        description="How the model writes tool calls: hermes, llama3_json, or auto (from the "
+        "chat template).",
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV of a prompt prefix that a slot row already holds."
+    )
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    drain_timeout_seconds: float = Field(30, ge=0)
+    max_request_body_bytes: int = Field(1_048_576, ge=1024)
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _override_is_a_generation_config(cls, value: str | None) -> str | None:
+        parse_override(value)  # raises ValueError naming the bad key or value
+        return value
+
+    @model_validator(mode="after")
+    def _preferred_sizes_fit(self) -> EngineSettings:
+        if any(size < 1 or size > self.max_batch_size for size in self.preferred_batch_sizes):
+            raise ValueError(
+                "every preferred_batch_sizes entry must be between 1 and max_batch_size"
+            )
+        return self
+
+    @classmethod
+    def from_batching(cls, batching: BatchingSpec, **overrides: object) -> EngineSettings:
+        """Settings whose batching fields come from a pool's ``BatchingSpec``."""
+        fields = batching.model_dump(by_alias=False)
+        fields.update(overrides)
+        return cls(**fields)

@@ -1,0 +1,1 @@
+"""slotserve operator: turns InferencePool objects into engine Deployments (kopf)."""

@@ -1,0 +1,83 @@
+"""Every Redis key the gateway writes and the operator reads, in one place.
+
+All keys start with the configured prefix (``SLOTSERVE_GATEWAY_REDIS_PREFIX``, default
+``slotserve``). Pool keys carry the pool name in a hash tag (``{model}``) so that one pool's keys
+share a cluster slot. Every key has a TTL that each write extends, so an abandoned pool or a dead
+replica leaves nothing behind for long:
+
+| key | type | contents | TTL |
+|---|---|---|---|
+| ``P:{pool}:queue`` | ZSET | waiting request ids; score = arrival + level x aging (4) | STATE |
+| ``P:{pool}:entries`` | HASH | id -> ``replica|deadline_us|enqueued_us|level|slots`` | STATE |
+| ``P:{pool}:seq`` | STRING | arrival counter (global FIFO order within a priority) | STATE |
+| ``P:{pool}:leases`` | ZSET | request ids holding a slot; score = lease expiry (us) | STATE |
+| ``P:{pool}:lease_endpoint`` | HASH | request id -> endpoint URL of its slot | STATE |
+| ``P:{pool}:inflight`` | HASH | endpoint URL -> slots its leases hold (a request's ``n``) | STATE |
+| ``P:{pool}:lease_slots`` | HASH | request id -> slots its lease holds, if over one | STATE |
+| ``P:{pool}:stats`` | HASH | ``dispatched`` (granted so far), ``retry_horizon`` (us) | STATE |
+| ``P:{pool}:deadlines`` | ZSET | waiting request ids; score = queue deadline (us) | STATE |
+| ``P:{pool}:replicas`` | SET | replicas that may have requests waiting in the pool | STATE |
+| ``P:{pool}:retries`` | ZSET | places promised to rejected clients; score = return (us) | STATE |
+| ``P:{pool}:levels`` | HASH | level -> number of its requests waiting | STATE |
+| ``P:{pool}:delays`` | ZSET | DELAY-level request ids; score = when demoted (us) | STATE |
+| ``P:{pool}:waiting:{id}`` | ZSET | replica ``id``'s waiting request ids (dead: swept) | STATE |
+| ``P:{pool}:window:{n}`` | HASH | admitted, rejected, queue waits in window ``n`` (3) | 90 s |
+| ``P:epoch`` | HASH | admission epoch: ``id``, ``created``, ``ready`` (us) (2) | STATE |
+| ``P:replica:{id}`` | STRING | present while replica ``id`` heartbeats | lease TTL |
+| ``P:grants:{id}`` | LIST | grants made for replica ``id`` by others (1) | lease TTL |
+
+(1) each item is ``pool``, request id and endpoint joined by ``\\x1f``.
+(2) recreated when Redis lost its data; nobody dispatches before ``ready`` (see ``lua.py``).
+(3) written by every replica, read by the operator for ``status.admission``
+(``slotserve.admission_stats``).
+(4) plus ``DEMOTION_OFFSET_US`` once demoted (a ``DELAY`` level's request past its timeout).
+STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
+write. Times are Redis server time (``TIME``) in microseconds, so replica clocks never matter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STATE_TTL_S = 3600
+GRANT_SEPARATOR = "\x1f"
+POOL_KEY_NAMES = (
+    "queue",
+    "entries",
+    "seq",
+    "leases",
+    "lease_endpoint",
+    "inflight",
+    "stats",
+    "deadlines",
+    "replicas",
+    "retries",
+    "levels",
+    "delays",
+    "lease_slots",
+)
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix."""
+
+    prefix: str = "slotserve"
+
+    def pool(self, pool_name: str) -> list[str]:
+        """The pool's keys in the order the Lua scripts expect them (KEYS[1..13])."""
+        return [self.pool_key(pool_name, name) for name in POOL_KEY_NAMES]
+
+    def pool_key(self, pool_name: str, name: str) -> str:
+        """One of the pool's keys, by its name in ``POOL_KEY_NAMES``."""
+        return f"{self.prefix}:{{{pool_name}}}:{name}"
+
+    def window(self, pool_name: str, number: int) -> str:
+        """The pool's admission counts of window ``number`` (``slotserve.admission_stats``)."""
+        return self.pool_key(pool_name, f"window:{number}")
+
+    def replica(self, replica_id: str) -> str:
+        return f"{self.prefix}:replica:{replica_id}"
+
+    def grants(self, replica_id: str) -> str:
+        return f"{self.prefix}:grants:{replica_id}"
