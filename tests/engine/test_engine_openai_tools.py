@@ -19,8 +19,9 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from support import free_port, http_ok, wait_until
 
 from slotserve.engine.core.structured import Grammars
+from slotserve.engine.core.tool_parsers import PARSERS, choose_parser
 from slotserve.engine.http.openai_api import ChatCompletionRequest
-from slotserve.engine.http.tool_calls import PARSERS, choose_parser, plan_tools
+from slotserve.engine.http.tool_calls import plan_tools
 from slotserve.engine.http.tool_format import ToolChatFormat
 
 WEATHER = {

@@ -7,12 +7,23 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from slotserve.contracts.engine_argv import DType
+from slotserve.contracts.pool_spec import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_BATCHED_TOKENS,
+    DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS,
+    DEFAULT_POLICY,
+    BatchingSpec,
+    MaxBatchedTokens,
+    MaxBatchSize,
+    MaxQueueDelayMicroseconds,
+    Policy,
+    PreferredBatchSizes,
+    preferred_sizes_fit,
+)
 from slotserve.engine.core.generation_defaults import parse_override
-from slotserve.engine.http.tool_calls import ToolParserName
-from slotserve.pools import BatchingSpec
+from slotserve.engine.core.tool_parsers import ToolParserName
 
-Policy = Literal["static", "dynamic", "continuous"]
-DType = Literal["auto", "float32", "bfloat16", "float16"]
 LinearBackend = Literal["auto", "onednn", "aten"]
 
 
@@ -25,11 +36,12 @@ class EngineSettings(BaseSettings):
     served_model_name: str | None = Field(None, description="Name clients send in `model`.")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, ...")
     dtype: DType = Field("auto", description="auto = float32 on CPU, bfloat16 on GPU.")
-    policy: Policy = Field("continuous", description="static | dynamic | continuous.")
-    max_batch_size: int = Field(32, ge=1, le=1024, description="Slots: sequences per step.")
-    max_queue_delay_microseconds: int = Field(100, ge=0, le=60_000_000)
-    preferred_batch_sizes: list[int] = Field(default_factory=list)
-    max_batched_tokens: int = Field(2048, ge=1, le=1_048_576, description="Tokens per step.")
+    # The batching fields: declared once in slotserve.contracts.pool_spec (the CRD's too).
+    policy: Policy = DEFAULT_POLICY
+    max_batch_size: MaxBatchSize = DEFAULT_MAX_BATCH_SIZE
+    max_queue_delay_microseconds: MaxQueueDelayMicroseconds = DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS
+    preferred_batch_sizes: PreferredBatchSizes = Field(default_factory=list)
+    max_batched_tokens: MaxBatchedTokens = DEFAULT_MAX_BATCHED_TOKENS
     max_model_len: int | None = Field(None, ge=2, description="Prompt + output tokens at most.")
     kv_cache_tokens: int | None = Field(None, ge=2, description="KV capacity in tokens.")
     kv_cache_memory_fraction: float = Field(0.5, gt=0.0, le=1.0)
@@ -69,7 +81,7 @@ class EngineSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _preferred_sizes_fit(self) -> EngineSettings:
-        if any(size < 1 or size > self.max_batch_size for size in self.preferred_batch_sizes):
+        if not preferred_sizes_fit(self.preferred_batch_sizes, self.max_batch_size):
             raise ValueError(
                 "every preferred_batch_sizes entry must be between 1 and max_batch_size"
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from slotserve.engine.core.logprobs import TokenLogprobs, chat_logprobs
 from slotserve.engine.core.sequence import FinishReason
+from slotserve.engine.core.tool_parsers import ParsedCall
 from slotserve.engine.http.openai_format import ChatFormat, ChoiceOutput
 from slotserve.engine.http.openai_responses import (
     ChatChoice,
@@ -17,7 +18,7 @@ from slotserve.engine.http.openai_responses import (
     ChatDelta,
     ChatMessageOut,
 )
-from slotserve.engine.http.tool_calls import ParsedCall, ToolCallDelta, ToolPlan
+from slotserve.engine.http.tool_calls import ToolCall, ToolCallDelta, ToolPlan
 
 
 class _ChoiceStream:
@@ -62,7 +63,7 @@ class ToolChatFormat(ChatFormat):
             delta = ChatDelta(content=content)
             out += self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=chosen)], None)
         for i, call in enumerate(calls):
-            for delta in ToolCallDelta.of(i, call.to_tool_call()):
+            for delta in ToolCallDelta.of(i, ToolCall.from_parsed(call)):
                 choice = ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[delta]))
                 out += self._chunk([choice], None)
         reason = "tool_calls" if calls else finish_reason
@@ -78,7 +79,7 @@ class ToolChatFormat(ChatFormat):
             content, calls = self._split(choice.text, choice.finish_reason)
             message = ChatMessageOut(
                 content=content if content.strip() or not calls else None,
-                tool_calls=[call.to_tool_call() for call in calls] or None,
+                tool_calls=[ToolCall.from_parsed(call) for call in calls] or None,
             )
             out.append(
                 ChatChoice(
