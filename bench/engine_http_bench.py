@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from slotserve.engine.core.async_engine import AsyncEngine
+from slotserve.engine.core.openmp import apply_openmp_environment
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.settings import EngineSettings
 from slotserve.local.stack import free_port
@@ -327,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrency = sorted({r.concurrency for r in runs}, reverse=True)
         report(args, Console(width=140), runs, saved["model"])
         return 0
+    apply_openmp_environment()  # as `slotserve engine` does, before this process loads torch
     asyncio.run(main_async(args))
     return 0
 

@@ -9,6 +9,9 @@ inside functions and ``TYPE_CHECKING`` blocks, so a lazy import cannot hide one.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +97,40 @@ def test_the_check_catches_each_spelling(source: str):
 )
 def test_the_check_lets_core_imports_through(source: str):
     assert forbidden_imports(source, "slotserve.engine.core") == []
+
+
+def test_importing_the_engine_sets_no_openmp_environment():
+    # The entry point applies it (the CLI, a benchmark, conftest); an import must not.
+    code = (
+        "import os, slotserve.engine.core.runner, slotserve.engine.http.server\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))\n"
+        "from slotserve.engine.core.openmp import apply_openmp_environment\n"
+        "import torch\n"
+        "print(apply_openmp_environment())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    # Nothing set by importing; and once torch is loaded it is too late, so nothing is added.
+    assert out.stdout.splitlines() == ["None None", "{}"]
+
+
+def test_the_cli_applies_the_openmp_environment_before_torch_loads():
+    code = (
+        "import os, sys\n"
+        "from slotserve.engine import cli\n"
+        "import slotserve.engine.http.server as server\n"
+        "async def serve(settings, provider):\n"
+        "    print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules, flush=True)\n"
+        "    return 0\n"
+        "server.serve = serve\n"
+        "cli.main(['--model', 'smollm2'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["ACTIVE False"]

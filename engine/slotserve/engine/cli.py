@@ -16,15 +16,13 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
+from slotserve.contracts.engine_argv import flag_name
+from slotserve.engine.core.openmp import apply_openmp_environment
 from slotserve.engine.settings import EngineSettings
 from slotserve.settings import cli_settings, configure_logging
 from slotserve.tracing import TracingUnavailableError, tracer_provider_from_env
 
 ENV_PREFIX = EngineSettings.model_config["env_prefix"]
-
-
-def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
 
 
 def _strip_optional(annotation: Any) -> Any:
@@ -89,6 +87,8 @@ def main(argv: list[str]) -> int:
     except TracingUnavailableError as error:
         print(f"slotserve engine: {error}", file=sys.stderr)
         return 2
+    # Before anything imports torch (the model loads in serve): libgomp reads it then.
+    apply_openmp_environment()
     from slotserve.engine.http.server import serve  # imports torch: only once flags are valid
 
     exit_code = asyncio.run(serve(settings, tracer_provider))

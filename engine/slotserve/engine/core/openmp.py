@@ -1,4 +1,8 @@
-"""OpenMP thread behaviour for torch on CPU; must run before torch is imported."""
+"""OpenMP thread behaviour for torch on CPU; must run before torch is imported.
+
+Importing this module changes nothing: each entry point (the engine CLI, a benchmark, the test
+suite's conftest) calls :func:`apply_openmp_environment` before anything imports torch.
+"""
 
 from __future__ import annotations
 
@@ -24,3 +28,10 @@ def openmp_environment() -> dict[str, str]:
     if "torch" in sys.modules or {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
         return {}
     return {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": SPIN_COUNT}
+
+
+def apply_openmp_environment() -> dict[str, str]:
+    """Add :func:`openmp_environment` to ``os.environ``; returns what was added."""
+    added = openmp_environment()
+    os.environ.update(added)  # libgomp reads it when torch loads
+    return added

@@ -9,15 +9,10 @@ the output projection (49152 x 576 for SmolLM2) would otherwise dominate prefill
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
-
-from slotserve.engine.core.openmp import openmp_environment
-
-os.environ.update(openmp_environment())  # libgomp reads it when torch loads
 
 import torch
 
