@@ -10,8 +10,11 @@ Ownership: a grant is either delivered to a waiter that is still there or releas
 The backends hand every grant to ``_on_grant`` as the step finishes, not to the caller, so a
 caller cancelled while its enqueue step is in flight (the client went away) drops nothing; a
 caller that leaves without a lease hands its request to ``_abandon``, which takes the entry out
-or gives the late grant back. Keeping leases
-alive and putting them back after an outage is ``admission_recovery.LeaseKeeper``'s job.
+or gives the late grant back.
+
+Outages are ``admission_recovery.LeaseKeeper``'s job: every backend step goes through it
+(``call``), it keeps the leases alive, and after an outage it puts back this replica's leases
+and requeues its waiters before ``acquire`` admits anything new.
 """
 
 from __future__ import annotations
@@ -106,7 +109,6 @@ class Admission:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[object]] = set()
         self._closing = False
-        self.backend_ok = True
         self.keeper = LeaseKeeper(self)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -327,20 +329,13 @@ class Admission:
         task.add_done_callback(self._background.discard)
 
     async def call(self, awaitable: Awaitable[T]) -> T:
-        """Await one backend step, keeping ``backend_ok`` (the up gauge) current."""
-        try:
-            result = await awaitable
-        except BackendUnavailableError as exc:
-            self._mark_down(exc)
-            raise
-        self.backend_ok = True
-        return result
+        """Await one backend step (``LeaseKeeper.call``: an outage starts its recovery)."""
+        return await self.keeper.call(awaitable)
 
-    def _mark_down(self, exc: BackendUnavailableError) -> None:
-        if self.backend_ok:
-            log.warning("%s; answering 503 until it returns", exc.message)
-        self.backend_ok = False
-        self.keeper.request_restore()
+    @property
+    def backend_ok(self) -> bool:
+        """Whether the last backend step reached the backend (the up gauge)."""
+        return self.keeper.backend_ok
 
     async def tick_pool(self, pool: PoolPolicy) -> None:
         try:

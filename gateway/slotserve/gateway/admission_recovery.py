@@ -1,12 +1,14 @@
 """Keeping one replica's leases alive, and putting them back after the backend lost them.
 
-Every lease TTL / 4 the keeper renews the replica's liveness and every lease it holds (one
-backend step). When the backend was unreachable, or reports that its state is gone (a new
-admission epoch after FLUSHALL, a restart without persistence or a failover), or the replica was
-presumed dead after a stall, the keeper writes back the leases this replica still uses and
-requeues its waiters whose entries were lost. Until that is done, this replica admits nothing
-new (``Admission.acquire`` waits for ``restore``), and the epoch keeps every other replica from
-dispatching into the lost leases (see ``lua.py``).
+Every backend step goes through ``LeaseKeeper.call``, which keeps ``backend_ok`` (the up gauge)
+and asks for a restore when a step finds the backend away. Every lease TTL / 4 the keeper renews
+the replica's liveness and every lease it holds (one backend step). When the backend was
+unreachable, or reports that its state is gone (a new admission epoch after FLUSHALL, a restart
+without persistence or a failover), or the replica was presumed dead after a stall, the keeper
+writes back the leases this replica still uses and requeues its waiters whose entries were lost.
+Until that is done, this replica admits nothing new (``Admission.acquire`` waits for
+``restore``), and the epoch keeps every other replica from dispatching into the lost leases
+(see ``lua.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, TypeVar
 
 from slotserve.gateway.admission_types import BackendUnavailableError, QueueFullError
 
@@ -23,14 +26,17 @@ if TYPE_CHECKING:
     from slotserve.gateway.admission import Admission, Waiter
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 RESTORE_RETRY_S = 0.2
 
 
 class LeaseKeeper:
-    """The heartbeat of one replica, and its recovery after an outage."""
+    """The heartbeat of one replica, whether its backend is up, and its recovery after an
+    outage."""
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
+        self.backend_ok = True
         self.needs_restore = False
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -44,6 +50,20 @@ class LeaseKeeper:
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
+
+    async def call(self, awaitable: Awaitable[T]) -> T:
+        """Await one backend step, keeping ``backend_ok`` current; a failure asks for a
+        restore."""
+        try:
+            result = await awaitable
+        except BackendUnavailableError as exc:
+            if self.backend_ok:
+                log.warning("%s; answering 503 until it returns", exc.message)
+            self.backend_ok = False
+            self.request_restore()
+            raise
+        self.backend_ok = True
+        return result
 
     async def run(self) -> None:
         while not self._stopped:
@@ -79,14 +99,14 @@ class LeaseKeeper:
     async def _beat_once(self) -> None:
         admission = self.admission
         restore = self.needs_restore
-        intact = await admission.call(admission.backend.heartbeat(self._held(), restore=restore))
+        intact = await self.call(admission.backend.heartbeat(self._held(), restore=restore))
         if intact and not restore:
             return
         if not intact:
             # Our heartbeat came too late (a stall longer than the lease TTL) or the backend lost
             # its state: take back the leases we still use before anything else.
             log.warning("admission state lost or replica presumed dead; restoring leases")
-            await admission.call(admission.backend.heartbeat(self._held(), restore=True))
+            await self.call(admission.backend.heartbeat(self._held(), restore=True))
         # Entries of our waiters may have been swept or lost: put back the missing ones.
         await self._requeue_waiters()
         if self.needs_restore:
@@ -112,7 +132,7 @@ class LeaseKeeper:
         if waiter.demote_at is not None:
             demote_us = max(1, int((waiter.demote_at - now) * 1_000_000))
         try:
-            result = await admission.call(
+            result = await self.call(
                 admission.backend.enqueue(
                     waiter.pool,
                     admission.offers(waiter.pool.name),

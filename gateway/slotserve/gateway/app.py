@@ -1,4 +1,5 @@
-"""The gateway's aiohttp application: ``create_app(settings)``.
+"""The gateway's aiohttp application: ``create_app(settings)``, its middleware, probes and
+resources (the completion endpoints are ``completions.py``; the app's keys ``app_keys.py``).
 
 Start-up order (cleanup contexts): pools -> engine monitor -> admission -> upstream session.
 Shutdown runs them in reverse: stop taking requests, close the upstream session, stop admission
@@ -9,52 +10,46 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slotserve.gateway.admission import Admission
-from slotserve.gateway.admission_types import (
-    AdmissionBackend,
-    AdmissionError,
-    PoolPolicy,
-)
+from slotserve.gateway.admission_types import AdmissionBackend
 from slotserve.gateway.admission_window import AdmissionWindowWriter
 from slotserve.gateway.api_keys import ApiKeys
+from slotserve.gateway.app_keys import (
+    ADMISSION,
+    API_KEYS,
+    METRICS,
+    MONITOR,
+    PROXY,
+    REGISTRY,
+    SETTINGS,
+    WINDOW,
+)
+from slotserve.gateway.completions import completions
 from slotserve.gateway.config import PoolRegistry, load_pools, watch_pool_file
 from slotserve.gateway.discovery import PoolCatalog, start_kubernetes_watch
 from slotserve.gateway.engines import EngineMonitor
 from slotserve.gateway.errors import error_response
 from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub
 from slotserve.gateway.metrics import GatewayMetrics
-from slotserve.gateway.proxy import ProxyContext, proxy_request
+from slotserve.gateway.proxy import ProxyContext
 from slotserve.gateway.settings import GatewaySettings
-from slotserve.gateway.tracing import traced_admission
 from slotserve.tracing import install_tracing
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
 log = logging.getLogger(__name__)
-
-SETTINGS = web.AppKey("settings", GatewaySettings)
-REGISTRY = web.AppKey("registry", PoolRegistry)
-METRICS = web.AppKey("metrics", GatewayMetrics)
-MONITOR = web.AppKey("monitor", EngineMonitor)
-ADMISSION = web.AppKey("admission", Admission)
-PROXY = web.AppKey("proxy", ProxyContext)
-API_KEYS = web.AppKey("api_keys", ApiKeys)
-# Admission counts for the operator's status.admission: with Redis only (None without).
-WINDOW: web.AppKey[AdmissionWindowWriter | None] = web.AppKey("admission_window")
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Probes never carry credentials; /metrics joins them unless metrics_require_api_key is set.
@@ -97,7 +92,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return error_response(exc.status, exc.reason, exc.reason.lower().replace(" ", "_"))
 
 
-# -- handlers ------------------------------------------------------------------------------------
+# -- probes and the model list ------------------------------------------------------------------
 
 
 async def health(_: web.Request) -> web.Response:
@@ -138,137 +133,6 @@ async def list_models(request: web.Request) -> web.Response:
         for name in sorted(request.app[REGISTRY].pools)
     ]
     return web.json_response({"object": "list", "data": data})
-
-
-def _header_int(request: web.Request, name: str, low: int, high: int) -> int | None:
-    raw = request.headers.get(name)
-    if raw is None:
-        return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError(f"header {name} must be an integer, got {raw[:40]!r}") from None
-    if not low <= value <= high:
-        raise ValueError(f"header {name} must be between {low} and {high}, got {value}")
-    return value
-
-
-def _default_priority(policy: PoolPolicy, gateway_default: int, allowed: range) -> int:
-    """A request without the header: the pool's default level, else the gateway's, brought
-    into the levels the pool has and then into those the caller's key may ask for."""
-    level = policy.default_priority_level or gateway_default
-    level = min(level, policy.priority_levels)
-    if allowed:
-        level = min(max(level, allowed.start), allowed.stop - 1)
-    return level
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"request body is not valid JSON: {name} is not a JSON number")
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or ValueError with a message for the client.
-
-    Hostile bodies end here as 400s: nesting deep enough to exhaust the parser's recursion,
-    NaN/Infinity (not JSON; an engine would choke on them later), bytes that are not UTF-8.
-    """
-    try:
-        payload = json.loads(body, parse_constant=_reject_constant)
-    except RecursionError:
-        raise ValueError("request body is not valid JSON: nested too deeply") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise ValueError("request body must be a JSON object")
-    return payload
-
-
-def requested_slots(payload: dict[str, Any]) -> int:
-    """The engine slots a request takes: one per choice (``n``). A malformed ``n`` counts one:
-    the engine refuses it (400 naming ``n``) without taking a slot."""
-    n = payload.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-        return n
-    return 1
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    settings = request.app[SETTINGS]
-    m = request.app[METRICS]
-    body = await request.read()
-    try:
-        payload = parse_json_object(body)
-    except ValueError as exc:
-        return error_response(400, str(exc), "invalid_json")
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        return error_response(400, "'model' (a string) is required", "missing_model", param="model")
-    pool = request.app[REGISTRY].get(model)
-    if pool is None:
-        return error_response(
-            404, f"model {model!r} is not served here", "model_not_found", param="model"
-        )
-    policy = pool.policy
-    try:
-        priority = _header_int(request, "x-slotserve-priority", 1, policy.priority_levels)
-        deadline_ms = _header_int(request, "x-slotserve-deadline-ms", 1, 3_600_000)
-    except ValueError as exc:
-        return error_response(400, str(exc), "invalid_header")
-    allowed = request.app[API_KEYS].allowed_levels(request.headers.get("Authorization", ""))
-    if priority is None:
-        priority = _default_priority(policy, settings.default_priority, allowed)
-    elif priority not in allowed:
-        return error_response(
-            403,
-            f"this API key may not ask for priority {priority} "
-            f"(allowed: {allowed.start}-{allowed.stop - 1})",
-            "priority_not_allowed",
-        )
-    # A client may only shorten the wait (x-slotserve-deadline-ms).
-    wait = policy.queue_wait(priority, None if deadline_ms is None else deadline_ms / 1000)
-    timeout_s = wait.give_up_after_s
-    deadline = time.monotonic() + timeout_s
-    admission = request.app[ADMISSION]
-    window = request.app[WINDOW]
-    offers = request.app[MONITOR].offers(model)
-    if not offers:
-        m.rejected.labels(model, "no_ready_endpoint").inc()
-        if window is not None:
-            window.rejected(model, "no_ready_endpoint")
-        return error_response(
-            503, f"no engine of pool {model!r} is ready", "no_ready_endpoint", retry_after_s=1
-        )
-    slots = requested_slots(payload)
-    most_slots = max(offer.slots_total for offer in offers)
-    if slots > most_slots:
-        # Refused before queueing, as the engine would: no endpoint could ever hold it.
-        m.rejected.labels(model, "invalid_value").inc()
-        return error_response(
-            400,
-            f"'n' ({slots}) exceeds the slots of every engine of pool {model!r} "
-            f"(at most {most_slots}): each choice takes one",
-            "invalid_value",
-            param="n",
-        )
-    try:
-        acquire = admission.acquire(
-            policy, priority, timeout_s, demote_after_s=wait.demote_after_s, slots=slots
-        )
-        lease = await traced_admission(request, model, acquire)
-    except AdmissionError as exc:
-        m.rejected.labels(model, exc.code).inc()
-        if window is not None:
-            window.rejected(model, exc.code)
-        return error_response(exc.status, exc.message, exc.code, retry_after_s=exc.retry_after_s)
-    m.admitted.labels(model).inc()
-    m.queue_wait.labels(model).observe(lease.queue_wait_s)
-    if window is not None:
-        window.admitted(model, lease.queue_wait_s)
-    try:
-        return await proxy_request(request, request.app[PROXY], lease, body, deadline)
-    except ConnectionResetError:
-        return web.Response(status=499)  # client went away; nothing to send
 
 
 # -- resources (cleanup contexts) ----------------------------------------------------------------

@@ -1,0 +1,24 @@
+"""The gateway app's typed keys: what ``create_app`` builds once and the handlers read."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from slotserve.gateway.admission import Admission
+from slotserve.gateway.admission_window import AdmissionWindowWriter
+from slotserve.gateway.api_keys import ApiKeys
+from slotserve.gateway.config import PoolRegistry
+from slotserve.gateway.engines import EngineMonitor
+from slotserve.gateway.metrics import GatewayMetrics
+from slotserve.gateway.proxy import ProxyContext
+from slotserve.gateway.settings import GatewaySettings
+
+SETTINGS = web.AppKey("settings", GatewaySettings)
+REGISTRY = web.AppKey("registry", PoolRegistry)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+MONITOR = web.AppKey("monitor", EngineMonitor)
+ADMISSION = web.AppKey("admission", Admission)
+PROXY = web.AppKey("proxy", ProxyContext)
+API_KEYS = web.AppKey("api_keys", ApiKeys)
+# Admission counts for the operator's status.admission: with Redis only (None without).
+WINDOW: web.AppKey[AdmissionWindowWriter | None] = web.AppKey("admission_window")
