@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import cast
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> int:
 def generate_answer(source: str, prompt: str, settings: GenerateSettings) -> str:
     """Apply the chat template to ``prompt`` and decode the model's answer."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -59,14 +60,22 @@ def generate_answer(source: str, prompt: str, settings: GenerateSettings) -> str
     messages = [{"role": "user", "content": prompt}]
     if settings.system is not None:
         messages.insert(0, {"role": "system", "content": settings.system})
-    input_ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"]
+    # With return_dict and return_tensors="pt" the result is a BatchEncoding of tensors; the
+    # declared return type is the union over every combination of flags.
+    encoded = cast(
+        BatchEncoding,
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        ),
+    )
+    input_ids: torch.Tensor = encoded["input_ids"]
     if settings.seed is not None:
         torch.manual_seed(settings.seed)
     sampling = settings.temperature > 0
     with torch.inference_mode():
-        output = model.generate(
+        # transformers types from_pretrained's result as a class that does not match
+        # generate's own self-type protocol, though the loaded model is both.
+        output = model.generate(  # type: ignore[misc]
             input_ids,
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=settings.max_tokens,
@@ -76,4 +85,6 @@ def generate_answer(source: str, prompt: str, settings: GenerateSettings) -> str
             top_k=None,
             pad_token_id=tokenizer.pad_token_id,
         )
-    return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True).strip()
+    # One sequence of ids decodes to one string (only a batch decodes to a list).
+    answer = cast(str, tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True))
+    return answer.strip()

@@ -170,10 +170,11 @@ def _convert(gguf: Path, dest: Path, console: Console) -> None:
         f"[green]✓[/] loaded {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters"
     )
     # The dequantised weights are plain tensors, but the model still carries the GGUF
-    # quantizer, which makes save_pretrained refuse; clear every marker of it.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    model.quantization_method = None
+    # quantizer, which makes save_pretrained refuse; clear every marker of it. (torch declares
+    # nn.Module.__setattr__ for tensors and modules only, but any value is accepted.)
+    model.hf_quantizer = None  # type: ignore[assignment]
+    model.is_quantized = False  # type: ignore[assignment]
+    model.quantization_method = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     with console.status("saving safetensors, tokenizer and chat template"):
