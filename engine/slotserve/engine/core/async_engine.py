@@ -25,6 +25,7 @@ from typing import Any
 from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
 from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.protocols import Tokenizer
 from slotserve.engine.core.sequence import Sequence, SequenceError
 from slotserve.engine.core.stats import EngineStats, RequestOutput
 from slotserve.engine.core.tokenize import PromptTokenizer
@@ -74,7 +75,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.settings: EngineSettings = engine.settings
-        self.tokenizer: Any = engine.tokenizer
+        self.tokenizer: Tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.num_slots: int = engine.kv_cache.num_slots

@@ -16,6 +16,7 @@ multi-token prefill chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +54,14 @@ class SlotStep:
     prefills: tuple[PrefillChunkInput, ...]
 
 
+class AttentionModule(Protocol):
+    """A transformers attention module, as the attention function sees it."""
+
+    layer_idx: int
+
+
 def slot_attention(
-    module: torch.nn.Module,
+    module: AttentionModule,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

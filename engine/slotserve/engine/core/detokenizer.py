@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from slotserve.engine.core.protocols import Tokenizer
 from slotserve.engine.core.stops import StopStringFilter
 
 # Tokens of prompt context decoded with the output, so a first token that starts with a
@@ -31,7 +31,7 @@ class IncrementalDetokenizer:
     O(output)).
     """
 
-    tokenizer: Any
+    tokenizer: Tokenizer
     prompt_token_ids: list[int]
     stop: list[str] = field(default_factory=list)
     token_ids: list[int] = field(init=False)

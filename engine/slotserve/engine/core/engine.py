@@ -20,6 +20,7 @@ from slotserve.engine.core.generation_defaults import GenerationDefaults, load_g
 from slotserve.engine.core.kv_cache import KVCacheManager
 from slotserve.engine.core.logprobs import TokenTexts
 from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.protocols import Runner, Tokenizer
 from slotserve.engine.core.scheduler import Scheduler, SchedulerConfig, StepPlan
 from slotserve.engine.core.sequence import Sequence, SequenceError
 from slotserve.engine.core.stats import EngineStats, RequestMetrics, RequestOutput
@@ -62,8 +63,8 @@ class LLMEngine:
     def __init__(
         self,
         settings: EngineSettings,
-        runner: Any,
-        tokenizer: Any,
+        runner: Runner,
+        tokenizer: Tokenizer,
         *,
         kv_cache_tokens: int,
         model_name: str,
@@ -226,7 +227,7 @@ class LLMEngine:
         if self._counters.records is not None:
             self._record(plan, now)
         self.scheduler.postprocess(plan, samples, now)
-        logprobs = getattr(self.runner, "last_logprobs", None) or [None] * len(samples)
+        logprobs = self.runner.last_logprobs or [None] * len(samples)
         with self.tokenizer_lock:
             for chunk, sample, sampled in zip(plan.sampling_chunks, samples, logprobs, strict=True):
                 output = self._sample_output(chunk.seq, sample, now)
@@ -347,7 +348,7 @@ class LLMEngine:
             sequence_failures=dict(self._counters.sequence_failures),
             prefix_cache_queries_total=self.kv_cache.num_prefix_query_tokens,
             prefix_cache_hits_total=self.kv_cache.num_prefix_hit_tokens,
-            calibrations=tuple(getattr(self.runner, "calibrations", ())),
+            calibrations=tuple(self.runner.calibrations),
         )
 
     def generate(
@@ -383,7 +384,7 @@ class LLMEngine:
         ]
 
 
-def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_token_ids(model: object, tokenizer: object) -> set[int]:
     """End-of-sequence ids from the generation config, the model config and the tokenizer."""
     ids: set[int] = set()
     for source in (

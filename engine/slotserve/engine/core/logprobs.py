@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel
+
+from slotserve.engine.core.protocols import Tokenizer
 
 # JSON has no -inf: a masked token's logprob is written as this (vLLM's value).
 MASKED_LOGPROB = -9999.0
@@ -44,7 +45,7 @@ def finite(logprob: float) -> float:
 class TokenTexts:
     """Token id -> its text, cached (called under the engine's tokenizer lock)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
 

@@ -25,29 +25,42 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_tokens: int = Field(16, ge=1, description="New tokens to generate at most.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int | None = Field(None, ge=1, description="Sample among the k most likely tokens.")
-    seed: int | None = Field(None, description="Per-request seed for reproducible sampling.")
+    max_tokens: int = Field(default=16, ge=1, description="New tokens to generate at most.")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 = greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int | None = Field(
+        default=None, ge=1, description="Sample among the k most likely tokens."
+    )
+    seed: int | None = Field(
+        default=None, description="Per-request seed for reproducible sampling."
+    )
     stop: list[str] = Field(
         default_factory=list, max_length=MAX_STOP_STRINGS, description="Stop strings."
     )
     stop_token_ids: list[int] = Field(
         default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="Extra stop token ids."
     )
-    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x top prob.")
-    logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS, description="Return the token's logprob and this many top."
+    ignore_eos: bool = Field(
+        default=False, description="Keep generating past the end-of-sequence token."
     )
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="HF/vLLM; 1 = off.")
+    min_p: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x top prob."
+    )
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return the token's logprob and this many top.",
+    )
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, description="HF/vLLM; 1 = off.")
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES)
-    min_tokens: int = Field(0, ge=0, description="No EOS or stop token before this many tokens.")
+    min_tokens: int = Field(
+        default=0, ge=0, description="No EOS or stop token before this many tokens."
+    )
     grammar: str | None = Field(
-        None, description="An llguidance grammar the output must match (structured output)."
+        default=None, description="An llguidance grammar the output must match (structured output)."
     )
 
     @field_validator("stop")

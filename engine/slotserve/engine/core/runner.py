@@ -83,7 +83,8 @@ def load_model(source: str, device: torch.device, dtype: torch.dtype) -> tuple[A
 
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    model.to(device)
+    # transformers' stubs type the wrapped `to` as taking the model itself, not a device.
+    model.to(device)  # type: ignore[arg-type]
     model.eval()
     return model, tokenizer
 

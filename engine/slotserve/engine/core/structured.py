@@ -19,7 +19,13 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+from slotserve.engine.core.protocols import Tokenizer
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared only in the type stub
+    from transformers import PreTrainedTokenizerFast
 
 # Grammars checked and kept (by their text): a repeated schema is not checked again.
 GRAMMAR_CACHE_SIZE = 256
@@ -98,7 +104,7 @@ def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
 
     # Compact JSON (vLLM's guidance backend does the same): with free whitespace a weak model can
     # spend every token on blanks between two keys and never finish.
-    overrides = {"whitespace_flexible": False}
+    overrides: JsonCompileOptions = {"whitespace_flexible": False}
     return str(LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=overrides))
 
 
@@ -115,7 +121,7 @@ def choice_grammar(choices: list[str]) -> str:
 class Grammars:
     """Checks grammars against one tokenizer and makes matchers; safe on any thread."""
 
-    def __init__(self, tokenizer: Any, tokenizer_lock: threading.Lock | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, tokenizer_lock: threading.Lock | None = None) -> None:
         self._hf_tokenizer = tokenizer
         # The engine's lock on the HF tokenizer: its loop thread decodes with it meanwhile, and
         # the Rust tokenizer refuses overlapping calls ("Already borrowed").
@@ -131,8 +137,11 @@ class Grammars:
             if self._tokenizer is None:
                 import llguidance.hf
 
+                # llguidance reads the Rust tokenizer inside a transformers fast tokenizer, which
+                # is what the runner loads (AutoTokenizer); anything else fails here, loudly.
+                hf_tokenizer = cast("PreTrainedTokenizerFast", self._hf_tokenizer)
                 with self._hf_lock:
-                    self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
+                    self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer)
             return self._tokenizer
 
     def check(self, grammar: str) -> None:

@@ -41,6 +41,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 from slotserve.engine.core.errors import EngineError, InvalidRequestError
+from slotserve.engine.core.protocols import Tokenizer
 
 T = TypeVar("T")
 
@@ -73,7 +74,7 @@ class TokenizerUnavailableError(EngineError):
     """The worker process died, or was busy too long, while it held this prompt (503: retry)."""
 
 
-def longest_token_chars(tokenizer: Any) -> int:
+def longest_token_chars(tokenizer: Tokenizer) -> int:
     """The most characters of input text one token can stand for (see the module docstring)."""
     return max((len(piece) for piece in tokenizer.get_vocab()), default=1)
 
@@ -81,7 +82,7 @@ def longest_token_chars(tokenizer: Any) -> int:
 class PromptTokenizer:
     """Encodes prompts and renders chat templates in a worker process; see the module docstring."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_model_len * longest_token_chars(tokenizer)
         self._tokenizer_state = pickle.dumps(tokenizer)  # what each worker process starts from
@@ -172,7 +173,7 @@ def _check_num_tokens(num_tokens: int, max_model_len: int, param: str) -> None:
 
 
 class _Worker:
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 

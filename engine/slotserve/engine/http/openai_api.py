@@ -171,7 +171,7 @@ class CompletionRequest(SamplingRequest):
                     "'prompt' must be one prompt: batches of prompts are not supported; "
                     "send one request per prompt"
                 )
-            return value[0]  # type: ignore[return-value]
+            return value[0]
         return value  # type: ignore[return-value]
 
     @property

@@ -45,13 +45,13 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = Field(None, exclude_if=_is_none)
+    usage: Usage | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_is_none)
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChoice(BaseModel):
@@ -71,9 +71,9 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = Field(None, exclude_if=_is_none)
-    content: str | None = Field(None, exclude_if=_is_none)
-    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_is_none)
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(BaseModel):
@@ -89,7 +89,7 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, exclude_if=_is_none)
+    usage: Usage | None = Field(default=None, exclude_if=_is_none)
 
 
 class ModelCard(BaseModel):

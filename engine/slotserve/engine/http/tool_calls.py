@@ -83,7 +83,7 @@ def _is_none(value: object) -> bool:
 
 
 class FunctionCallDelta(BaseModel):
-    name: str | None = Field(None, exclude_if=_is_none)
+    name: str | None = Field(default=None, exclude_if=_is_none)
     arguments: str
 
 
@@ -92,8 +92,8 @@ class ToolCallDelta(BaseModel):
     its arguments (here in one piece, known only once the call has parsed)."""
 
     index: int
-    id: str | None = Field(None, exclude_if=_is_none)
-    type: Literal["function"] | None = Field(None, exclude_if=_is_none)
+    id: str | None = Field(default=None, exclude_if=_is_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_is_none)
     function: FunctionCallDelta
 
     @classmethod

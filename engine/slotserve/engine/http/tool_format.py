@@ -63,8 +63,8 @@ class ToolChatFormat(ChatFormat):
             delta = ChatDelta(content=content)
             out += self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=chosen)], None)
         for i, call in enumerate(calls):
-            for delta in ToolCallDelta.of(i, ToolCall.from_parsed(call)):
-                choice = ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[delta]))
+            for call_delta in ToolCallDelta.of(i, ToolCall.from_parsed(call)):
+                choice = ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[call_delta]))
                 out += self._chunk([choice], None)
         reason = "tool_calls" if calls else finish_reason
         return out + self._chunk(
