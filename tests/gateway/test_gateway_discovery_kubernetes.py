@@ -1,5 +1,5 @@
 """Discovery you can trust, end to end: gateway processes list and watch InferencePools on an API
-server (the operator suite's kmock-based server, with the real CRD), and the EndpointSlices of
+server (the emulator of tests/kubeapi, with the real CRD), and the EndpointSlices of
 their Services for the engines. /ready waits for the first lists; renames and deletes take
 effect at once; every replica, fresh or long running, gives a contested model name to the same
 (oldest) pool, and counts the conflict."""
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,11 +17,10 @@ import pytest
 import yaml
 from endpointslice_support import Pod, sync_slices
 from gateway_support import SLOTSERVE, Proc
+from kubeapi import ApiServerThread
 from support import free_port, http_ok, wait_until
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 kubernetes = pytest.importorskip("kubernetes")
-operator_harness = pytest.importorskip("operator_harness")  # the operator suite's API server
 
 from slotserve.operator import crd  # noqa: E402
 
@@ -86,7 +84,7 @@ def make_pool(api, namespace: str, name: str, model: str, engine_url: str) -> No
 
 @pytest.fixture
 def apiserver(tmp_path):
-    server = operator_harness.ApiServerThread([crd.build_crd()]).start()
+    server = ApiServerThread([crd.build_crd()]).start()
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(server.kubeconfig())
     api = kubernetes.client.CustomObjectsApi(

@@ -1,5 +1,5 @@
 """Kubernetes discovery end to end: a gateway process watches InferencePools and the
-EndpointSlices of their Services on an API server (the operator suite's kmock-based server, with
+EndpointSlices of their Services on an API server (the emulator of tests/kubeapi, with
 the real CRD) and routes only to ready, not terminating, pods that the pool's Service selects.
 
 Every engine here is a real HTTP engine double. The decoy listens at the address written into
@@ -10,7 +10,6 @@ write) and in the slice of another Service: it is never contacted, not even poll
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,11 +19,10 @@ import pytest
 import yaml
 from endpointslice_support import Pod, sync_slices
 from gateway_support import SLOTSERVE, Proc
+from kubeapi import ApiServerThread
 from support import free_port, http_ok, wait_until
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 kubernetes = pytest.importorskip("kubernetes")
-operator_harness = pytest.importorskip("operator_harness")  # the operator suite's API server
 
 from slotserve.gateway.discovery import REQUIRED_RULES, USER_AGENT  # noqa: E402
 from slotserve.operator import crd  # noqa: E402
@@ -84,7 +82,7 @@ def gateway_calls_allowed(server) -> set[tuple[str, str, str, str]]:
 
 
 def test_routes_only_to_ready_pods_of_the_pools_service(spawn, tmp_path):
-    server = operator_harness.ApiServerThread([crd.build_crd()]).start()
+    server = ApiServerThread([crd.build_crd()]).start()
     try:
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(server.kubeconfig())

@@ -1,4 +1,4 @@
-"""Fixtures of the operator suite: the kmock-based API server, the operator thread, a client.
+"""Operator suite fixtures: the emulated API server (tests/kubeapi), the operator thread, a client.
 
 The kubernetes package reads $KUBECONFIG once, when it is first imported, so point it at a fixed
 file right now, before anything imports it, and rewrite that file for every test's API server.
@@ -18,12 +18,8 @@ KUBECONFIG.write_text("{}")
 os.environ["KUBECONFIG"] = str(KUBECONFIG)
 
 import pytest  # noqa: E402
-from operator_harness import (  # noqa: E402
-    ApiServerThread,
-    Kube,
-    OperatorThread,
-    assert_rbac_covers,
-)
+from kubeapi import ApiServerThread  # noqa: E402
+from operator_harness import Kube, OperatorThread, assert_rbac_covers  # noqa: E402
 from support import free_port  # noqa: E402
 
 # The admission and autoscaling tests run real gateway processes (the gateway suite's helpers).

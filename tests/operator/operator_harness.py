@@ -1,5 +1,6 @@
-"""Test harness: the API server and the real operator (kopf) on their own threads and loops,
-and a small API client.
+"""Test harness: the real operator (kopf) on its own thread and loop, and a small API client.
+
+The API server they talk to is the emulator of tests/kubeapi (``kubeapi.ApiServerThread``).
 
 kopf.operator() must not run inside pytest's event loop: on exit it cancels every task of its
 loop, pytest's included. Each OperatorThread gets its own thread and loop and stops through
@@ -13,9 +14,7 @@ import json
 import threading
 from typing import Any
 
-import kmock
 import kubernetes.client
-from operator_apiserver import ApiServer
 
 from slotserve.operator import cli, kube
 from slotserve.operator.models import GROUP, PLURAL, VERSION
@@ -255,59 +254,4 @@ class Kube:
         }
         self._merge_patch(
             self.apps.patch_namespaced_deployment_status, name, namespace, {"status": status}
-        )
-
-
-class ApiServerThread:
-    """The shim on its own thread and event loop, so tests and kopf can talk to it over HTTP."""
-
-    def __init__(self, crds: list[dict[str, Any]]) -> None:
-        self._crds = crds
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="apiserver", daemon=True)
-        self.url = ""
-        self.server: ApiServer | None = None
-        self.error: BaseException | None = None
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as error:
-            self.error = error
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        async with ApiServer() as server, kmock.Server(server) as http:
-            server.resources.load_bundled()
-            for crd in self._crds:
-                server.add_crd(crd)
-            self.server, self.url = server, str(http.url).rstrip("/")
-            self._ready.set()
-            await self._stop.wait()
-
-    def start(self, timeout: float = 10) -> ApiServerThread:
-        self._thread.start()
-        if not self._ready.wait(timeout) or self.error is not None:
-            raise RuntimeError(f"the API server did not start: {self.error!r}")
-        return self
-
-    def stop(self, timeout: float = 10) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout)
-
-    def kubeconfig(self) -> str:
-        return json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
-                "users": [{"name": "kmock", "user": {"token": "test-token"}}],
-                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
-                "current-context": "kmock",
-            }
         )

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 import redis
-from operator_harness import ApiServerThread, Kube
+from kubeapi import ApiServerThread
+from operator_harness import Kube
 from support import RedisServer, free_port, wait_until
 
 from slotserve.admission_stats import WINDOW_TTL_S

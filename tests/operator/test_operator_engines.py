@@ -1,6 +1,6 @@
 """A pool run by real engine processes: the operator's Deployment, executed by a local kubelet.
 
-No cluster here: the API server is the kmock shim and ``LocalKubelet`` runs each pod's engine
+No cluster here: the API server is tests/kubeapi and ``LocalKubelet`` runs each pod's engine
 container command (a tiny random Llama from a hostPath volume) as a process on its own loopback
 address. What a user would notice: the pool turns Ready with one endpoint per engine, each
 endpoint answers the OpenAI API with the pool's model name, the real gateway (Kubernetes

@@ -1,7 +1,7 @@
 """The real operator (kopf runtime + kubernetes client) against a Kubernetes API emulator.
 
-kmock (plus the commented shim in operator_apiserver.py) plays the API server; the tests play
-the controllers kmock lacks (ReplicaSets, kubelet) by creating pods and writing their status.
+The emulator of tests/kubeapi (on kmock) plays the API server; the tests play the
+controllers it lacks (ReplicaSets, kubelet) by creating pods and writing their status.
 Every wait is bounded.
 """
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kmock._internal.dicts import merge_patch_dict
+from kubeapi import merge_patch
 
 from slotserve.operator import cli, rbac
 from slotserve.operator.kube import is_subset, replacing_patch
@@ -27,7 +27,7 @@ def test_replacing_patch_removes_what_desired_no_longer_has():
         "nodeSelector": {"zone": None, "pool": "p"},
         "containers": [{"name": "y"}],
     }
-    assert merge_patch_dict(live, patch) == desired  # RFC 7386 merge-patch semantics
+    assert merge_patch(live, patch) == desired  # RFC 7386 merge-patch semantics
 
 
 def test_cli_scope_and_peering():

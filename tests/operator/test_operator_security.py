@@ -1,6 +1,6 @@
 """Policy, NetworkPolicies, model-name conflicts and scale to zero, with the real kopf runtime.
 
-The API server is the kmock shim (operator_apiserver.py); every wait is bounded.
+The API server is the emulator of tests/kubeapi; every wait is bounded.
 """
 
 from __future__ import annotations
