@@ -56,6 +56,11 @@ def make_client(url: str, *, socket_timeout_s: float = 3.0) -> aioredis.Redis:
     )
 
 
+def _text(reply: bytes | str) -> str:
+    # The clients decode replies (decode_responses), which redis-py's types cannot express.
+    return reply.decode() if isinstance(reply, bytes) else reply
+
+
 def _unavailable(exc: BaseException) -> BackendUnavailableError:
     detail = str(exc) or type(exc).__name__
     return BackendUnavailableError(f"admission backend (Redis) unavailable: {detail}")
@@ -337,7 +342,7 @@ class RedisBackend:
             raw = await asyncio.wait_for(self.client.hgetall(key), CALL_TIMEOUT_S)
         except _UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
-        return {endpoint: int(count) for endpoint, count in raw.items()}
+        return {_text(endpoint): int(count) for endpoint, count in raw.items()}
 
     # -- wake-ups -----------------------------------------------------------------------------
 
@@ -350,7 +355,8 @@ class RedisBackend:
                     continue
                 items = [popped[1]]
                 more = await self.blocking_client.lpop(key, 256)
-                items += more or []
+                if isinstance(more, list):  # None when the list is empty
+                    items += more
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure: wait a little and listen again, forever
@@ -360,7 +366,7 @@ class RedisBackend:
                 continue
             for item in items:
                 try:
-                    pool_name, request_id, endpoint = item.split(GRANT_SEPARATOR)
+                    pool_name, request_id, endpoint = _text(item).split(GRANT_SEPARATOR)
                     if self._on_grant is not None:
                         self._on_grant(pool_name, request_id, endpoint)
                 except Exception:  # one bad item must not lose the others

@@ -49,7 +49,7 @@ class _Published:
     saturation: Saturation
 
 
-Publish = Callable[[Target, dict[str, Any] | None, Saturation, Saturation | None], None]
+Publish = Callable[[Target, dict[str, Any] | None, Saturation, Saturation | None], Awaitable[None]]
 OnReading = Callable[[Target, AdmissionReading | None], Awaitable[None]]
 
 
@@ -144,12 +144,8 @@ class AdmissionMonitor:
         )
         if not (write_admission or flipped):
             return
-        await asyncio.to_thread(
-            self._publish,
-            target,
-            admission if write_admission else None,
-            saturation,
-            previous_saturation,
+        await self._publish(
+            target, admission if write_admission else None, saturation, previous_saturation
         )
         self._published[target.key] = _Published(
             admission=admission if write_admission else written,

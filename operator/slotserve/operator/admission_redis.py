@@ -42,7 +42,7 @@ class AdmissionReader:
             socket_timeout=timeout_s,
             socket_connect_timeout=min(2.0, timeout_s),
             retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
-            **({"password": password} if password else {}),
+            password=password or None,  # a password in the URL wins either way
         )
 
     async def read(self, pools: Iterable[str]) -> dict[str, AdmissionReading]:

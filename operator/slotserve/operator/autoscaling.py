@@ -9,11 +9,10 @@ A mixin of ``PoolOperator``: it uses the operator's indexes, status writer and h
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import logging
 import time
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -22,9 +21,11 @@ from slotserve.operator.admission import AdmissionReading, Saturation
 from slotserve.operator.admission_monitor import Target
 from slotserve.operator.autoscaler import ScalePolicy, Stabilizer, demand_of, recommend
 from slotserve.operator.settings import OperatorSettings
-from slotserve.operator.views import Key, PoolView, StatusWriter, all_views, first
+from slotserve.operator.status_writer import StatusWriter
+from slotserve.operator.views import Key, PoolView, all_views, first
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 REWRITE_AFTER_S = 5.0
 NAME_CONFLICT = "ModelNameConflict"
 
@@ -34,7 +35,6 @@ class AutoscalingHandlers:
 
     settings: OperatorSettings
     _indexes: dict[str, Any]
-    _handler_context: contextvars.Context | None
     _writer: StatusWriter | None
     _stabilizers: dict[Key, Stabilizer]
     _scaled_to: dict[Key, tuple[int, float]]  # the last write and when: not repeated at once
@@ -43,7 +43,13 @@ class AutoscalingHandlers:
     def writer(self) -> StatusWriter:
         raise NotImplementedError
 
-    def _refresh(self, key: Key, observed_generation: int | None = None) -> None:
+    async def _refresh(self, key: Key, observed_generation: int | None = None) -> None:
+        raise NotImplementedError
+
+    def _can_post_events(self) -> bool:
+        raise NotImplementedError
+
+    async def _in_handler_context(self, work: Coroutine[Any, Any, T]) -> T:
         raise NotImplementedError
 
     # --- status.admission -------------------------------------------------------------------
@@ -55,7 +61,7 @@ class AutoscalingHandlers:
             return []
         targets = []
         for view in all_views(self._indexes["pool_index"]):
-            key = (view.owner["metadata"]["namespace"], view.owner["metadata"]["name"])
+            key = view.key
             problem = self.writer.problems.get(key)
             if view.pool is None or (problem is not None and problem.reason == NAME_CONFLICT):
                 continue
@@ -65,20 +71,20 @@ class AutoscalingHandlers:
             targets.append(Target(key, view.pool.spec.model.name, slots))
         return targets
 
-    def _publish_admission(
+    async def _publish_admission(
         self,
         target: Target,
         admission: dict[str, Any] | None,
         saturation: Saturation,
         previous: Saturation | None,
     ) -> None:
-        """Write the admission status (thread; in a handler's context for kopf's events)."""
-        if self._handler_context is not None:
-            self._handler_context.run(
-                self._publish_admission_in_context, target, admission, saturation, previous
+        """Write the admission status (in a handler's context, for kopf's events)."""
+        if self._can_post_events():
+            await self._in_handler_context(
+                self._publish_admission_in_context(target, admission, saturation, previous)
             )
 
-    def _publish_admission_in_context(
+    async def _publish_admission_in_context(
         self,
         target: Target,
         admission: dict[str, Any] | None,
@@ -88,7 +94,7 @@ class AutoscalingHandlers:
         if admission is not None:
             self.writer.admission[target.key] = admission
         self.writer.saturation[target.key] = saturation
-        self._refresh(target.key)
+        await self._refresh(target.key)
         view: PoolView | None = first(self._indexes["pool_index"], target.key)
         before = previous.status if previous is not None else "False"
         if view is None or before == saturation.status:
@@ -127,17 +133,17 @@ class AutoscalingHandlers:
             f"{current} -> {desired} replicas: {demand} requests queued or in flight, "
             f"target {policy.target} per replica"
         )
-        if self._handler_context is None:
+        if not self._can_post_events():
             return
         try:
-            await asyncio.to_thread(self._handler_context.run, self._scale, view, desired, message)
+            await self._in_handler_context(self._scale(view, desired, message))
         except ApiException as error:  # retried on the next reading
             log.warning("scaling %s/%s failed: %s", *target.key, error.reason)
             return
         self._scaled_to[target.key] = (desired, now_s)
 
-    def _scale(self, view: PoolView, replicas: int, message: str) -> None:
-        metadata = view.owner["metadata"]
-        self.writer.children.scale_pool(metadata["namespace"], metadata["name"], replicas)
-        log.info("pool %s/%s: %s", metadata["namespace"], metadata["name"], message)
+    async def _scale(self, view: PoolView, replicas: int, message: str) -> None:
+        namespace, name = view.key
+        await self.writer.children.scale_pool(namespace, name, replicas)
+        log.info("pool %s/%s: %s", namespace, name, message)
         kopf.event(view.owner, type="Normal", reason="Scaled", message=message)

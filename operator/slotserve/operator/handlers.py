@@ -1,7 +1,7 @@
 """kopf handlers: one level-based convergence per pool, run on pool events and on child drift.
 
-- ``reconcile`` runs on create, update and resume: validate, apply the operator's policy
-  (``policy.Policy``) and the model-name rule (oldest pool wins), build the children with the pure
+- ``reconcile`` runs on create, update and resume: validate, check the pool may run here
+  (``pool_checks``: the operator's policy, the model-name rule), build the children with the pure
   builders, adopt them (owner references) and create-or-patch them. A pool that cannot run
   becomes Degraded with a reason and a Warning event, and nothing is written for it; conflicts
   and transient API errors are retried by kopf (``TemporaryError``, growing delays).
@@ -11,40 +11,40 @@
   re-converges every pool every ``resync_seconds``.
 - Pods and Deployments feed kopf indexes; every change recomputes the pool's status.
 - Deleting a pool deletes its children through their owner references (no finalizer).
+
+Every handler is a coroutine on kopf's event loop (kopf would run plain functions in a thread
+pool); the API calls are asyncio too (``kube_api``). What a handler decides is in the pure
+modules: ``views`` (what is known of a pool), ``pool_checks``, ``builders``, ``status``; the
+status write is ``status_writer``'s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
 
 import kopf
-import kubernetes.client
 from kubernetes.client.exceptions import ApiException
 
 from slotserve.operator import builders, drift, kube
 from slotserve.operator.admission_monitor import AdmissionMonitor
 from slotserve.operator.admission_redis import AdmissionReader
 from slotserve.operator.autoscaling import AutoscalingHandlers
-from slotserve.operator.gateway_api import GATEWAY_CRD, build_gateway_inference_pool
+from slotserve.operator.gateway_api import build_gateway_inference_pool
 from slotserve.operator.healer import Healer
-from slotserve.operator.keda import KEDA_CRD, build_scaled_object
+from slotserve.operator.keda import build_scaled_object
+from slotserve.operator.kube_api import KubeApi, api_message
 from slotserve.operator.models import GROUP, PLURAL, VERSION, InferencePool
 from slotserve.operator.network import build_network_policy
-from slotserve.operator.policy import Policy, model_name_problem, model_name_winner
+from slotserve.operator.policy import Policy
+from slotserve.operator.pool_checks import check_pool
 from slotserve.operator.settings import OperatorSettings
 from slotserve.operator.status import DeploymentView, PodView, Problem
-from slotserve.operator.views import (
-    InvalidPoolError,
-    Key,
-    PoolView,
-    StatusWriter,
-    all_views,
-    api_message,
-    first,
-)
+from slotserve.operator.status_writer import StatusWriter
+from slotserve.operator.views import InvalidPoolError, Key, PoolView, all_views, first
 
 POOLS = (GROUP, VERSION, PLURAL)
 # Fully qualified: a bare "pods" also matches metrics.k8s.io's PodMetrics.
@@ -52,12 +52,21 @@ DEPLOYMENTS = ("apps", "v1", "deployments")
 PODS = ("v1", "pods")
 SERVICES = ("v1", "services")
 NETWORK_POLICIES = ("networking.k8s.io", "v1", "networkpolicies")
-CHILD_LABELS = {
+# Mapping[str, Any]: kopf's type for label filters (MetaFilter) is not public.
+CHILD_LABELS: Mapping[str, Any] = {
     builders.POOL_LABEL: kopf.PRESENT,
     "app.kubernetes.io/managed-by": builders.MANAGED_BY,
 }
 INDEXES = ("pool_index", "pod_index", "deployment_index")
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def pool_key(namespace: str | None, name: str) -> Key:
+    """The index key of a namespaced object (kopf types the namespace as optional)."""
+    if namespace is None:
+        raise ValueError(f"{name}: a namespaced object without a namespace")
+    return (namespace, name)
 
 
 def retry_delay(retry: int) -> float:
@@ -76,10 +85,11 @@ class PoolOperator(AutoscalingHandlers):
             allowed_images=tuple(settings.allowed_images),
             allowed_service_accounts=tuple(settings.allowed_service_accounts),
         )
+        self._api: KubeApi | None = None
         self._writer: StatusWriter | None = None
-        # kopf passes the same index objects to every handler; the healer's thread keeps them,
-        # and a handler's context, in which kopf.warn() can post events (kopf sets its event
-        # queue per watched object, not for the operator's own tasks).
+        # kopf passes the same index objects to every handler; the operator's own tasks (healer,
+        # admission monitor) keep them, and a handler's context, in which kopf.warn() can post
+        # events (kopf sets its event queue per watched object, not for the operator's tasks).
         self._indexes: dict[str, Any] = {}
         self._handler_context: contextvars.Context | None = None
         self.healer: Healer[Key] = Healer(
@@ -118,14 +128,14 @@ class PoolOperator(AutoscalingHandlers):
 
     # --- start-up and shut-down -------------------------------------------------------------
 
-    def login(self, **_: Any) -> kopf.ConnectionInfo:
-        return kube.connection_info(kube.load_configuration())
+    async def login(self, **_: Any) -> kopf.ConnectionInfo:
+        # A thread: loading a kubeconfig may run its exec credential plugin.
+        return kube.connection_info(await asyncio.to_thread(kube.load_configuration))
 
     async def startup(self, **_: Any) -> None:
-        api_client = kubernetes.client.ApiClient(kube.load_configuration())
-        api_client.user_agent = kube.USER_AGENT
-        self._writer = StatusWriter(kube.Children(api_client))
-        # Started here, in kopf's context, so that its threads can post kopf events.
+        configuration = await asyncio.to_thread(kube.load_configuration)
+        self._api = KubeApi(configuration, user_agent=kube.USER_AGENT)
+        self._writer = StatusWriter(kube.Children(self._api))
         self.healer.start()
         if self.settings.redis_url:
             password = self.settings.redis_password
@@ -147,24 +157,41 @@ class PoolOperator(AutoscalingHandlers):
         await self.healer.stop()
         if self.admission_monitor is not None:
             await self.admission_monitor.stop()
+        if self._api is not None:
+            await self._api.close()
 
     # --- indexes: in-memory views fed by the watches ---------------------------------------
 
-    def pool_index(self, body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[Key, Any]:
-        return {(namespace, name): PoolView.from_body(body)}
+    async def pool_index(
+        self, body: kopf.Body, namespace: str | None, name: str, **_: Any
+    ) -> dict[Key, PoolView]:
+        return {pool_key(namespace, name): PoolView.from_body(body)}
 
-    def pod_index(self, body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> Any:
-        return {(namespace, labels[builders.POOL_LABEL]): PodView.from_body(body)}
+    async def pod_index(
+        self, body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any
+    ) -> dict[Key, PodView]:
+        return {pool_key(namespace, labels[builders.POOL_LABEL]): PodView.from_body(body)}
 
-    def deployment_index(
-        self, body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any
-    ) -> dict[Key, Any]:
-        return {(namespace, labels[builders.POOL_LABEL]): DeploymentView.from_body(body)}
+    async def deployment_index(
+        self, body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any
+    ) -> dict[Key, DeploymentView]:
+        return {pool_key(namespace, labels[builders.POOL_LABEL]): DeploymentView.from_body(body)}
 
     def _keep(self, indexes: Mapping[str, Any]) -> None:
         if not self._indexes:
             self._indexes = {name: indexes[name] for name in INDEXES}
             self._handler_context = contextvars.copy_context()
+
+    def _can_post_events(self) -> bool:
+        return self._handler_context is not None
+
+    async def _in_handler_context(self, work: Coroutine[Any, Any, T]) -> T:
+        """Await ``work`` in (a copy of) a handler's context, where kopf.warn() reaches kopf's
+        event poster; for the operator's own tasks, after ``_can_post_events``."""
+        if self._handler_context is None:
+            work.close()
+            raise RuntimeError("no handler has run yet: kopf cannot post events")
+        return await asyncio.create_task(work, context=self._handler_context.copy())
 
     def _known_pools(self) -> list[Key]:
         pool_index = self._indexes.get("pool_index")
@@ -172,9 +199,7 @@ class PoolOperator(AutoscalingHandlers):
 
     # --- convergence ------------------------------------------------------------------------
 
-    def desired_children(
-        self, pool: InferencePool, owner: Mapping[str, Any]
-    ) -> list[dict[str, Any]]:
+    def desired_children(self, pool: InferencePool, owner: kopf.Body) -> list[dict[str, Any]]:
         """The children of ``pool``, adopted by ``owner`` (its body)."""
         children = [
             builders.build_deployment(pool, engine_image=self.settings.engine_image),
@@ -194,63 +219,10 @@ class PoolOperator(AutoscalingHandlers):
             children.append(build_scaled_object(pool))
         if pool.spec.gateway_api.inference_pool.enabled:
             children.append(build_gateway_inference_pool(pool))
-        kopf.adopt(children, owner=dict(owner))
+        kopf.adopt(children, owner=owner)
         return children
 
-    def _check(self, view: PoolView) -> InferencePool:
-        """The pool if it may run; raises InvalidPoolError (policy, name conflict) otherwise."""
-        if view.pool is None:
-            assert view.problem is not None
-            raise InvalidPoolError(view.problem.reason, view.problem.message)
-        problem = self.policy.check(view.pool)
-        if problem is None and view.claim is not None:
-            claims = [other.claim for other in all_views(self._indexes["pool_index"])]
-            winner = model_name_winner(view.claim, [c for c in claims if c is not None])
-            if winner is not None:
-                problem = model_name_problem(winner, view.claim.model)
-        if problem is None:
-            problem = self._autoscaling_problem(view.pool)
-        if (
-            problem is None
-            and view.pool.spec.gateway_api.inference_pool.enabled
-            and not self.writer.children.crd_exists(GATEWAY_CRD)
-        ):
-            problem = Problem(
-                "GatewayAPINotInstalled",
-                f"gatewayAPI.inferencePool is enabled but the CRD {GATEWAY_CRD} is not installed",
-            )
-        if problem is not None:
-            raise InvalidPoolError(problem.reason, problem.message)
-        return view.pool
-
-    def _autoscaling_problem(self, pool: InferencePool) -> Problem | None:
-        """What the CRD's rules cannot see: KEDA missing, another HPA, no Redis to read."""
-        autoscaling = pool.spec.autoscaling
-        if autoscaling is None:
-            return None
-        children = self.writer.children
-        if autoscaling.provider == "keda":
-            if not children.crd_exists(KEDA_CRD):
-                return Problem(
-                    "KedaNotInstalled",
-                    f"autoscaling.provider is keda but the CRD {KEDA_CRD} is not installed",
-                )
-            return None
-        if not self.settings.redis_url:
-            return Problem(
-                "AutoscalingUnavailable",
-                "the built-in autoscaler reads the gateways' Redis: the operator has no redis_url",
-            )
-        others = children.autoscalers_of_pool(pool.metadata.namespace, pool.metadata.name)
-        if others:
-            return Problem(
-                "AutoscalerConflict",
-                f"HorizontalPodAutoscaler {', '.join(sorted(others))} also scales this pool: "
-                "remove it, or remove spec.autoscaling (use provider keda for KEDA)",
-            )
-        return None
-
-    def _converge(self, key: Key, view: PoolView, generation: int | None) -> Problem | None:
+    async def _converge(self, key: Key, view: PoolView, generation: int | None) -> Problem | None:
         """Check and apply one pool; record the outcome in its status (and an event).
 
         Returns the problem that stopped it (None when the children are as built); raises
@@ -259,10 +231,18 @@ class PoolOperator(AutoscalingHandlers):
         problem: Problem | None = None
         outcomes: dict[str, str] = {}
         try:
-            pool = self._check(view)
+            pool = await check_pool(
+                view,
+                policy=self.policy,
+                pool_index=self._indexes["pool_index"],
+                children=self.writer.children,
+                has_redis=bool(self.settings.redis_url),
+            )
             children = self.desired_children(pool, view.owner)
             for child in children:
-                outcomes[child["kind"]] = self.writer.children.apply(child, owner_uid=view.uid)
+                outcomes[child["kind"]] = await self.writer.children.apply(
+                    child, owner_uid=view.uid
+                )
         except InvalidPoolError as error:
             problem = error.problem
         except kube.ChildConflictError as error:
@@ -280,17 +260,17 @@ class PoolOperator(AutoscalingHandlers):
             self.writer.problems[key] = problem
             if problem != previous:  # one event per new problem, not one per resync
                 kopf.warn(view.owner, reason=problem.reason, message=problem.message)
-        self._refresh(key, observed_generation=generation)
+        await self._refresh(key, observed_generation=generation)
         return problem
 
-    def reconcile(
-        self, body: kopf.Body, namespace: str, name: str, retry: int, **indexes: Any
+    async def reconcile(
+        self, body: kopf.Body, namespace: str | None, name: str, retry: int, **indexes: Any
     ) -> None:
         self._keep(indexes)
-        key = (namespace, name)
+        key = pool_key(namespace, name)
         generation = int(body["metadata"].get("generation", 1))
         try:
-            problem = self._converge(key, PoolView.from_body(body), generation)
+            problem = await self._converge(key, PoolView.from_body(body), generation)
         except ApiException as error:
             if error.status in {409, 429} or error.status >= 500:
                 raise kopf.TemporaryError(
@@ -302,25 +282,20 @@ class PoolOperator(AutoscalingHandlers):
         if problem is not None:
             raise kopf.PermanentError(problem.message)
 
-    def _heal(self, key: Key) -> bool:
-        """The healer's work: converge ``key`` again; False = retry later (with backoff).
-
-        Runs in a handler's context (one worker: never entered twice at once) so that the
-        events it posts reach kopf's poster.
-        """
-        if self._handler_context is None:  # no handler has run yet: nothing is known
+    async def _heal(self, key: Key) -> bool:
+        """The healer's work: converge ``key`` again; False = retry later (with backoff)."""
+        if not self._can_post_events():  # no handler has run yet: nothing is known
             return True
-        return self._handler_context.run(self._heal_in_context, key)
+        return await self._in_handler_context(self._heal_in_context(key))
 
-    def _heal_in_context(self, key: Key) -> bool:
+    async def _heal_in_context(self, key: Key) -> bool:
         view: PoolView | None = first(self._indexes["pool_index"], key)
         if view is None:
             return True
-        metadata = view.owner["metadata"]
-        if not self.writer.children.pool_exists(metadata["namespace"], metadata["name"], view.uid):
+        if not await self.writer.children.pool_exists(*view.key, view.uid):
             return True  # being deleted: the garbage collector removes its children
         try:
-            problem = self._converge(key, view, None)
+            problem = await self._converge(key, view, None)
         except ApiException as error:
             if error.status in {409, 429} or error.status >= 500:
                 return False
@@ -329,17 +304,17 @@ class PoolOperator(AutoscalingHandlers):
 
     # --- watching pools and children ----------------------------------------------------------
 
-    def pool_event(
-        self, type: str | None, body: kopf.Body, namespace: str, name: str, **indexes: Any
+    async def pool_event(
+        self, type: str | None, body: kopf.Body, namespace: str | None, name: str, **indexes: Any
     ) -> None:
         """A pool changed or went: pools that share (or shared) its model name are re-checked."""
         self._keep(indexes)
-        key = (namespace, name)
+        key = pool_key(namespace, name)
         if type == "DELETED":
             self.writer.forget(key)
         model = ((body.get("spec") or {}).get("model") or {}).get("name")
         for view in all_views(indexes["pool_index"]):
-            other = (view.owner["metadata"]["namespace"], view.owner["metadata"]["name"])
+            other = view.key
             conflicted = self.writer.problems.get(other, Problem("", "")).reason
             if other != key and (
                 (view.claim is not None and view.claim.model == model)
@@ -347,16 +322,16 @@ class PoolOperator(AutoscalingHandlers):
             ):
                 self.healer.enqueue(other)
 
-    def child_event(
+    async def child_event(
         self,
         type: str | None,
         body: kopf.Body,
-        namespace: str,
+        namespace: str | None,
         labels: kopf.Labels,
         **indexes: Any,
     ) -> None:
         self._keep(indexes)
-        key = (namespace, labels[builders.POOL_LABEL])
+        key = pool_key(namespace, labels[builders.POOL_LABEL])
         view: PoolView | None = first(indexes["pool_index"], key)
         if view is None:
             return
@@ -364,23 +339,22 @@ class PoolOperator(AutoscalingHandlers):
         if (
             not is_pod
             and view.pool is not None
-            and (type == "DELETED" or not self._child_in_sync(view, body))
+            and (type == "DELETED" or not self._child_in_sync(view, view.pool, body))
         ):
             self.healer.enqueue(key)
-        self._refresh(key)
+        await self._refresh(key)
 
-    def _child_in_sync(self, view: PoolView, body: kopf.Body) -> bool:
-        assert view.pool is not None
+    def _child_in_sync(self, view: PoolView, pool: InferencePool, body: kopf.Body) -> bool:
         live = dict(body)
         wanted = [
             child
-            for child in self.desired_children(view.pool, view.owner)
+            for child in self.desired_children(pool, view.owner)
             if child["kind"] == live.get("kind")
         ]
         return all(drift.in_sync(child, live) for child in wanted)
 
-    def _refresh(self, key: Key, observed_generation: int | None = None) -> None:
-        self.writer.refresh(
+    async def _refresh(self, key: Key, observed_generation: int | None = None) -> None:
+        await self.writer.refresh(
             key,
             pool_index=self._indexes["pool_index"],
             pod_index=self._indexes["pod_index"],

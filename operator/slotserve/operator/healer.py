@@ -4,9 +4,10 @@ kopf retries the pool handlers (create/update/resume) with ``TemporaryError``, b
 changed or deleted by hand produces an event on the child, whose handler kopf never retries, and
 kopf's timers would put a finalizer on every pool (a pool then cannot be deleted while the
 operator is down). So drift goes through this queue, the way controller-runtime's rate-limited
-work queue does it: the child's event handler enqueues the pool; one worker converges it in a
-thread; a failure comes back after an exponential backoff; every pool is enqueued again every
-``resync_seconds`` (to repair what a missed watch event hid). One key is queued at most once.
+work queue does it: the child's event handler enqueues the pool; one worker converges it (one
+pool at a time); a failure comes back after an exponential backoff; every pool is enqueued
+again every ``resync_seconds`` (to repair what a missed watch event hid). One key is queued at
+most once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Generic, TypeVar
 
 K = TypeVar("K")
@@ -30,11 +31,11 @@ def backoff_seconds(attempt: int) -> float:
 
 
 class Healer(Generic[K]):
-    """Runs ``work(key)`` (in a thread) for each enqueued key; False means "retry later"."""
+    """Awaits ``work(key)`` for each enqueued key; False means "retry later"."""
 
     def __init__(
         self,
-        work: Callable[[K], bool],
+        work: Callable[[K], Awaitable[bool]],
         *,
         resync_seconds: float,
         keys: Callable[[], Iterable[K]],
@@ -65,10 +66,10 @@ class Healer(Generic[K]):
                 await task
 
     def enqueue(self, key: K, delay: float = 0.0) -> None:
-        """Converge ``key`` after ``delay`` seconds; safe to call from any thread."""
-        if self._loop is None or self._loop.is_closed():
+        """Converge ``key`` after ``delay`` seconds (ignored before ``start``)."""
+        if self._loop is None:
             return
-        self._loop.call_soon_threadsafe(self._schedule, key, delay)
+        self._schedule(key, delay)
 
     def _schedule(self, key: K, delay: float) -> None:
         assert self._loop is not None and self._wake is not None
@@ -90,7 +91,7 @@ class Healer(Generic[K]):
             for key in ready:
                 del self._due[key]
                 try:
-                    done = await asyncio.to_thread(self._work, key)
+                    done = await self._work(key)
                 except Exception:  # a bug must not stop the healing of every other pool
                     log.exception("converging %s failed", key)
                     done = False

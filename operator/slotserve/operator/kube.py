@@ -1,7 +1,7 @@
 """The thin I/O layer: Kubernetes client configuration and create-or-patch of owned children.
 
-Objects travel as plain dicts (``_preload_content=False``), exactly as the builders make them
-and as the API returns them, so comparisons need no model round trips.
+Objects travel as plain dicts (``kube_api.KubeApi``, on kopf's event loop), exactly as the
+builders make them and as the API returns them, so comparisons need no model round trips.
 
 Children are written with JSON merge patches (not server-side apply): read, compare, and patch
 only when something differs, with the read's resourceVersion as a compare-and-swap. The pod
@@ -11,9 +11,7 @@ same on every API server, including the emulator the tests use.
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,23 +22,20 @@ import kubernetes.config
 from kubernetes.client.exceptions import ApiException
 
 from slotserve.operator.drift import in_sync, is_subset
+from slotserve.operator.kube_api import MERGE_PATCH, KubeApi, object_path
 from slotserve.operator.models import GROUP, KIND, PLURAL, VERSION
 
-__all__ = ["ChildConflictError", "Children", "in_sync", "is_subset", "replacing_patch"]
+__all__ = [
+    "MERGE_PATCH",
+    "ChildConflictError",
+    "Children",
+    "in_sync",
+    "is_subset",
+    "replacing_patch",
+]
 
-MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "slotserve-operator"
 Outcome = Literal["created", "patched", "unchanged"]
-# Children that are custom resources of other projects: (apiVersion, kind) -> (group, version,
-# plural). Keyed by apiVersion too: the Gateway API's InferencePool shares our kind name.
-CUSTOM_CHILDREN: dict[tuple[str, str], tuple[str, str, str]] = {
-    ("keda.sh/v1alpha1", "ScaledObject"): ("keda.sh", "v1alpha1", "scaledobjects"),
-    ("inference.networking.k8s.io/v1", "InferencePool"): (
-        "inference.networking.k8s.io",
-        "v1",
-        "inferencepools",
-    ),
-}
 
 
 class ChildConflictError(Exception):
@@ -98,80 +93,46 @@ def replacing_patch(live: Any, desired: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class _Kind:
-    read: Callable[..., Any]
-    create: Callable[..., Any]
-    patch: Callable[..., Any]
-    # Parts of spec that we own whole (removals must propagate); the rest is merged.
-    # "*" = the whole spec: keys only the live object has are removed too.
+class ChildKind:
+    """How a kind of child is written: its plural (for the path) and the parts of its spec that
+    we own whole (removals must propagate; the rest is merged). ``"*"``: the whole spec, keys
+    only the live object has are removed too."""
+
+    plural: str
     replaced_spec_keys: tuple[str, ...]
+
+
+# Keyed by apiVersion too: the Gateway API's InferencePool shares our kind name.
+CHILD_KINDS: dict[tuple[str, str], ChildKind] = {
+    ("apps/v1", "Deployment"): ChildKind("deployments", ("template",)),
+    ("v1", "Service"): ChildKind("services", ("selector",)),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ChildKind("networkpolicies", ("*",)),
+    ("keda.sh/v1alpha1", "ScaledObject"): ChildKind("scaledobjects", ("*",)),
+    ("inference.networking.k8s.io/v1", "InferencePool"): ChildKind("inferencepools", ("*",)),
+}
+POOL_API_VERSION = f"{GROUP}/{VERSION}"
 
 
 class Children:
     """Create-or-patch of a pool's children, and status writes of pools."""
 
-    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
-        apps = kubernetes.client.AppsV1Api(api_client)
-        core = kubernetes.client.CoreV1Api(api_client)
-        networking = kubernetes.client.NetworkingV1Api(api_client)
-        self._custom = kubernetes.client.CustomObjectsApi(api_client)
-        self._kinds = {
-            "Deployment": _Kind(
-                apps.read_namespaced_deployment,
-                apps.create_namespaced_deployment,
-                apps.patch_namespaced_deployment,
-                ("template",),
-            ),
-            "Service": _Kind(
-                core.read_namespaced_service,
-                core.create_namespaced_service,
-                core.patch_namespaced_service,
-                ("selector",),
-            ),
-            "NetworkPolicy": _Kind(
-                networking.read_namespaced_network_policy,
-                networking.create_namespaced_network_policy,
-                networking.patch_namespaced_network_policy,
-                ("*",),
-            ),
-        }
-        self._custom_kinds = {
-            key: self._custom_kind(*resource) for key, resource in CUSTOM_CHILDREN.items()
-        }
-        self._extensions = kubernetes.client.ApiextensionsV1Api(api_client)
-        self._autoscaling = kubernetes.client.AutoscalingV2Api(api_client)
+    def __init__(self, api: KubeApi) -> None:
+        self.api = api
 
-    def _custom_kind(self, group: str, version: str, plural: str) -> _Kind:
-        custom = self._custom
-        return _Kind(
-            lambda name, ns, **kw: custom.get_namespaced_custom_object(
-                group, version, ns, plural, name, **kw
-            ),
-            lambda ns, body, **kw: custom.create_namespaced_custom_object(
-                group, version, ns, plural, body, **kw
-            ),
-            lambda name, ns, body, **kw: custom.patch_namespaced_custom_object(
-                group, version, ns, plural, name, body, **kw
-            ),
-            ("*",),
-        )
-
-    def crd_exists(self, name: str) -> bool:
+    async def crd_exists(self, name: str) -> bool:
         """Whether the CustomResourceDefinition ``name`` is installed (e.g. KEDA's)."""
         try:
-            self._extensions.read_custom_resource_definition(name, _preload_content=False)
+            await self.api.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
         except ApiException as error:
             if error.status == 404:
                 return False
             raise
         return True
 
-    def autoscalers_of_pool(self, namespace: str, name: str) -> list[str]:
+    async def autoscalers_of_pool(self, namespace: str, name: str) -> list[str]:
         """Names of the HorizontalPodAutoscalers whose target is the pool."""
-        listed = _json(
-            self._autoscaling.list_namespaced_horizontal_pod_autoscaler(
-                namespace, _preload_content=False
-            )
+        listed = await self.api.get(
+            object_path("autoscaling/v2", "horizontalpodautoscalers", namespace)
         )
         return [
             hpa["metadata"]["name"]
@@ -181,36 +142,28 @@ class Children:
             and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")
         ]
 
-    def scale_pool(self, namespace: str, name: str, replicas: int) -> None:
+    async def scale_pool(self, namespace: str, name: str, replicas: int) -> None:
         """Set the pool's replicas through its scale subresource (what an HPA does)."""
-        self._custom.patch_namespaced_custom_object_scale(
-            GROUP,
-            VERSION,
-            namespace,
-            PLURAL,
-            name,
-            {"spec": {"replicas": replicas}},
-            _content_type=MERGE_PATCH,
-            _preload_content=False,
-        )
+        path = object_path(POOL_API_VERSION, PLURAL, namespace, name) + "/scale"
+        await self.api.merge_patch(path, {"spec": {"replicas": replicas}})
 
-    def apply(self, desired: dict[str, Any], *, owner_uid: str) -> Outcome:
+    async def apply(self, desired: dict[str, Any], *, owner_uid: str) -> Outcome:
         """Create ``desired`` or patch the live object towards it; raises ChildConflictError."""
-        kind = (
-            self._custom_kinds.get((desired["apiVersion"], desired["kind"]))
-            or self._kinds[desired["kind"]]
-        )
+        kind = CHILD_KINDS[(desired["apiVersion"], desired["kind"])]
         name, namespace = desired["metadata"]["name"], desired["metadata"]["namespace"]
+        path = object_path(desired["apiVersion"], kind.plural, namespace, name)
         try:
-            live = _json(kind.read(name, namespace, _preload_content=False))
+            live = await self.api.get(path)
         except ApiException as error:
             if error.status != 404:
                 raise
-            if self._owner_pool_gone(desired, owner_uid):
+            if await self._owner_pool_gone(desired, owner_uid):
                 # A converge that began before its pool was deleted must not re-create children
                 # the garbage collector has just removed (they would dangle until GC runs again).
                 return "unchanged"
-            kind.create(namespace, desired, _preload_content=False)
+            await self.api.create(
+                object_path(desired["apiVersion"], kind.plural, namespace), desired
+            )
             return "created"
         owners = live["metadata"].get("ownerReferences") or []
         if not any(owner.get("uid") == owner_uid for owner in owners):
@@ -237,45 +190,31 @@ class Children:
             },
             "spec": spec,
         }
-        kind.patch(name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False)
+        await self.api.merge_patch(path, patch)
         return "patched"
 
-    def _owner_pool_gone(self, desired: dict[str, Any], owner_uid: str) -> bool:
+    async def _owner_pool_gone(self, desired: dict[str, Any], owner_uid: str) -> bool:
         owners = desired["metadata"].get("ownerReferences") or []
         pool = next(
             (ref for ref in owners if ref.get("uid") == owner_uid and ref.get("kind") == KIND),
             None,
         )
-        return pool is not None and not self.pool_exists(
+        return pool is not None and not await self.pool_exists(
             desired["metadata"]["namespace"], pool["name"], owner_uid
         )
 
-    def pool_exists(self, namespace: str, name: str, uid: str) -> bool:
+    async def pool_exists(self, namespace: str, name: str, uid: str) -> bool:
         """Whether the pool with this uid still exists (not deleted, not re-created)."""
         try:
-            response = self._custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
-            )
+            pool = await self.api.get(object_path(POOL_API_VERSION, PLURAL, namespace, name))
         except ApiException as error:
             if error.status == 404:
                 return False
             raise
-        metadata = _json(response)["metadata"]
+        metadata = pool["metadata"]
         return bool(metadata.get("uid") == uid and not metadata.get("deletionTimestamp"))
 
-    def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    async def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge ``status`` into the pool's status subresource."""
-        self._custom.patch_namespaced_custom_object_status(
-            GROUP,
-            VERSION,
-            namespace,
-            PLURAL,
-            name,
-            {"status": status},
-            _content_type=MERGE_PATCH,
-            _preload_content=False,
-        )
-
-
-def _json(response: Any) -> dict[str, Any]:
-    return dict(json.loads(response.data))
+        path = object_path(POOL_API_VERSION, PLURAL, namespace, name) + "/status"
+        await self.api.merge_patch(path, {"status": status})
