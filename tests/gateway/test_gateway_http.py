@@ -176,7 +176,8 @@ async def test_metrics_and_pool_file_reload(gw, spawn, client, tmp_path):
 
 
 async def test_pool_without_ready_engine_is_503_at_once(gw, client):
-    url = await gw([pool("m", [f"http://127.0.0.1:{free_port()}"])])
+    # Holding off (on, the request would wait for an engine: test_gateway_scale_from_zero.py).
+    url = await gw([pool("m", [f"http://127.0.0.1:{free_port()}"])], hold_at_zero=False)
     started = time.monotonic()
     async with client.post(f"{url}/v1/completions", json=completion()) as resp:
         assert resp.status == 503

@@ -28,6 +28,7 @@ from slotserve.gateway.api_keys import ApiKeys
 from slotserve.gateway.app_keys import (
     ADMISSION,
     API_KEYS,
+    COLD_STARTS,
     METRICS,
     MONITOR,
     PROXY,
@@ -35,6 +36,7 @@ from slotserve.gateway.app_keys import (
     SETTINGS,
     WINDOW,
 )
+from slotserve.gateway.cold_start import ColdStarts
 from slotserve.gateway.completions import completions
 from slotserve.gateway.config import PoolRegistry, load_pools, watch_pool_file
 from slotserve.gateway.discovery import PoolCatalog, start_kubernetes_watch
@@ -252,6 +254,7 @@ def create_app(
         lease_ttl_s=settings.lease_ttl_seconds,
         priority_aging_s=settings.priority_aging_seconds,
     )
+    app[COLD_STARTS] = ColdStarts(settings.cold_start_seconds)
     app[WINDOW] = None
     if settings.redis_url:
         from slotserve.gateway.redis_backend import make_client

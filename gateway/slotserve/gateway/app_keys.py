@@ -7,6 +7,7 @@ from aiohttp import web
 from slotserve.gateway.admission import Admission
 from slotserve.gateway.admission_window import AdmissionWindowWriter
 from slotserve.gateway.api_keys import ApiKeys
+from slotserve.gateway.cold_start import ColdStarts
 from slotserve.gateway.config import PoolRegistry
 from slotserve.gateway.engines import EngineMonitor
 from slotserve.gateway.metrics import GatewayMetrics
@@ -20,5 +21,6 @@ MONITOR = web.AppKey("monitor", EngineMonitor)
 ADMISSION = web.AppKey("admission", Admission)
 PROXY = web.AppKey("proxy", ProxyContext)
 API_KEYS = web.AppKey("api_keys", ApiKeys)
+COLD_STARTS = web.AppKey("cold_starts", ColdStarts)
 # Admission counts for the operator's status.admission: with Redis only (None without).
 WINDOW: web.AppKey[AdmissionWindowWriter | None] = web.AppKey("admission_window")

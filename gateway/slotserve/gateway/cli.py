@@ -47,6 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="waiting this long is worth one priority level (2; a pool may set its own)",
     )
+    p.add_argument(
+        "--hold-at-zero",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hold requests for a pool with no ready engine until one is up (default on); "
+        "--no-hold-at-zero: 503 no_ready_endpoint at once",
+    )
+    p.add_argument(
+        "--cold-start-seconds",
+        type=float,
+        default=None,
+        help="an engine's start time for pools that state none (30): the Retry-After of a "
+        "request held for a pool at zero that timed out",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -17,6 +17,7 @@ from slotserve.gateway.admission_types import AdmissionError, PoolPolicy
 from slotserve.gateway.app_keys import (
     ADMISSION,
     API_KEYS,
+    COLD_STARTS,
     METRICS,
     MONITOR,
     PROXY,
@@ -120,8 +121,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     deadline = time.monotonic() + timeout_s
     admission = request.app[ADMISSION]
     window = request.app[WINDOW]
-    offers = request.app[MONITOR].offers(model)
-    if not offers:
+    monitor = request.app[MONITOR]
+    offers = monitor.offers(model)
+    # No ready engine: held in the queue while one starts (cold_start.py), unless turned off.
+    held = not offers
+    if held and not settings.hold_at_zero:
         m.rejected.labels(model, "no_ready_endpoint").inc()
         if window is not None:
             window.rejected(model, "no_ready_endpoint")
@@ -129,7 +133,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             503, f"no engine of pool {model!r} is ready", "no_ready_endpoint", retry_after_s=1
         )
     slots = requested_slots(payload)
-    most_slots = max(offer.slots_total for offer in offers)
+    most_slots = max((offer.slots_total for offer in offers), default=slots)
     if slots > most_slots:
         # Refused before queueing, as the engine would: no endpoint could ever hold it.
         m.rejected.labels(model, "invalid_value").inc()
@@ -144,6 +148,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         acquire = admission.acquire(
             policy, priority, timeout_s, demote_after_s=wait.demote_after_s, slots=slots
         )
+        if held:
+            acquire = request.app[COLD_STARTS].held(
+                pool, acquire, waited_s=timeout_s, at_zero=lambda: not monitor.offers(model)
+            )
         lease = await traced_admission(request, model, acquire)
     except AdmissionError as exc:
         m.rejected.labels(model, exc.code).inc()

@@ -28,6 +28,9 @@ class PoolConfig(WireModel):
     endpoints: list[str] = Field(default_factory=list)
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
+    # Seconds an engine of this pool takes to start: the Retry-After of a request held while
+    # none is up (unset: the gateway's cold_start_seconds).
+    cold_start_seconds: float | None = Field(default=None, gt=0, le=86_400)
 
     @field_validator("endpoints")
     @classmethod
@@ -61,6 +64,7 @@ class Pool:
     endpoints: tuple[str, ...]
     batching: BatchingSpec = field(default_factory=BatchingSpec)
     admission: AdmissionSpec = field(default_factory=AdmissionSpec)
+    cold_start_s: float | None = None  # measured (status.coldStartSeconds) or configured
 
     @property
     def policy(self) -> PoolPolicy:
@@ -80,7 +84,10 @@ def parse_pools(text: str, source: str = "pool file") -> list[Pool]:
         raise PoolConfigError(f"{source}: not valid YAML: {exc}") from exc
     except ValidationError as exc:
         raise PoolConfigError(f"{source}: {exc}") from exc
-    return [Pool(p.model, tuple(p.endpoints), p.batching, p.admission) for p in parsed.pools]
+    return [
+        Pool(p.model, tuple(p.endpoints), p.batching, p.admission, p.cold_start_seconds)
+        for p in parsed.pools
+    ]
 
 
 def load_pools(path: Path) -> list[Pool]:

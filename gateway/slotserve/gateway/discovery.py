@@ -1,7 +1,8 @@
 """Kubernetes discovery: read-only watches of InferencePools and of their Services' EndpointSlices.
 
 From each ``inferencepools.slotserve.dev`` object the gateway reads ``spec.model.name``,
-``spec.batching`` and ``spec.admission``; the engines to route to come from the EndpointSlices of
+``spec.batching``, ``spec.admission`` and ``status.coldStartSeconds`` (the Retry-After of requests
+held while no engine is up); the engines to route to come from the EndpointSlices of
 the pool's Service (same name and namespace), so only pods that the Service selects and that are
 ready get traffic. ``status.endpoints`` is information for people and is never routed to: anyone
 allowed to patch ``inferencepools/status`` could otherwise steer prompts anywhere.
@@ -68,7 +69,16 @@ def pool_from_inference_pool(obj: dict[str, Any]) -> Pool:
         admission = AdmissionSpec.model_validate(spec.get("admission") or {})
     except ValidationError as exc:
         raise InvalidPoolObjectError(f"invalid batching/admission: {exc}") from exc
-    return Pool(name, (), batching, admission)
+    return Pool(name, (), batching, admission, cold_start_seconds(obj))
+
+
+def cold_start_seconds(obj: dict[str, Any]) -> float | None:
+    """The pool's measured cold start (``status.coldStartSeconds``, the operator's): only the
+    Retry-After of requests held while no engine is up, so a bad value is ignored, not fatal."""
+    value = (obj.get("status") or {}).get("coldStartSeconds")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86_400:
+        return None
+    return float(value)
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,19 @@ class GatewaySettings(BaseSettings):
         "may take to finish before their connections are cut.",
     )
     replica_id: str | None = Field(None, description="Name in Redis; default host-pid-random.")
+    hold_at_zero: bool = Field(
+        True,
+        description="A request for a pool with no ready engine waits in the queue (bounded by "
+        "the pool's queue size and timeout) until one is up; off: 503 no_ready_endpoint at once.",
+    )
+    cold_start_seconds: float = Field(
+        30.0,
+        gt=0,
+        le=86_400,
+        description="Seconds an engine takes to start, for pools that state none (the pools "
+        "file's coldStartSeconds, the InferencePool's measured status.coldStartSeconds): the "
+        "Retry-After of a request held for a pool at zero that timed out.",
+    )
 
     @model_validator(mode="after")
     def _metrics_auth_needs_keys(self) -> GatewaySettings:
