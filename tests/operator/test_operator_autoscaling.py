@@ -100,7 +100,8 @@ def test_builtin_scaler_wakes_from_zero_follows_the_backlog_and_returns_to_zero(
     pools_file = tmp_path / "pools.yaml"
     # No engine yet: the pool's only endpoint answers nothing (a pool at zero).
     write_pools(pools_file, [pool(MODEL, [f"http://127.0.0.1:{free_port()}"])])
-    gateway = spawn.gateway(pools_file, redis_url=redis_server.url).url
+    # Holding off: a refusal is the demand (held requests: test_operator_cold_start.py).
+    gateway = spawn.gateway(pools_file, redis_server.url, extra=["--no-hold-at-zero"]).url
     autoscaling = {
         "minReplicas": 0,
         "maxReplicas": 3,

@@ -7,13 +7,17 @@ pool with 1 request waiting and one with 1,000 waiting read the same, so it can 
 guess at a time, and at zero replicas it is 0/0. Demand in requests is defined at zero replicas
 and grows with the backlog, so ``ceil(demand / target)`` jumps to the needed size in one step.
 
-At zero ready engines the gateway may refuse requests at once (503 ``no_ready_endpoint``); such
-refusals in the last 10-20 s count as a demand of one, so the first request wakes a pool that
-scaled to zero even when nothing could queue.
+At zero ready engines the gateway holds requests in the shared queue while an engine starts
+(``gateway/cold_start.py``), so the first request is queued demand at the next reading, with no
+metrics window to wait for. With holding off it refuses them at once (503
+``no_ready_endpoint``); such refusals in the last 10-20 s count as a demand of one, so the first
+request still wakes the pool.
 
 Windows work as Kubernetes' HPA stabilisation does: scale up to the *lowest* recommendation of
 the last ``scaleUpWindowSeconds`` (0 = at once), scale down to the *highest* of the last
 ``scaleDownWindowSeconds``, so one quiet reading never drops capacity that the next burst needs.
+Waking from zero is the exception: with requests held for the first engine, 0 -> 1 is at once
+and only the rest waits for the up window.
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ class Stabilizer:
 
         bounded = max(policy.min_replicas, min(policy.max_replicas, current))
         if recommendation > current:
-            return max(bounded, min(within(policy.up_window_s)))
+            stable = max(bounded, min(within(policy.up_window_s)))
+            return max(stable, 1) if current == 0 else stable
         if recommendation < current:
             return min(bounded, max(within(policy.down_window_s)))
         return bounded

@@ -349,6 +349,12 @@ class InferencePoolStatus(WireModel):
     admission: AdmissionStatus | None = Field(
         None, description="Admission state from the gateways' Redis (operator redisUrl set)."
     )
+    cold_start_seconds: float | None = Field(
+        None,
+        ge=0,
+        description="Seconds from an engine pod's creation to Ready, the longest of the last "
+        "few measured: the gateways' Retry-After for requests held while no engine is ready.",
+    )
 
 
 class ObjectMeta(WireModel):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slotserve.operator.builders import ENGINE_PORT, selector_string
+from slotserve.operator.cold_start import ready_after_seconds
 
 # Container waiting reasons that will not fix themselves: the pool is degraded.
 STUCK_REASONS = frozenset(
@@ -38,6 +39,7 @@ class PodView:
     stuck_reason: str = ""
     stuck_message: str = ""
     unschedulable_message: str = ""
+    ready_after_s: float | None = None  # creation -> Ready (cold_start.py); None: not Ready
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PodView:
@@ -64,6 +66,7 @@ class PodView:
             stuck_reason=stuck_reason,
             stuck_message=stuck_message,
             unschedulable_message=scheduled.get("message", "") if unschedulable else "",
+            ready_after_s=ready_after_seconds(body),
         )
 
     @property

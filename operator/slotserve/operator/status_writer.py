@@ -17,6 +17,7 @@ from kubernetes.client.exceptions import ApiException
 
 from slotserve.operator import kube
 from slotserve.operator.admission import Saturation, saturated_condition
+from slotserve.operator.cold_start import ColdStarts
 from slotserve.operator.status import DeploymentView, PodView, Problem, compute_status
 from slotserve.operator.views import Key, PoolView, first
 
@@ -40,6 +41,7 @@ class StatusWriter:
     # Published by the admission monitor; written with the rest of the status.
     admission: dict[Key, dict[str, Any]] = field(default_factory=dict)
     saturation: dict[Key, Saturation] = field(default_factory=dict)
+    cold_starts: ColdStarts = field(default_factory=ColdStarts)
     num_status_writes: int = 0
     _written: dict[Key, _Written] = field(default_factory=dict)
     # A refresh awaits its patch: a second refresh of the same pool waits, so that an older
@@ -74,6 +76,13 @@ class StatusWriter:
             )
             if observed_generation is not None:
                 status["observedGeneration"] = observed_generation
+            cold_start_s = self.cold_starts.observe(
+                key,
+                ((pod.name, pod.ready_after_s) for pod in pod_index.get(key, [])),
+                previous.get("coldStartSeconds"),
+            )
+            if cold_start_s is not None:
+                status["coldStartSeconds"] = cold_start_s
             saturation = self.saturation.get(key)
             if saturation is not None:
                 before = {c.get("type"): c for c in previous.get("conditions") or []}
@@ -105,3 +114,4 @@ class StatusWriter:
         self.problems.pop(key, None)
         self.admission.pop(key, None)
         self.saturation.pop(key, None)
+        self.cold_starts.forget(key)
