@@ -1,4 +1,5 @@
-# The two commands a new user needs: `make demo` (the main job) and `make test` (lint + suite).
+# The two commands a new user needs: `make demo` (the main job) and `make test` (lint + suite;
+# lint is ruff, then mypy over the four parts as configured in pyproject.toml).
 # Each creates .venv and installs pinned packages on first use; later runs reuse them.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -17,6 +18,7 @@ test: $(STAMP) redis tools lint
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 venv: $(STAMP)
 
@@ -38,4 +40,4 @@ tools: $(STAMP)
 	@scripts/ensure-tools.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
