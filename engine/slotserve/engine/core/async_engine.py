@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from slotserve.engine.core.engine import LLMEngine
-from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
+from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.protocols import Tokenizer
 from slotserve.engine.core.sequence import Sequence, SequenceError
@@ -79,6 +79,7 @@ class AsyncEngine:
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.num_slots: int = engine.kv_cache.num_slots
+        self.limits = engine.limits
         # Prompts are tokenized in a process of their own (see tokenize.py).
         self.prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -145,8 +146,7 @@ class AsyncEngine:
                 raise InvalidRequestError(
                     f"request id {request_id!r} is in use", param="request_id"
                 )
-            if self._expected_waiting() >= self.settings.max_waiting:
-                raise QueueFullError(f"{self.settings.max_waiting} requests are already waiting")
+            self.limits.check_queue_room(self._expected_waiting())
             stream = RequestStream(request_id)
             self._streams[request_id] = stream
             self._num_pending_adds += 1

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slotserve.engine.core.detokenizer import IncrementalDetokenizer
-from slotserve.engine.core.errors import InvalidRequestError, QueueFullError
+from slotserve.engine.core.errors import InvalidRequestError
 from slotserve.engine.core.generation_defaults import GenerationDefaults, load_generation_defaults
 from slotserve.engine.core.kv_cache import KVCacheManager
+from slotserve.engine.core.limits import RequestLimits
 from slotserve.engine.core.logprobs import TokenTexts
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.protocols import Runner, Tokenizer
@@ -87,6 +88,13 @@ class LLMEngine:
             num_tokens_total=kv_cache_tokens,
             enable_prefix_caching=settings.enable_prefix_caching,
         )
+        self.limits = RequestLimits(
+            max_model_len=self.max_model_len,
+            kv_cache_tokens=self.kv_cache.num_tokens_total,
+            vocab_size=self.vocab_size,
+            num_slots=runner.num_slots,
+            max_waiting=settings.max_waiting,
+        )
         config = SchedulerConfig(
             policy=settings.policy,
             max_batch_size=runner.num_slots,
@@ -133,31 +141,15 @@ class LLMEngine:
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> Sequence:
         """Validate a request (raising :class:`InvalidRequestError`) without enqueueing it."""
+        limits = self.limits
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", param="prompt")
+            limits.check_not_empty(prompt)
             token_ids = self.encode(prompt)
         else:
             token_ids = list(prompt)
-            if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in token_ids):
-                raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt"
-                )
-        if not token_ids:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                f"has {len(token_ids)} tokens and max_tokens is {params.max_tokens} ({total})",
-                param="max_tokens",
-            )
-        if total > self.kv_cache.num_tokens_total:
-            raise InvalidRequestError(
-                f"prompt + max_tokens ({total}) exceeds the KV cache "
-                f"({self.kv_cache.num_tokens_total} tokens)",
-                param="max_tokens",
-            )
+            limits.check_prompt_ids(token_ids)
+        limits.check_not_empty(token_ids)
+        limits.check_length(len(token_ids), params.max_tokens)
         seq = Sequence(request_id, token_ids, params, arrival_time=self.clock())
         if params.grammar is not None:
             try:
@@ -176,8 +168,7 @@ class LLMEngine:
     ) -> Sequence:
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is in use", param="request_id")
-        if len(self.scheduler.waiting) >= self.settings.max_waiting:
-            raise QueueFullError(f"{self.settings.max_waiting} requests are already waiting")
+        self.limits.check_queue_room(len(self.scheduler.waiting))
         seq = self.make_sequence(request_id, prompt, params)
         self.enqueue(seq)
         return seq

@@ -15,7 +15,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from slotserve.engine.core.params import MaxTokens, MinP, RepetitionPenalty, Temperature, TopK, TopP
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +39,12 @@ class GenerationDefaults(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    max_tokens: MaxTokens | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Temperatures below this are greedy (vLLM's threshold): the distribution is a point mass to
@@ -17,6 +19,24 @@ MAX_STOP_TOKEN_IDS = 1024
 # OpenAI's limits: chat top_logprobs 0-20 (completions logprobs 0-5), logit_bias -100..100.
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
+
+# Each sampling bound once: SamplingParams, the OpenAI request bodies and the model's generation
+# defaults all use these, so what one accepts the others accept.
+MaxTokens = Annotated[int, Field(ge=1)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=1)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence and frequency
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=2.0)]
+MinTokens = Annotated[int, Field(ge=0)]
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    """Raise ValueError unless ``min_tokens`` fits in ``max_tokens``."""
+    if min_tokens > max_tokens:
+        raise ValueError(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})")
 
 
 class SamplingParams(BaseModel):
@@ -25,12 +45,10 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_tokens: int = Field(default=16, ge=1, description="New tokens to generate at most.")
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 = greedy.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int | None = Field(
-        default=None, ge=1, description="Sample among the k most likely tokens."
-    )
+    max_tokens: MaxTokens = Field(default=16, description="New tokens to generate at most.")
+    temperature: Temperature = Field(default=1.0, description="0 = greedy.")
+    top_p: TopP = Field(default=1.0, description="Nucleus sampling mass.")
+    top_k: TopK | None = Field(default=None, description="Sample among the k most likely tokens.")
     seed: int | None = Field(
         default=None, description="Per-request seed for reproducible sampling."
     )
@@ -43,21 +61,19 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(
         default=False, description="Keep generating past the end-of-sequence token."
     )
-    min_p: float = Field(
-        default=0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x top prob."
-    )
+    min_p: MinP = Field(default=0.0, description="Drop tokens below min_p x top prob.")
     logprobs: int | None = Field(
         default=None,
         ge=0,
         le=MAX_LOGPROBS,
         description="Return the token's logprob and this many top.",
     )
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, description="HF/vLLM; 1 = off.")
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = Field(default=1.0, description="HF/vLLM; 1 = off.")
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES)
-    min_tokens: int = Field(
-        default=0, ge=0, description="No EOS or stop token before this many tokens."
+    min_tokens: MinTokens = Field(
+        default=0, description="No EOS or stop token before this many tokens."
     )
     grammar: str | None = Field(
         default=None, description="An llguidance grammar the output must match (structured output)."
@@ -84,14 +100,15 @@ class SamplingParams(BaseModel):
     def _bias_in_range(cls, bias: dict[int, float]) -> dict[int, float]:
         if any(token_id < 0 for token_id in bias):
             raise ValueError("logit_bias token ids must not be negative")
-        if any(not -100.0 <= value <= 100.0 for value in bias.values()):
-            raise ValueError("logit_bias values must be between -100 and 100")
+        if any(not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS for value in bias.values()):
+            raise ValueError(
+                f"logit_bias values must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"
+            )
         return bias
 
     @model_validator(mode="after")
     def _min_tokens_fit(self) -> SamplingParams:
-        if self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must not exceed max_tokens")
+        check_min_tokens(self.min_tokens, self.max_tokens)
         return self
 
     @property

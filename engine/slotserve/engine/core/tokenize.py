@@ -99,13 +99,7 @@ class PromptTokenizer:
 
     def check_num_chars(self, num_chars: int, param: str) -> None:
         """Refuse a text that cannot fit (microseconds: only its length is read)."""
-        if num_chars > self.max_prompt_chars:
-            raise PromptTooLongError(
-                f"the prompt has {num_chars} characters; no prompt longer than "
-                f"{self.max_prompt_chars} characters fits in this model's maximum context length "
-                f"of {self.max_model_len} tokens",
-                param=param,
-            )
+        _check_num_chars(num_chars, self.max_prompt_chars, self.max_model_len, param, "the prompt")
 
     def check_num_tokens(self, num_tokens: int, param: str) -> None:
         _check_num_tokens(num_tokens, self.max_model_len, param)
@@ -159,6 +153,17 @@ class PromptTokenizer:
             if self._executor is executor:
                 self._executor = None  # the next prompt starts a new worker
             raise TokenizerUnavailableError("the tokenizer process died; retry") from error
+
+
+def _check_num_chars(
+    num_chars: int, max_prompt_chars: int, max_model_len: int, param: str, what: str
+) -> None:
+    if num_chars > max_prompt_chars:
+        raise PromptTooLongError(
+            f"{what} has {num_chars} characters; no prompt longer than {max_prompt_chars} "
+            f"characters fits in this model's maximum context length of {max_model_len} tokens",
+            param=param,
+        )
 
 
 def _check_num_tokens(num_tokens: int, max_model_len: int, param: str) -> None:
@@ -233,11 +238,8 @@ def _encode_chat(
         )
     except Exception as error:  # jinja raises for conversations the template refuses
         raise ChatTemplateError(f"chat template error: {error}", param="messages") from None
-    if len(text) > max_prompt_chars:
-        raise PromptTooLongError(
-            f"the rendered conversation has {len(text)} characters; no prompt longer than "
-            f"{max_prompt_chars} characters fits in this model's maximum context length",
-            param="messages",
-        )
+    _check_num_chars(
+        len(text), max_prompt_chars, _worker.max_model_len, "messages", "the rendered conversation"
+    )
     # The template already holds the special tokens; never add a second BOS.
     return _encode(text, False, "messages")

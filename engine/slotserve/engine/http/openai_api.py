@@ -23,11 +23,19 @@ from pydantic import (
 )
 
 from slotserve.engine.core.params import (
+    MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MaxTokens,
+    MinP,
+    MinTokens,
+    Penalty,
+    RepetitionPenalty,
+    Temperature,
+    TopP,
 )
 from slotserve.engine.http.choices import MAX_CHOICES
 from slotserve.engine.http.tool_calls import Tool, ToolCall, ToolChoice
@@ -58,8 +66,8 @@ class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions (OpenAI + vLLM extensions)."""
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     # vLLM's extension; -1 and 0 mean "disabled" there, so both are accepted as "no top-k".
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = None
@@ -70,13 +78,13 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored: it cannot change the answer
 
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     # vLLM's extensions.
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_p: MinP = 0.0
+    min_tokens: MinTokens = 0
     guided_regex: str | None = Field(None, min_length=1, max_length=4096)
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=256)
     guided_json: dict[str, Any] | None = None
@@ -89,8 +97,9 @@ class SamplingRequest(RequestModel):
         for key, bias in (value or {}).items():
             if not key.isdigit():
                 raise ValueError(f"'logit_bias' keys must be token ids, got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError("'logit_bias' values must be between -100 and 100")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                bound = f"{MAX_LOGIT_BIAS:g}"
+                raise ValueError(f"'logit_bias' values must be between -{bound} and {bound}")
         return value
 
     @property
@@ -144,7 +153,7 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt (text or token ids) per request."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: MaxTokens | None = 16
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's legacy limit
     best_of: int | None = None
@@ -272,8 +281,8 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: the chat template of the model's tokenizer is applied."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(None, max_length=128)  # OpenAI's limit

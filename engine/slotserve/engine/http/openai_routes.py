@@ -2,13 +2,13 @@
 
 A request is parsed strictly, checked against the served model, turned into token ids (chat
 through the tokenizer's template) and handed to the engine; its outputs are written as one JSON
-body or as server-sent events. Whatever ends the handler early (client gone, error) aborts the
-sequence, so its slot is free at the next engine step.
+body or as server-sent events (:mod:`slotserve.engine.http.openai_replies`). Whatever ends the
+handler early (client gone, error) aborts the sequence, so its slot is free at the next engine
+step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
 from typing import TYPE_CHECKING, TypeVar
@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
 from slotserve.engine.core.generation_defaults import GenerationDefaults
-from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.params import SamplingParams, check_min_tokens
 from slotserve.engine.core.structured import GrammarError, check_requested_grammar
 from slotserve.engine.core.tokenize import PromptTooLongError, TokenizerUnavailableError
 from slotserve.engine.http.choices import Choices
@@ -28,7 +28,6 @@ from slotserve.engine.http.http_state import (
     ServerState,
     accepting_engine,
     loaded_engine,
-    slot_headers,
 )
 from slotserve.engine.http.openai_api import (
     ChatCompletionRequest,
@@ -36,14 +35,8 @@ from slotserve.engine.http.openai_api import (
     SamplingRequest,
     describe_validation_error,
 )
-from slotserve.engine.http.openai_format import (
-    DONE_EVENT,
-    ChatFormat,
-    ChoiceOutput,
-    CompletionFormat,
-    OutputFormat,
-    sse_event,
-)
+from slotserve.engine.http.openai_format import ChatFormat, CompletionFormat, OutputFormat
+from slotserve.engine.http.openai_replies import collect, stream_sse
 from slotserve.engine.http.openai_responses import ModelCard, ModelList
 from slotserve.engine.http.tool_calls import check_tool_schemas, plan_tools
 from slotserve.engine.http.tool_format import ToolChatFormat
@@ -51,8 +44,6 @@ from slotserve.engine.http.tracing import record_request_phases
 
 if TYPE_CHECKING:
     from slotserve.engine.core.async_engine import AsyncEngine
-    from slotserve.engine.core.logprobs import TokenLogprobs
-    from slotserve.engine.core.stats import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +64,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if "max_tokens" not in body.model_fields_set:
         max_tokens = engine.engine.generation_defaults.max_tokens or max_tokens
     if max_tokens is None:  # explicit null: as many tokens as fit
-        max_tokens = _room_after(engine, len(prompt))
+        max_tokens = engine.limits.room_after(len(prompt))
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", engine.model_name)
     return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
 
@@ -94,7 +85,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise _invalid(error, state) from error
     except TokenizerUnavailableError as error:
         raise _tokenizer_unavailable(error) from error
-    room = _room_after(engine, len(prompt))
+    room = engine.limits.room_after(len(prompt))
     default_max_tokens = engine.engine.generation_defaults.max_tokens
     max_tokens = body.requested_max_tokens() or min(default_max_tokens or room, room)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -104,12 +95,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         else ChatFormat(request_id, engine.model_name)
     )
     return await _generate(request, state, engine, body, prompt, max_tokens, fmt, tools.grammar())
-
-
-def _room_after(engine: AsyncEngine, num_prompt_tokens: int) -> int:
-    """Default max_tokens: whatever fits after the prompt (in the model and in the KV cache)."""
-    capacity = min(engine.max_model_len, engine.stats().kv_cache_tokens_total)
-    return max(1, capacity - num_prompt_tokens)
 
 
 def _admit(state: ServerState) -> AsyncEngine:
@@ -127,8 +112,7 @@ async def _encode(engine: AsyncEngine, state: ServerState, prompt: str | list[in
         if isinstance(prompt, list):
             engine.prompts.check_num_tokens(len(prompt), "prompt")
             return prompt
-        if not prompt:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        engine.limits.check_not_empty(prompt)
         return await engine.prompts.encode(prompt)
     except InvalidRequestError as error:
         raise _invalid(error, state) from error
@@ -196,7 +180,7 @@ def _check_model(engine: AsyncEngine, name: str, state: ServerState) -> None:
 def _sampling_params(
     body: SamplingRequest, max_tokens: int, defaults: GenerationDefaults
 ) -> SamplingParams:
-    chosen = {
+    chosen: dict[str, float | int | None] = {
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k_or_none,
@@ -207,26 +191,25 @@ def _sampling_params(
         # The model's recommendation replaces OpenAI's default, never a value the client sent.
         if name in chosen and name not in body.model_fields_set:
             chosen[name] = value
-    if body.min_tokens > max_tokens:
-        raise ApiError(
-            400,
-            f"'min_tokens' ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
-            param="min_tokens",
-            code="invalid_value",
-        )
     try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            **chosen,
-            seed=body.seed,
-            stop=body.stop_list,
-            stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos,
-            logprobs=body.num_logprobs,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            logit_bias=body.logit_bias_ids,
-            min_tokens=body.min_tokens,
+        check_min_tokens(body.min_tokens, max_tokens)
+    except ValueError as error:
+        raise ApiError(400, str(error), param="min_tokens", code="invalid_value") from error
+    try:
+        return SamplingParams.model_validate(
+            {
+                **chosen,
+                "max_tokens": max_tokens,
+                "seed": body.seed,
+                "stop": body.stop_list,
+                "stop_token_ids": body.stop_token_ids or [],
+                "ignore_eos": body.ignore_eos,
+                "logprobs": body.num_logprobs,
+                "presence_penalty": body.presence_penalty,
+                "frequency_penalty": body.frequency_penalty,
+                "logit_bias": body.logit_bias_ids,
+                "min_tokens": body.min_tokens,
+            }
         )
     except ValidationError as error:
         message, param, code = describe_validation_error(error)
@@ -244,14 +227,10 @@ async def _generate(
     tool_grammar: tuple[str, str] | None = None,
 ) -> web.StreamResponse:
     params = _sampling_params(body, max_tokens, engine.engine.generation_defaults)
-    if any(token_id >= engine.engine.vocab_size for token_id in params.logit_bias):
-        state.metrics.reject("invalid")
-        raise ApiError(
-            400,
-            f"'logit_bias' token ids must be below the vocabulary size {engine.engine.vocab_size}",
-            param="logit_bias",
-            code="invalid_value",
-        )
+    try:
+        engine.limits.check_logit_bias(params.logit_bias)
+    except InvalidRequestError as error:
+        raise _invalid(error, state) from error
     try:
         grammar = await check_requested_grammar(engine.engine.grammars, body, tool_grammar)
     except GrammarError as error:
@@ -259,15 +238,8 @@ async def _generate(
         raise ApiError(400, str(error), param=error.param, code="invalid_value") from error
     if grammar is not None:
         params = params.model_copy(update={"grammar": grammar})
-    if body.n > engine.num_slots:
-        state.metrics.reject("invalid")
-        raise ApiError(
-            400,
-            f"'n' ({body.n}) exceeds this engine's {engine.num_slots} slots: each choice takes one",
-            param="n",
-            code="invalid_value",
-        )
     try:
+        engine.limits.check_num_choices(body.n)
         choices = Choices.add(engine, fmt.request_id, prompt, params, body.n)
     except InvalidRequestError as error:
         state.metrics.reject("invalid")
@@ -288,128 +260,14 @@ async def _generate(
     state.begin(fmt.request_id)
     try:
         if body.stream:
-            return await _stream_sse(request, state, engine, choices, fmt, body.include_usage)
-        return await _collect(state, engine, choices, fmt, params.logprobs is not None)
+            return await stream_sse(request, state, engine, choices, fmt, body.include_usage)
+        return await collect(state, engine, choices, fmt, params.logprobs is not None)
     finally:
         for request_id in choices.unfinished_ids:
             engine.abort(request_id)  # client gone (or an error): free the slot now
             state.metrics.observe_finished("abort", None)
         state.end(fmt.request_id)
         record_request_phases(request, fmt.request_id, engine, choices.final_outputs)
-
-
-def _aborted() -> ApiError:
-    return ApiError(
-        503,
-        "the request was aborted: the engine is shutting down",
-        type_="server_error",
-        code="aborted",
-    )
-
-
-def _ended_early(output: RequestOutput) -> ApiError:
-    """Why a request ended without its answer, saying who is at fault: the engine stopped or
-    broke (503: another replica can serve it), or this request's own sequence failed (500)."""
-    error = output.error
-    if output.finish_reason != "error" or error is None:
-        return _aborted()
-    if error.is_engine_failure:
-        return ApiError(
-            503,
-            error.message,
-            type_="service_unavailable_error",
-            code="engine_failure",
-            headers={"Retry-After": "1"},
-        )
-    return ApiError(500, error.message, type_="server_error", code=error.reason)
-
-
-async def _collect(
-    state: ServerState,
-    engine: AsyncEngine,
-    choices: Choices,
-    fmt: OutputFormat,
-    wants_logprobs: bool,
-) -> web.Response:
-    n = len(choices.streams)
-    texts: list[list[str]] = [[] for _ in range(n)]
-    logprobs: list[list[TokenLogprobs] | None] = [[] if wants_logprobs else None for _ in range(n)]
-    finals: list[RequestOutput | None] = [None] * n
-    async for index, output in choices.outputs():
-        texts[index].append(output.text)
-        if (entries := logprobs[index]) is not None and output.logprobs:
-            entries.extend(output.logprobs)
-        if output.finished:
-            choices.record(state, index, output)
-            if output.finish_reason in ("abort", "error"):
-                raise _ended_early(output)
-            finals[index] = output
-    done = [final for final in finals if final is not None]
-    if len(done) < n:
-        raise _aborted()  # a stream always ends with a finished output; never hang the client
-    body = fmt.response(
-        [
-            ChoiceOutput("".join(text), final.finish_reason, entries)
-            for text, final, entries in zip(texts, done, logprobs, strict=True)
-        ],
-        done[0].num_prompt_tokens,  # the prompt is counted once, as OpenAI does
-        sum(final.num_generated_tokens for final in done),
-    )
-    return web.json_response(text=body, headers=slot_headers(engine.stats()))
-
-
-async def _stream_sse(
-    request: web.Request,
-    state: ServerState,
-    engine: AsyncEngine,
-    choices: Choices,
-    fmt: OutputFormat,
-    include_usage: bool,
-) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-            **slot_headers(engine.stats()),
-        }
-    )
-    await response.prepare(request)
-    try:
-        for index in range(len(choices.streams)):
-            if first := fmt.first_chunk(index):
-                await response.write(first)
-        num_prompt_tokens = num_generated_tokens = 0
-        async for index, output in choices.outputs():
-            if not output.finished:
-                if output.text or output.logprobs:
-                    await response.write(fmt.chunk(output.text, None, output.logprobs, index))
-                continue
-            choices.record(state, index, output)
-            if output.finish_reason in ("abort", "error"):
-                # An "error" event (OpenAI clients raise on it) and no [DONE]: nobody may take
-                # a cut answer for a whole one.
-                await response.write(sse_event(_ended_early(output).body))
-                await response.write_eof()
-                return response
-            await response.write(
-                fmt.chunk(output.text, output.finish_reason, output.logprobs, index)
-            )
-            num_prompt_tokens = output.num_prompt_tokens
-            num_generated_tokens += output.num_generated_tokens
-        if include_usage:
-            await response.write(fmt.usage_chunk(num_prompt_tokens, num_generated_tokens))
-        await response.write(DONE_EVENT)
-        await response.write_eof()
-    except ConnectionError:
-        log.debug("client of %s disconnected", fmt.request_id)
-    except Exception:
-        # The status line is sent: the error can only travel as an event.
-        log.exception("stream %s failed", fmt.request_id)
-        error = ApiError(500, "internal error while streaming", type_="server_error")
-        with contextlib.suppress(Exception):
-            await response.write(sse_event(error.body))
-    return response
 
 
 async def models(request: web.Request) -> web.Response:
