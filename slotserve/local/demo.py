@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slotserve.local.phases import primer_tokens, run_phase, sample_interval, warm_up
+from slotserve.local.phases import run_phase, sample_interval, warm_up
 from slotserve.local.processes import ChildExitedError, Supervisor, interrupt_on_signals
 from slotserve.local.report import PhaseResult, build_table, write_results
 from slotserve.local.stack import (
@@ -46,7 +46,8 @@ from slotserve.models.resolve import default_served_name
 from slotserve.pools import AdmissionSpec, BatchingSpec
 
 POLICIES = ("static", "dynamic", "continuous")
-# Long enough for a static/dynamic batch to form at the gateway from requests sent together.
+# How long a static/dynamic engine gathers a batch that is not full (the engine forms batches;
+# the gateway passes requests on as slots free): requests sent together arrive well within it.
 BATCH_FORM_DELAY_MICROSECONDS = 100_000
 
 
@@ -107,12 +108,7 @@ def plan_pools(args: argparse.Namespace, model_source: str, policies: list[str])
         )
         # A generous queue timeout: under static batching late arrivals wait for a whole batch.
         admission = AdmissionSpec(max_queue_size=args.max_queue_size, queue_timeout_seconds=900)
-        pool = PoolPlan(engine=engine, num_engines=args.engines, admission=admission)
-        if policy == "static":
-            # The gateway passes requests straight on (up to the slots), so a static batch forms
-            # in the engine's own queue, from requests already there when the previous one ends.
-            pool.gateway_batching = engine.batching.model_copy(update={"policy": "continuous"})
-        pools.append(pool)
+        pools.append(PoolPlan(engine=engine, num_engines=args.engines, admission=admission))
     return pools
 
 
@@ -131,21 +127,14 @@ async def run_demo(
     )
     for pool in stack.pools:
         policy = pool.engine.batching.policy
-        primer = primer_tokens(step_seconds) if policy == "static" else 0
         phases.append(
             await run_phase(
-                console,
-                stack,
-                pool,
-                policy,
-                workload,
-                num_primer_tokens=primer,
-                sample_interval_seconds=interval,
+                console, stack, pool, policy, workload, sample_interval_seconds=interval
             )
         )
     if not args.no_burst:
-        pool = next((p for p in stack.pools if p.engine.batching.policy == "continuous"), None)
-        pool = pool or stack.pools[-1]
+        continuous = (p for p in stack.pools if p.engine.batching.policy == "continuous")
+        pool = next(continuous, stack.pools[-1])
         num_slots = pool.engine.batching.max_batch_size * pool.num_engines
         num_burst = args.burst_requests or num_slots + pool.admission.max_queue_size + 10
         console.print(

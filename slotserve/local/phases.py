@@ -1,25 +1,18 @@
-"""The demo's phases: warm-up, static-batch primers, and one workload run against one pool while
-its engines are sampled."""
+"""The demo's phases: warm-up, and one workload run against one pool while its engines are
+sampled."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import math
 import time
-from collections.abc import Coroutine
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from slotserve.local import enginestats
-from slotserve.local.enginestats import EngineCounters
 from slotserve.local.report import PhaseResult, summarise
 from slotserve.local.stack import PoolPlan, RunningStack
-from slotserve.local.workload import RequestResult, RequestSpec, run_workload
+from slotserve.local.workload import RequestSpec, run_workload
 
-PRIMER_SECONDS = 0.25
-PRIMER_MIN_TOKENS = 4
 # Engine sampling: about once per step (the step clock of the occupancy plot), not more often,
 # because every scrape takes a little of the engine's interpreter time.
 MIN_SAMPLE_INTERVAL_SECONDS = 0.05
@@ -45,58 +38,6 @@ def sample_interval(step_seconds: float) -> float:
     return min(MAX_SAMPLE_INTERVAL_SECONDS, max(MIN_SAMPLE_INTERVAL_SECONDS, step_seconds))
 
 
-def primer_tokens(step_seconds: float) -> int:
-    """Steps a primer must run so that requests sent at its first token reach the engine
-    before it ends (about 0.25 s, at least 4 steps)."""
-    if step_seconds <= 0:
-        return PRIMER_MIN_TOKENS
-    return min(64, max(PRIMER_MIN_TOKENS, math.ceil(PRIMER_SECONDS / step_seconds)))
-
-
-async def start_primers(
-    pool: PoolPlan, host: str, num_tokens: int
-) -> tuple[asyncio.Task[tuple[list[RequestResult], float]], dict[str, EngineCounters]]:
-    """Occupy each idle static engine with one short request sent straight to it (not through
-    the gateway), and return once it has produced a token: requests sent now queue in the
-    engine together and start as one batch, as ``model.generate()`` would get them.
-
-    Returns the primers' task and counters that exclude the primers' steps: a primer runs
-    alone, so it adds exactly ``num_tokens`` steps and useful slot-steps to its engine.
-    """
-    engine_urls = pool.endpoints(host)
-    before = await enginestats.scrape_all(engine_urls)
-    started = asyncio.Event()
-    tasks = [
-        run_workload(
-            url,
-            pool.model,
-            [RequestSpec(f"primer-{i}", num_tokens, "Hello!", "primer")],
-            on_token=lambda _: started.set(),
-        )
-        for i, url in enumerate(engine_urls)
-    ]
-    primers = asyncio.ensure_future(_gather_primers(tasks))
-    waiter = asyncio.ensure_future(started.wait())
-    await asyncio.wait([primers, waiter], return_when=asyncio.FIRST_COMPLETED, timeout=120)
-    waiter.cancel()
-    adjusted = {
-        url: dataclasses.replace(
-            counters,
-            steps=counters.steps + num_tokens,
-            useful_slot_steps=counters.useful_slot_steps + num_tokens,
-        )
-        for url, counters in before.items()
-    }
-    return primers, adjusted
-
-
-async def _gather_primers(
-    tasks: list[Coroutine[object, object, tuple[list[RequestResult], float]]],
-) -> tuple[list[RequestResult], float]:
-    outcomes = await asyncio.gather(*tasks)
-    return [r for results, _ in outcomes for r in results], max(w for _, w in outcomes)
-
-
 async def run_phase(
     console: Console,
     stack: RunningStack,
@@ -104,20 +45,11 @@ async def run_phase(
     name: str,
     specs: list[RequestSpec],
     stagger_seconds: float = 0.0,
-    num_primer_tokens: int = 0,
     sample_interval_seconds: float = MIN_SAMPLE_INTERVAL_SECONDS,
 ) -> PhaseResult:
-    """Run one workload against one pool while sampling its engines; return its table row.
-
-    With ``num_primer_tokens``, each engine first gets a primer (see ``start_primers``); its
-    steps are left out of the phase's counters.
-    """
+    """Run one workload against one pool while sampling its engines; return its table row."""
     engine_urls = pool.endpoints(stack.host)
-    primers = None
-    if num_primer_tokens:
-        primers, before = await start_primers(pool, stack.host, num_primer_tokens)
-    else:
-        before = await enginestats.scrape_all(engine_urls)
+    before = await enginestats.scrape_all(engine_urls)
     sampler = enginestats.OccupancySampler(engine_urls, interval_seconds=sample_interval_seconds)
     total_tokens = sum(spec.max_tokens for spec in specs)
     columns = (
@@ -142,8 +74,6 @@ async def run_phase(
             )
         finally:
             samples = await sampler.stop()
-            if primers is not None:
-                await primers
         done = sum(r.num_tokens for r in results if r.ok)
         progress.update(task, total=done, completed=done)
     after = await enginestats.scrape_all(engine_urls)

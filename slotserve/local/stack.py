@@ -49,8 +49,6 @@ class PoolPlan:
     num_engines: int
     admission: AdmissionSpec
     engine_ports: list[int] = field(default_factory=list)
-    # What the gateway is told; default: the engines' own batching.
-    gateway_batching: BatchingSpec | None = None
 
     @property
     def model(self) -> str:
@@ -138,9 +136,7 @@ def pool_file_content(pools: list[PoolPlan], host: str) -> dict[str, object]:
             {
                 "model": pool.model,
                 "endpoints": pool.endpoints(host),
-                "batching": (pool.gateway_batching or pool.engine.batching).model_dump(
-                    by_alias=True
-                ),
+                "batching": pool.engine.batching.model_dump(by_alias=True),
                 "admission": pool.admission.model_dump(by_alias=True),
             }
             for pool in pools

@@ -57,9 +57,9 @@ def test_static_seed_example_500_steps_670_of_2000():
     assert scheduler.num_steps * 4 == 2000
     assert scheduler.slot_utilisation == pytest.approx(0.335)
     assert [seq.finished_step for seq in seqs] == SEED_LENGTHS
-    # The late request waited 499 steps: admitted at step 501.
+    # The late request waited 499 steps, then gathers for the queue delay: admitted at step 501.
     assert late.status is SequenceStatus.WAITING
-    run_step(scheduler)
+    run_step(scheduler, now=1.0)
     assert late.admitted_step == 501
 
 
@@ -126,8 +126,10 @@ def test_dynamic_fires_on_delay_with_preferred_size():
     scheduler.add(make_seq("r3", 3, arrival=0.1))
     for _ in range(2):
         assert not run_step(scheduler, now=0.15).admitted  # batch running: nobody joins
-    assert scheduler.next_step_delay(0.15) == 0.0  # r2 waited past the delay
-    plan = run_step(scheduler, now=0.15)
+    # r2 waited past the delay, but the window opens when the batch ended (at 0.15).
+    assert scheduler.next_step_delay(0.15) == pytest.approx(0.1)
+    assert not run_step(scheduler, now=0.2).chunks
+    plan = run_step(scheduler, now=0.25)
     assert [seq.request_id for seq in plan.admitted] == ["r2", "r3"]
 
 
@@ -145,7 +147,58 @@ def test_static_admits_none_while_batch_runs():
     plans = [run_step(scheduler) for _ in range(4)]
     assert all(not plan.admitted for plan in plans)  # a finished at step 2, its slot stays idle
     assert [len(plan.chunks) for plan in plans] == [2, 1, 1, 1]
-    assert run_step(scheduler).admitted[0].request_id == "c"
+    assert not run_step(scheduler).chunks  # alone: c gathers for the queue delay first
+    assert run_step(scheduler, now=1.0).admitted[0].request_id == "c"
+
+
+def test_static_gathers_until_the_batch_is_full():
+    # Preferred batch sizes are the dynamic policy's: static waits for a full batch or the delay.
+    scheduler = make_scheduler("static", max_queue_delay_seconds=1.0, preferred_batch_sizes=(2,))
+    for i in range(3):
+        scheduler.add(make_seq(f"r{i}", 5, arrival=0.0))
+    assert not run_step(scheduler, now=0.5).chunks
+    assert scheduler.next_step_delay(0.5) == pytest.approx(0.5)
+    scheduler.add(make_seq("r3", 5, arrival=0.5))
+    assert scheduler.next_step_delay(0.5) == 0.0
+    plan = run_step(scheduler, now=0.5)
+    assert [seq.request_id for seq in plan.admitted] == ["r0", "r1", "r2", "r3"]
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_a_lone_request_waits_at_most_the_delay(policy):
+    scheduler = make_scheduler(policy, max_queue_delay_seconds=0.1)
+    scheduler.add(make_seq("alone", 3, arrival=2.0))
+    assert scheduler.next_step_delay(2.0) == pytest.approx(0.1)
+    assert not run_step(scheduler, now=2.099).chunks
+    assert [seq.request_id for seq in run_step(scheduler, now=2.1).admitted] == ["alone"]
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_next_batch_gathers_from_the_end_of_the_previous(policy):
+    """Requests that queued in the engine during a batch wait for the one the gateway sends as
+    the batch's last slot frees, instead of leaving it to run alone."""
+    scheduler = make_scheduler(policy, max_queue_delay_seconds=0.1)
+    batch = [make_seq(f"b{i}", 2, arrival=0.0) for i in range(4)]
+    for seq in batch:
+        scheduler.add(seq)
+    run_step(scheduler, now=0.0)
+    queued = [make_seq(f"q{i}", 2, arrival=0.01) for i in range(3)]
+    for seq in queued:
+        scheduler.add(seq)
+    run_step(scheduler, now=1.0)  # the batch ends; the queued ones waited 0.99 s already
+    assert all(seq.is_finished for seq in batch)
+    assert scheduler.next_step_delay(1.0) == pytest.approx(0.1)
+    last = make_seq("last", 2, arrival=1.01)
+    scheduler.add(last)
+    plan = run_step(scheduler, now=1.01)
+    assert plan.admitted == [*queued, last]
+
+
+def test_continuous_never_gathers():
+    scheduler = make_scheduler("continuous", max_queue_delay_seconds=1.0)
+    scheduler.add(make_seq("alone", 3))
+    assert scheduler.next_step_delay(0.0) == 0.0
+    assert len(run_step(scheduler, now=0.0).admitted) == 1
 
 
 def test_chunked_prefill_respects_token_budget_and_keeps_decodes_going():

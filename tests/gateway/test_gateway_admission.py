@@ -182,29 +182,34 @@ async def test_least_loaded_endpoint_first(cluster):
     await a.release(second)
 
 
-async def test_dynamic_pool_releases_groups_after_the_queue_delay(cluster):
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+async def test_batching_pools_dispatch_at_once_the_engine_forms_the_batch(cluster, policy):
+    """No grouping or delay at the gateway for any policy (the engine gathers its batch): a
+    request goes as soon as an endpoint has a free slot, up to its slots."""
     pool = cluster.serve(
         PoolPolicy(
-            "m", policy="dynamic", max_queue_size=20, queue_timeout_s=5, max_queue_delay_us=300_000
+            "m", policy=policy, max_queue_size=20, queue_timeout_s=5, max_queue_delay_us=300_000
         ),
         ("http://a", 4, 0.0),
     )
     a = await cluster.replica()
     started = time.monotonic()
-    pair = await asyncio.gather(*(a.acquire(pool, priority=5, timeout_s=5) for _ in range(2)))
-    waited = time.monotonic() - started
-    assert 0.25 <= waited < 1.5, waited  # held for the group to fill, at most ~the delay
-    assert {lease.endpoint for lease in pair} == {"http://a"}
-    # The endpoint is busy (a group runs): a full group waits for it to be idle, then goes at once.
-    full = [asyncio.create_task(a.acquire(pool, priority=5, timeout_s=5)) for _ in range(4)]
+    lone = await a.acquire(pool, priority=5, timeout_s=5)
+    assert time.monotonic() - started < 0.15  # not held for a group (the delay is 0.3 s)
+    # A busy endpoint still takes requests into its free slots, one by one.
+    more = await asyncio.wait_for(
+        asyncio.gather(*(a.acquire(pool, priority=5, timeout_s=5) for _ in range(3))), 0.15
+    )
+    assert {lease.endpoint for lease in [lone, *more]} == {"http://a"}
+    # Beyond the slots a request waits, and goes the moment one slot frees.
+    waiter = asyncio.create_task(a.acquire(pool, priority=5, timeout_s=5))
     await asyncio.sleep(0.1)
-    assert not any(t.done() for t in full)
+    assert not waiter.done()
     started = time.monotonic()
-    for lease in pair:
-        await a.release(lease)
-    leases = await asyncio.wait_for(asyncio.gather(*full), 5)
-    assert time.monotonic() - started < 0.2
-    for lease in leases:
+    await a.release(lone)
+    last = await asyncio.wait_for(waiter, 5)
+    assert time.monotonic() - started < 0.15
+    for lease in [*more, last]:
         await a.release(lease)
 
 

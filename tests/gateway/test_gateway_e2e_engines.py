@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 
+import httpx
 import pytest
 from gateway_support import SLOTSERVE, Proc, pool, write_pools
 from openai import AsyncOpenAI
@@ -23,12 +24,12 @@ pytestmark = pytest.mark.slow
 NUM_SLOTS = 2
 
 
-def start_engine(spawn, model_dir) -> Proc:
+def start_engine(spawn, model_dir, *extra: str) -> Proc:
     port = free_port()
     argv = [
         str(SLOTSERVE), "engine", "--model", str(model_dir), "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1",
-        "--max-batch-size", str(NUM_SLOTS), "--max-model-len", "256",
+        "--max-batch-size", str(NUM_SLOTS), "--max-model-len", "256", *extra,
     ]  # fmt: skip
     return spawn._start(Proc, "engine", argv, port)
 
@@ -107,3 +108,42 @@ async def test_openai_client_streams_through_two_replicas(
     assert max(sampler.max_running.values()) <= NUM_SLOTS
     assert max(sampler.max_waiting.values()) == 0  # the gateways never over-filled an engine
     assert max(sampler.max_running.values()) == NUM_SLOTS  # and did use the slots
+
+
+DELAY_S = 0.4
+
+
+async def _ttft(client: httpx.AsyncClient, gateway_url: str) -> float:
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "stream": True}
+    started = time.monotonic()
+    async with client.stream("POST", f"{gateway_url}/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                return time.monotonic() - started
+    raise AssertionError("the stream ended without a token")
+
+
+async def test_a_lone_request_in_a_dynamic_pool_waits_one_queue_delay_not_two(
+    spawn, redis_server, tiny_model_dir, tmp_path
+):
+    """The engine gathers the batch; the gateway passes the request straight on, so a request
+    alone pays the queue delay once (both admission backends)."""
+    delay_us = str(int(DELAY_S * 1e6))
+    proc = start_engine(
+        spawn, tiny_model_dir, "--policy", "dynamic", "--max-queue-delay-microseconds", delay_us
+    )
+    dynamic = pool("tiny", [wait_ready(proc)])
+    dynamic["batching"] = {
+        "policy": "dynamic",
+        "maxBatchSize": NUM_SLOTS,
+        "maxQueueDelayMicroseconds": int(delay_us),
+    }
+    pools = write_pools(tmp_path / "pools.yaml", [dynamic])
+    gateways = [spawn.gateway(pools, redis_server.url), spawn.gateway(pools)]
+    async with httpx.AsyncClient(timeout=30) as client:
+        for gateway in gateways:
+            await _ttft(client, gateway.url)  # first-call costs out of the measurement
+            ttfts = [await _ttft(client, gateway.url) for _ in range(2)]
+            # At least the engine's gathering, and well short of paying the delay twice.
+            assert all(0.95 * DELAY_S <= t < 1.6 * DELAY_S for t in ttfts), (gateway.url, ttfts)

@@ -13,7 +13,6 @@ from slotserve.gateway.discovery import InvalidPoolObjectError, pool_from_infere
 from slotserve.gateway.proxy import SseEnding, last_event_end
 from slotserve.gateway.routing import (
     EndpointOffer,
-    group_size,
     load_score,
     rank_endpoints,
 )
@@ -29,7 +28,7 @@ def test_rank_prefers_free_share_then_engine_load_then_url():
     ]
     inflight = {"http://c": 1, "http://b": 1, "http://full": 1}
     assert [o.url for o in rank_endpoints(offers, inflight)] == ["http://a", "http://b", "http://c"]
-    assert [o.url for o in rank_endpoints(offers, inflight, idle_only=True)] == ["http://a"]
+    assert [o.url for o in rank_endpoints(offers, inflight, need=3)] == ["http://b", "http://c"]
     assert (
         rank_endpoints(offers, {"http://c": 4, "http://b": 4, "http://a": 2, "http://full": 1})
         == []
@@ -39,29 +38,6 @@ def test_rank_prefers_free_share_then_engine_load_then_url():
 def test_load_score_counts_waiting_double():
     assert load_score(running=2, waiting=0, kv_cache_usage=0.0, slots_total=4) < load_score(
         running=1, waiting=1, kv_cache_usage=0.0, slots_total=4
-    )
-
-
-@pytest.mark.parametrize(
-    ("waiting", "preferred", "waited", "expected"),
-    [
-        (8, [], 0, 4),  # a full batch goes at once
-        (3, [2], 0, 2),  # the largest preferred size that is there
-        (3, [], 50, 0),  # hold: the delay has not passed
-        (3, [], 100, 3),  # delay passed: send what there is
-        (0, [], 500, 0),
-    ],
-)
-def test_group_size(waiting, preferred, waited, expected):
-    assert (
-        group_size(
-            num_waiting=waiting,
-            slots_total=4,
-            preferred_batch_sizes=preferred,
-            waited_us=waited,
-            max_queue_delay_us=100,
-        )
-        == expected
     )
 
 

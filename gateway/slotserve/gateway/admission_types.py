@@ -107,8 +107,8 @@ class DispatchResult:
 
     queue_depth: int = 0
     num_dispatched_total: int = 0
-    # > 0: a dynamic/static group is held back (or the admission epoch is not ready yet);
-    # dispatch again after this many microseconds.
+    # > 0: the admission epoch is not ready yet (Redis lost its data); dispatch again after this
+    # many microseconds.
     hold_us: int = 0
     # The backend lost its state since this replica last wrote its leases (Redis FLUSHALL,
     # restart or failover): the replica must write them back and requeue its waiters at once.

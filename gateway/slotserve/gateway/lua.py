@@ -1,7 +1,7 @@
 """The named Lua scripts: every check-then-act of the Redis backend is one of these.
 
-They mirror ``memory_backend.InProcessHub`` step for step (same ranking, same group rule, same
-queue-full check), so both backends pass the same test suite. Key order: ``keys.POOL_KEY_NAMES``.
+They mirror ``memory_backend.InProcessHub`` step for step (same ranking, same queue-full check),
+so both backends pass the same test suite. Key order: ``keys.POOL_KEY_NAMES``.
 
 Every script starts with ``#!lua flags=...`` so that Redis refuses it whole, before its first
 command, when it cannot write (OOM under ``noeviction``, READONLY replica): a script stopped
@@ -177,45 +177,18 @@ end
 """
     + SLOTS
     + r"""
--- routing.group_size
-local function group_size(n, slots, waited)
-  if n <= 0 then return 0 end
-  if n >= slots then return slots end
-  local best = 0
-  for _, size in ipairs(PREFERRED) do
-    if size <= n and size > best then best = size end
-  end
-  if best > 0 then return best end
-  if waited >= MAX_DELAY_US then return n end
-  return 0
-end
-
+-- Every policy alike: the engine forms its batches (static, dynamic) from what arrives.
 local function dispatch(now)
   settle_promises(now)
   EPOCH_ID, READY_AT = check_epoch(now)
   if now < READY_AT then return READY_AT - now end  -- leases may still be coming back
-  local idle_only = POLICY ~= 'continuous'
   while true do
-    local rid, replica, enqueued, slots = head(now)
+    local rid, replica, _, slots = head(now)
     if not rid then return 0 end
     -- The head waits for all its slots, and those behind it wait for the head (FIFO).
-    local ep = best_endpoint(idle_only, slots)
+    local ep = best_endpoint(slots)
     if not ep then return 0 end
-    if not idle_only then
-      grant(rid, replica, ep.url, slots, now)
-    else
-      local waited = now - enqueued
-      local size = group_size(redis.call('ZCARD', K_QUEUE), ep.slots, waited)
-      if size == 0 then return math.max(1, MAX_DELAY_US - waited) end
-      grant(rid, replica, ep.url, slots, now)
-      local free = ep.free - slots
-      for _ = 2, size do
-        local r2, rep2, _, slots2 = head(now)
-        if not r2 or slots2 > free then break end
-        grant(r2, rep2, ep.url, slots2, now)
-        free = free - slots2
-      end
-    end
+    grant(rid, replica, ep.url, slots, now)
   end
 end
 
@@ -257,9 +230,9 @@ if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
   return result('ok', 0)
 end
 -- Fast path: nobody waits and a slot is free: the lease at once, no queue entry to write.
-if POLICY == 'continuous' and redis.call('ZCARD', K_QUEUE) == 0 then
+if redis.call('ZCARD', K_QUEUE) == 0 then
   EPOCH_ID, READY_AT = check_epoch(now)
-  local ep = now >= READY_AT and best_endpoint(false, slots)
+  local ep = now >= READY_AT and best_endpoint(slots)
   if ep then
     grant(rid, CALLER, ep.url, slots, now, false)
     touch()

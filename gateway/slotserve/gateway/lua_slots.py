@@ -16,16 +16,16 @@ local function lease_slots(rid)
 end
 
 -- routing.rank_endpoints: room for `need` slots, lowest held share, then engine load, then URL.
-local function best_endpoint(idle_only, need)
+local function best_endpoint(need)
   local best = nil
   for _, o in ipairs(OFFERS) do
     local used = tonumber(redis.call('HGET', K_INFLIGHT, o.url) or '0')
-    if used + need <= o.slots and (not idle_only or used == 0) then
+    if used + need <= o.slots then
       local ratio = used / o.slots
       if best == nil or ratio < best.ratio
           or (ratio == best.ratio and (o.load < best.load
               or (o.load == best.load and o.url < best.url))) then
-        best = {url = o.url, slots = o.slots, load = o.load, ratio = ratio, free = o.slots - used}
+        best = {url = o.url, load = o.load, ratio = ratio}
       end
     end
   end

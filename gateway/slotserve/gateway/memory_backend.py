@@ -23,7 +23,7 @@ from slotserve.gateway.admission_types import (
     PoolPolicy,
     QueueFullError,
 )
-from slotserve.gateway.routing import EndpointOffer, group_size, rank_endpoints
+from slotserve.gateway.routing import EndpointOffer, rank_endpoints
 
 SWEEP_BATCH = 100  # as in the Redis backend: bounded work per step however long the queue
 HEAD_DROPS = 16  # dead heads dropped one by one on the way to a live one (``lua.py``)
@@ -222,7 +222,6 @@ class InProcessHub:
     ) -> DispatchResult:
         state = self.pool(policy.name)
         state.settle_promises(now_us)
-        hold_us = 0
 
         def alive(replica: str) -> bool:
             return replica == caller or self.is_alive(replica, now_us)
@@ -235,37 +234,16 @@ class InProcessHub:
             if entry.replica in self.listeners:
                 self.listeners[entry.replica](policy.name, request_id, endpoint)
 
-        idle_only = policy.policy != "continuous"
+        # Every policy alike: the engine forms its batches (static, dynamic) from what arrives.
         while (head := state.head(now_us, alive)) is not None:
             request_id, entry = head
             # The head waits for all its slots, and those behind it wait for the head (FIFO).
-            ranked = rank_endpoints(offers, state.inflight, idle_only=idle_only, need=entry.slots)
+            ranked = rank_endpoints(offers, state.inflight, need=entry.slots)
             if not ranked:
                 break
-            if not idle_only:
-                grant(request_id, entry, ranked[0].url)
-                continue
-            waited_us = now_us - entry.enqueued_us
-            size = group_size(
-                num_waiting=len(state.queue),
-                slots_total=ranked[0].slots_total,
-                preferred_batch_sizes=policy.preferred_batch_sizes,
-                waited_us=waited_us,
-                max_queue_delay_us=policy.max_queue_delay_us,
-            )
-            if size == 0:
-                hold_us = max(1, policy.max_queue_delay_us - waited_us)
-                break
             grant(request_id, entry, ranked[0].url)
-            free = ranked[0].slots_total - entry.slots
-            for _ in range(size - 1):
-                nxt = state.head(now_us, alive)
-                if nxt is None or nxt[1].slots > free:
-                    break
-                grant(nxt[0], nxt[1], ranked[0].url)
-                free -= nxt[1].slots
         state.hold_freed_places(policy.max_queue_size)
-        return DispatchResult(len(state.queue), state.num_dispatched, hold_us)
+        return DispatchResult(len(state.queue), state.num_dispatched, 0)
 
 
 class InProcessBackend:

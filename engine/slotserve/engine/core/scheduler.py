@@ -10,14 +10,21 @@ admitted into that slot at step 21.
 *Slot utilisation* = useful slot-steps / (max_batch_size x steps), where a slot-step is useful
 when the slot's sequence had a chunk computed in that step (a decode, or a prefill chunk).
 
-Policies (Triton's names):
-- ``static``: when nothing runs, admit up to ``max_batch_size`` waiting sequences; admit no other
-  until every one of them has finished.
-- ``dynamic``: as static, but a batch starts only once ``max_batch_size`` sequences wait (or the
-  largest preferred batch size), or the oldest has waited ``max_queue_delay``; its size is the
-  largest preferred size that the waiting sequences can fill, else all that wait (up to the max).
+Policies (Triton's names). The engine alone forms batches: the gateway passes requests on as
+soon as an engine has a free slot, for every policy.
+- ``static``: when nothing runs, gather: a batch starts once ``max_batch_size`` sequences wait, or
+  ``max_queue_delay`` has passed since the batch could start (the later of the oldest waiting
+  sequence's arrival and the end of the previous batch); it takes all that wait (up to the max)
+  and admits no other until every one of them has finished.
+- ``dynamic``: as static, and a batch also starts once the largest preferred batch size waits;
+  its size is the largest preferred size that the waiting sequences can fill, else all that wait.
 - ``continuous``: every step, finished sequences have left and waiting ones join while a slot,
   their KV and the step's token budget allow; long prompts are prefilled in chunks.
+
+The gathering window opens at the end of the previous batch, not only at the oldest arrival: the
+gateway holds a pool's requests beyond its slots and sends the next ones as the batch's last
+sequences finish, a moment after the engine is free; counted from the oldest arrival alone, the
+next batch would start without them (and they would run as a batch of their own).
 
 With prefix caching (the engine's default), an admitted sequence starts with the tokens its slot
 row already holds marked computed, and the plan lists the row copies that must run before the
@@ -108,6 +115,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_useful_slot_steps = 0
         self.num_preemptions = 0
+        self._batch_ended_at = -math.inf  # when ``running`` last became empty
 
     # -- queues -----------------------------------------------------------------------------
 
@@ -133,10 +141,9 @@ class Scheduler:
             return 0.0
         if not self.waiting:
             return math.inf
-        if self.config.policy != "dynamic" or self._dynamic_ready(now):
+        if self.config.policy == "continuous" or self._batch_ready(now):
             return 0.0
-        waited = now - self.waiting[0].arrival_time
-        return max(0.0, self.config.max_queue_delay_seconds - waited)
+        return max(0.0, self._gather_deadline() - now)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -184,12 +191,12 @@ class Scheduler:
             limit = self.config.max_batch_size
         elif self.running:
             return  # static and dynamic: a running batch admits nobody until it drains
+        elif not self._batch_ready(now):
+            return
         elif policy == "static":
             limit = self.config.max_batch_size
-        elif self._dynamic_ready(now):
-            limit = self._dynamic_batch_size()
         else:
-            return
+            limit = self._dynamic_batch_size()
         num_admitted = 0
         while self.waiting and num_admitted < limit and self.kv_cache.can_allocate(self.waiting[0]):
             # Continuous admits only what gets a chunk now; a static batch is admitted whole and
@@ -212,15 +219,19 @@ class Scheduler:
                 plan.chunks.append(chunk)
                 budget -= chunk.num_tokens
 
-    def _dynamic_ready(self, now: float) -> bool:
+    def _batch_ready(self, now: float) -> bool:
+        """Static and dynamic, nothing running: has the gathering ended?"""
         num_waiting = len(self.waiting)
         if num_waiting >= self.config.max_batch_size:
             return True
         preferred = self.config.preferred_batch_sizes
-        if preferred and num_waiting >= max(preferred):
+        if self.config.policy == "dynamic" and preferred and num_waiting >= max(preferred):
             return True
-        waited = now - self.waiting[0].arrival_time
-        return waited >= self.config.max_queue_delay_seconds
+        return now >= self._gather_deadline()
+
+    def _gather_deadline(self) -> float:
+        opened = max(self.waiting[0].arrival_time, self._batch_ended_at)
+        return opened + self.config.max_queue_delay_seconds
 
     def _dynamic_batch_size(self) -> int:
         available = min(len(self.waiting), self.config.max_batch_size)
@@ -245,7 +256,7 @@ class Scheduler:
         self._pending_aborts.clear()
         for seq in aborted:
             if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
+                self._leave_running(seq, now)
             else:
                 self.waiting.remove(seq)
             self._finish(seq, "abort", now)
@@ -282,7 +293,7 @@ class Scheduler:
             seq.last_token_time = now
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
-                self.running.remove(seq)
+                self._leave_running(seq, now)
                 self._finish(seq, reason, now)
                 seq.finished_step = plan.step
                 finished.append(seq)
@@ -293,7 +304,7 @@ class Scheduler:
         if seq.is_finished:
             return
         if seq in self.running:
-            self.running.remove(seq)
+            self._leave_running(seq, now)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._finish(seq, reason, now)
@@ -304,6 +315,11 @@ class Scheduler:
         self.finish(seq, "error", now)
         seq.finish_reason = "error"
         seq.error = error
+
+    def _leave_running(self, seq: Sequence, now: float) -> None:
+        self.running.remove(seq)
+        if not self.running:
+            self._batch_ended_at = now
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params
