@@ -18,7 +18,6 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from slotserve.engine.core.protocols import Tokenizer
@@ -43,60 +42,19 @@ class GrammarError(ValueError):
         self.param = param
 
 
-def requested_grammar(
-    body: Any, tool_grammar: tuple[str, str] | None = None
-) -> tuple[str, str] | None:
-    """``(param, grammar)`` for a request body's structured-output field, if it has one:
-    ``response_format`` (json_object, json_schema) or vLLM's ``guided_json``,
-    ``guided_regex``, ``guided_choice``; or ``tool_grammar``, a tool call's (tool_calls.py)."""
-    sources: list[tuple[str, Callable[[], str]]] = []
-    if tool_grammar is not None:
-        sources.append((tool_grammar[0], lambda: tool_grammar[1]))
-    response_format = getattr(body, "response_format", None)
-    if response_format is not None and response_format.type == "json_object":
-        sources.append(("response_format", lambda: json_schema_grammar({"type": "object"})))
-    if response_format is not None and response_format.type == "json_schema":
-        schema = response_format.json_schema.schema_ or {}
-        sources.append(("response_format.json_schema", lambda: json_schema_grammar(schema)))
-    if body.guided_json is not None:
-        sources.append(("guided_json", lambda: json_schema_grammar(body.guided_json)))
-    if body.guided_regex is not None:
-        sources.append(("guided_regex", lambda: regex_grammar(body.guided_regex)))
-    if body.guided_choice is not None:
-        sources.append(("guided_choice", lambda: choice_grammar(body.guided_choice)))
-    if not sources:
-        return None
-    if len(sources) > 1:
-        raise GrammarError(
-            f"'{sources[1][0]}' cannot be combined with '{sources[0][0]}'", sources[1][0]
-        )
-    param, build = sources[0]
-    for field in ("ignore_eos", "min_tokens"):
-        if getattr(body, field, None):
-            raise GrammarError(f"'{field}' cannot be combined with structured output", field)
-    try:
-        return param, build()
-    except Exception as error:  # the library's own error types: the request's fault
-        raise GrammarError(f"'{param}' is not usable: {error}", param) from error
+class GrammarTimeoutError(GrammarError):
+    """The grammar engine took longer than ``GRAMMAR_CHECK_SECONDS`` to check it."""
 
 
-async def check_requested_grammar(
-    grammars: Grammars, body: Any, tool_grammar: tuple[str, str] | None = None
-) -> str | None:
-    """The request's grammar, checked off the event loop within ``GRAMMAR_CHECK_SECONDS``."""
-    requested = requested_grammar(body, tool_grammar)
-    if requested is None:
-        return None
-    param, grammar = requested
+async def check_in_time(grammars: Grammars, grammar: str, param: str) -> None:
+    """Check ``grammar`` off the event loop within ``GRAMMAR_CHECK_SECONDS``; raises
+    :class:`GrammarError` (:class:`GrammarTimeoutError` past the time) naming ``param``."""
     try:
         await asyncio.wait_for(asyncio.to_thread(grammars.check, grammar), GRAMMAR_CHECK_SECONDS)
     except TimeoutError as error:
-        raise GrammarError(
+        raise GrammarTimeoutError(
             f"'{param}' took longer than {GRAMMAR_CHECK_SECONDS:.0f} s to compile", param
         ) from error
-    except GrammarError as error:
-        raise GrammarError(f"'{param}' is not usable: {error}", param) from error
-    return grammar
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:

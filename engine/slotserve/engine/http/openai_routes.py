@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
 from slotserve.engine.core.generation_defaults import GenerationDefaults
 from slotserve.engine.core.params import SamplingParams, check_min_tokens
-from slotserve.engine.core.structured import GrammarError, check_requested_grammar
+from slotserve.engine.core.structured import GrammarError
 from slotserve.engine.core.tokenize import PromptTooLongError, TokenizerUnavailableError
 from slotserve.engine.http.choices import Choices
 from slotserve.engine.http.http_state import (
@@ -38,6 +38,7 @@ from slotserve.engine.http.openai_api import (
 from slotserve.engine.http.openai_format import ChatFormat, CompletionFormat, OutputFormat
 from slotserve.engine.http.openai_replies import collect, stream_sse
 from slotserve.engine.http.openai_responses import ModelCard, ModelList
+from slotserve.engine.http.structured_request import check_requested_grammar
 from slotserve.engine.http.tool_calls import check_tool_schemas, plan_tools
 from slotserve.engine.http.tool_format import ToolChatFormat
 from slotserve.engine.http.tracing import record_request_phases

@@ -15,7 +15,6 @@ renders no tools and parses nothing.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -24,7 +23,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from slotserve.engine.core.errors import InvalidRequestError
-from slotserve.engine.core.structured import GRAMMAR_CHECK_SECONDS, Grammars, json_schema_grammar
+from slotserve.engine.core.structured import (
+    Grammars,
+    GrammarTimeoutError,
+    check_in_time,
+    json_schema_grammar,
+)
 from slotserve.engine.core.tool_parsers import ParsedCall, ToolParser, ToolParserName, choose_parser
 
 
@@ -224,12 +228,8 @@ async def check_tool_schemas(grammars: Grammars, plan: ToolPlan) -> None:
         param = f"tools.{index}.function.parameters"
         try:
             grammar = json_schema_grammar(tool.function.parameters)
-            await asyncio.wait_for(
-                asyncio.to_thread(grammars.check, grammar), GRAMMAR_CHECK_SECONDS
-            )
-        except TimeoutError as error:
-            raise ToolError(
-                f"'{param}' took longer than {GRAMMAR_CHECK_SECONDS:.0f} s to compile", param
-            ) from error
+            await check_in_time(grammars, grammar, param)
+        except GrammarTimeoutError as error:
+            raise ToolError(str(error), param) from error
         except Exception as error:  # GrammarError or the library's own: the request's fault
             raise ToolError(f"'{param}' is not a usable JSON schema: {error}", param) from error
