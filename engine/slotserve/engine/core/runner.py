@@ -28,9 +28,11 @@ from slotserve.engine.core.logprobs import SampledLogprobs
 from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
 from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.core.prefix_cache import SlotCopy
+from slotserve.engine.core.protocols import Tokenizer
 from slotserve.engine.core.sampling import Sampler
 from slotserve.engine.core.scheduler import ScheduledChunk
 from slotserve.engine.core.sequence import SequenceError
+from slotserve.engine.settings import EngineSettings
 from slotserve.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,7 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
-def load_model(source: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+def load_model(source: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
     """Load model and tokenizer from a local folder or hub id (already resolved)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -86,7 +88,10 @@ def load_model(source: str, device: torch.device, dtype: torch.dtype) -> tuple[A
     # transformers' stubs type the wrapped `to` as taking the model itself, not a device.
     model.to(device)  # type: ignore[arg-type]
     model.eval()
-    return model, tokenizer
+    # transformers types decode() and apply_chat_template() for every input shape and flag
+    # (-> str | list[str]; messages as dict[str, str]); for the flat id lists, tokenize=False and
+    # messages (with tool calls) the engine passes, they are what Tokenizer declares.
+    return model, tokenizer  # type: ignore[return-value]
 
 
 def available_memory_bytes(device: torch.device, sources: MemorySources) -> int:
@@ -281,9 +286,9 @@ class ModelRunner:
 
 
 def build_runner(
-    settings: Any, source: str, memory: MemorySources = SYSTEM
-) -> tuple[ModelRunner, Any, int]:
-    """Load the model for ``settings`` (an EngineSettings) and size the KV cache.
+    settings: EngineSettings, source: str, memory: MemorySources = SYSTEM
+) -> tuple[ModelRunner, Tokenizer, int]:
+    """Load the model for ``settings`` and size the KV cache.
 
     Returns the runner, the tokenizer and the KV capacity in tokens: ``kv_cache_tokens`` if
     set (never more than the slot rows hold), else as many slot rows of ``max_model_len`` as
