@@ -22,6 +22,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from slotserve.contracts.engine_argv import DTYPES
+from slotserve.contracts.pool_spec import BATCHING_POLICIES, AdmissionSpec, BatchingSpec
 from slotserve.local.phases import run_phase, sample_interval, warm_up
 from slotserve.local.processes import ChildExitedError, Supervisor, interrupt_on_signals
 from slotserve.local.report import PhaseResult, build_table, write_results
@@ -43,9 +45,8 @@ from slotserve.local.workload import (
     seed_workload,
 )
 from slotserve.models.resolve import default_served_name
-from slotserve.pools import AdmissionSpec, BatchingSpec
 
-POLICIES = ("static", "dynamic", "continuous")
+POLICIES = BATCHING_POLICIES
 # How long a static/dynamic engine gathers a batch that is not full (the engine forms batches;
 # the gateway passes requests on as slots free): requests sent together arrive well within it.
 BATCH_FORM_DELAY_MICROSECONDS = 100_000
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, help="gateway port (default: a free one)")
     parser.add_argument("--num-threads", type=int, help="torch threads per engine")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", choices=DTYPES)
     parser.add_argument("--redis-url", help="use this Redis (default: start redis-server if found)")
     parser.add_argument("--no-redis", action="store_true", help="in-process admission")
     parser.add_argument("--ready-timeout-seconds", type=float, default=300)

@@ -21,8 +21,10 @@ from typing import Literal
 import yaml
 from rich.console import Console
 
+from slotserve.contracts.engine_argv import DType, EngineLaunch
+from slotserve.contracts.engine_argv import engine_argv as contract_engine_argv
+from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec
 from slotserve.local.processes import Child, ChildSpec, Supervisor, http_ready, redis_ready
-from slotserve.pools import AdmissionSpec, BatchingSpec
 
 DEMO_MODEL = "smollm2"
 
@@ -37,8 +39,23 @@ class EngineOptions:
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
     num_threads: int | None = None
-    dtype: str | None = None
+    dtype: DType | None = None
     drain_timeout_seconds: float = 5.0
+
+    def launch(self, host: str, port: int) -> EngineLaunch:
+        """One engine of the pool, listening on ``host:port``."""
+        return EngineLaunch(
+            model=self.model,
+            served_model_name=self.served_model_name,
+            batching=self.batching,
+            host=host,
+            port=port,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            drain_timeout_seconds=self.drain_timeout_seconds,
+            kv_cache_tokens=self.kv_cache_tokens,
+            num_threads=self.num_threads,
+        )
 
 
 @dataclass
@@ -150,29 +167,7 @@ def slotserve_argv(*args: str) -> list[str]:
 
 
 def engine_argv(options: EngineOptions, host: str, port: int) -> list[str]:
-    batching = options.batching
-    argv = slotserve_argv(
-        "engine",
-        "--model", options.model,
-        "--served-model-name", options.served_model_name,
-        "--host", host,
-        "--port", str(port),
-        "--policy", batching.policy,
-        "--max-batch-size", str(batching.max_batch_size),
-        "--max-queue-delay-microseconds", str(batching.max_queue_delay_microseconds),
-        "--max-batched-tokens", str(batching.max_batched_tokens),
-        "--drain-timeout-seconds", str(options.drain_timeout_seconds),
-    )  # fmt: skip
-    optional = {
-        "--max-model-len": options.max_model_len,
-        "--kv-cache-tokens": options.kv_cache_tokens,
-        "--num-threads": options.num_threads,
-        "--dtype": options.dtype,
-    }
-    for flag, value in optional.items():
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv
+    return slotserve_argv(*contract_engine_argv(options.launch(host, port)))
 
 
 def gateway_argv(host: str, port: int, pool_file: Path, redis_url: str | None) -> list[str]:

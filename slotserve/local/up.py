@@ -15,6 +15,15 @@ from pathlib import Path
 
 from rich.console import Console
 
+from slotserve.contracts.engine_argv import DTYPES
+from slotserve.contracts.pool_spec import (
+    BATCHING_POLICIES,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS,
+    DEFAULT_POLICY,
+    AdmissionSpec,
+    BatchingSpec,
+)
 from slotserve.local.processes import ChildExitedError, Supervisor, interrupt_on_signals
 from slotserve.local.stack import (
     DEMO_MODEL,
@@ -32,7 +41,6 @@ from slotserve.local.stack import (
     start_stack,
 )
 from slotserve.models.resolve import default_served_name
-from slotserve.pools import AdmissionSpec, BatchingSpec
 from slotserve.settings import CommonSettings
 
 DEFAULT_GATEWAY_PORT = 8080
@@ -51,17 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=int, help=f"gateway port (default {DEFAULT_GATEWAY_PORT}, or a free one)"
     )
     parser.add_argument("--engine-ports", help="comma-separated engine ports (default: free ports)")
+    parser.add_argument("--policy", choices=BATCHING_POLICIES, default=DEFAULT_POLICY)
+    # The pool defaults of slotserve.contracts (DESIGN.md's InferencePool), as on Kubernetes.
     parser.add_argument(
-        "--policy", choices=["static", "dynamic", "continuous"], default="continuous"
+        "--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="slots per engine"
     )
-    parser.add_argument("--max-batch-size", type=int, default=8, help="slots per engine")
-    parser.add_argument("--max-queue-delay-microseconds", type=int, default=100)
+    parser.add_argument(
+        "--max-queue-delay-microseconds", type=int, default=DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument(
         "--kv-cache-tokens", type=int, help="KV cache per engine (default: slots x max-model-len)"
     )
     parser.add_argument("--num-threads", type=int, help="torch threads per engine")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", choices=DTYPES)
     parser.add_argument("--max-queue-size", type=int, default=256, help="gateway queue limit")
     parser.add_argument("--queue-timeout-seconds", type=float, default=30)
     parser.add_argument("--redis-url", help="use this Redis (default: start redis-server if found)")

@@ -8,12 +8,12 @@ import pytest
 import yaml
 from PIL import Image
 
+from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec
 from slotserve.local import stack
 from slotserve.local.enginestats import OccupancySample, parse_counters, phase_utilisation
 from slotserve.local.report import percentile, summarise, write_results
 from slotserve.local.workload import RequestResult, burst_workload, seed_workload
 from slotserve.models.resolve import default_served_name
-from slotserve.pools import AdmissionSpec, BatchingSpec
 
 
 def test_seed_workload_is_the_seed_plus_late_arrivals_triggered_by_the_longest():

@@ -16,8 +16,8 @@ from typing import Any
 
 import kubernetes.client
 
+from slotserve.contracts.crd import GROUP, PLURAL, VERSION
 from slotserve.operator import cli, kube
-from slotserve.operator.models import GROUP, PLURAL, VERSION
 from slotserve.operator.rbac import REQUIRED_RULES
 from slotserve.operator.settings import OperatorSettings
 

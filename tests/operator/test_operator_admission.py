@@ -26,8 +26,8 @@ from operator_harness import Kube
 from support import RedisServer, free_port, wait_until
 
 from slotserve.admission_stats import WINDOW_TTL_S
+from slotserve.contracts.crd import API_VERSION, KIND
 from slotserve.operator import kube as kube_io
-from slotserve.operator.models import API_VERSION, KIND
 from slotserve.operator.settings import OperatorSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))

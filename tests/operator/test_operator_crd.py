@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from slotserve.contracts.crd import API_VERSION, KIND
 from slotserve.operator import crd, models
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +19,7 @@ CRD_FILE = ROOT / "crds" / "inferencepools.slotserve.dev.yaml"
 EXAMPLES = [
     path
     for path in sorted((ROOT / "examples").glob("*.yaml"))
-    if (yaml.safe_load(path.read_text()) or {}).get("kind") == models.KIND
+    if (yaml.safe_load(path.read_text()) or {}).get("kind") == KIND
 ]
 K8S_VERSION = "1.37.0"
 
@@ -44,8 +45,8 @@ def validator() -> jsonschema.Validator:
 def pool(**spec: Any) -> dict[str, Any]:
     base = {"model": {"name": "smollm2", "source": {"builtin": "smollm2"}}}
     return {
-        "apiVersion": models.API_VERSION,
-        "kind": models.KIND,
+        "apiVersion": API_VERSION,
+        "kind": KIND,
         "metadata": {"name": "p"},
         "spec": {**base, **spec},
     }

@@ -96,7 +96,7 @@ def _proxy(api: Any, method: str, namespace: str, service: str, path: str, body:
 def test_pool_becomes_ready_and_serves_a_completion(api: Any, tmp_path: Path):
     import kubernetes.client
 
-    from slotserve.operator.models import GROUP, PLURAL, VERSION
+    from slotserve.contracts.crd import GROUP, PLURAL, VERSION
 
     _apply_crd(api)
     core = kubernetes.client.CoreV1Api(api)

@@ -24,7 +24,7 @@ from local_kubelet import LocalKubelet, free_loopback_ips
 from operator_harness import Kube
 from support import free_port, wait_until
 
-from slotserve.operator.models import API_VERSION, KIND
+from slotserve.contracts.crd import API_VERSION, KIND
 from slotserve.operator.settings import OperatorSettings
 
 pytestmark = pytest.mark.slow

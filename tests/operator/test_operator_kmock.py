@@ -24,7 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from operator_harness import Kube, OperatorThread, assert_rbac_covers
 from support import free_port, http_ok, wait_until
 
-from slotserve.operator.models import API_VERSION, KIND
+from slotserve.contracts.crd import API_VERSION, KIND
 from slotserve.operator.settings import OperatorSettings
 
 WAIT = 15

@@ -13,7 +13,7 @@ from operator_harness import Kube, OperatorThread, assert_rbac_covers
 from support import free_port, wait_until
 from test_operator_kmock import WAIT, condition, pool_body, wait_status
 
-from slotserve.operator.models import KIND
+from slotserve.contracts.crd import KIND
 from slotserve.operator.settings import OperatorSettings
 
 

@@ -6,12 +6,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from slotserve.contracts.pool_spec import (
+    DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS,
+    DEFAULT_POLICY,
+    MAX_PRIORITY_LEVELS,
+    AdmissionSpec,
+    BatchingPolicy,
+    BatchingSpec,
+    TimeoutAction,
+)
 from slotserve.gateway.routing import EndpointOffer
-from slotserve.pools import AdmissionSpec, BatchingSpec, TimeoutAction
 
 # Internal priority for a request retried after its engine failed: ahead of every client level.
 RETRY_PRIORITY = 0
-MAX_PRIORITY_LEVEL = 9
 # Priority aging: this much waiting (us) is worth one priority level (see ``enqueue``).
 DEFAULT_AGING_US = 2_000_000
 # Added to a demoted (DELAY) request's queue score: behind everything not demoted (~31 years of
@@ -42,12 +49,12 @@ class PoolPolicy:
     """What the backends need to know about a pool to admit its requests."""
 
     name: str
-    policy: Literal["static", "dynamic", "continuous"] = "continuous"
+    policy: BatchingPolicy = DEFAULT_POLICY
     max_queue_size: int = 256
     queue_timeout_s: float = 30.0
-    max_queue_delay_us: int = 100
+    max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS
     preferred_batch_sizes: tuple[int, ...] = ()
-    priority_levels: int = MAX_PRIORITY_LEVEL
+    priority_levels: int = MAX_PRIORITY_LEVELS
     default_priority_level: int | None = None  # unset: the gateway's --default-priority
     # (level, its policy) for the levels that have their own; the rest use the pool's values.
     priority_queue_policy: tuple[tuple[int, LevelPolicy], ...] = ()

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slotserve.pools import MAX_PRIORITY_LEVELS
+from slotserve.contracts.pool_spec import MAX_PRIORITY_LEVELS
 
 log = logging.getLogger(__name__)
 

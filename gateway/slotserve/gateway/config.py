@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, ValidationError, field_validator
 
+from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec, WireModel
 from slotserve.gateway.admission_types import PoolPolicy
-from slotserve.pools import AdmissionSpec, BatchingSpec, WireModel
 
 log = logging.getLogger(__name__)
 

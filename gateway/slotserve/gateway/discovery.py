@@ -28,13 +28,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from slotserve.contracts.crd import GROUP, PLURAL, VERSION
+from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec
 from slotserve.gateway.config import Pool, PoolRegistry
 from slotserve.gateway.endpointslices import SLICE_SELECTOR, EndpointIndex
-from slotserve.pools import AdmissionSpec, BatchingSpec
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "slotserve.dev", "v1alpha1", "inferencepools"
 WATCH_TIMEOUT_S = 300  # the server ends each watch after this long; then a full list again
 LIST_TIMEOUT_S = 30
 CONNECT_TIMEOUT_S = 5
@@ -50,7 +50,7 @@ REQUIRED_RULES: list[dict[str, list[str]]] = [
         "verbs": ["list", "watch"],
     },
 ]
-POOLS, SLICES = "inferencepools", "endpointslices"
+POOLS, SLICES = PLURAL, "endpointslices"
 
 
 class InvalidPoolObjectError(ValueError):

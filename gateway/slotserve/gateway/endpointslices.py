@@ -17,16 +17,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from slotserve.contracts.crd import ENGINE_PORT_NAME, POOL_LABEL
+
 log = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 # The controller copies a Service's labels onto its slices; every pool's Service carries the
 # pool label, so this keeps a cluster-wide gateway from listing every slice in the cluster.
-POOL_LABEL = "slotserve.dev/pool"
 SLICE_SELECTOR = f"{SERVICE_NAME_LABEL},{POOL_LABEL}"
-# The name of the engine port on the pool's Service (operator builders.py ENGINE_PORT_NAME; a
-# unit test keeps the two equal). A slice carries the pods' port number under this name.
-ENGINE_PORT_NAME = "http"
 # When a dual-stack Service lists one pod in an IPv4 and an IPv6 slice, the pod is one engine
 # (one set of slots): it is routed to once, IPv4 first.
 FAMILY_ORDER = {"IPv4": 0, "IPv6": 1}

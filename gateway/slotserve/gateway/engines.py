@@ -1,6 +1,7 @@
 """Engine load reports: every endpoint's ``GET /load``, read continuously.
 
-The slot count the gateway enforces is the engine's own ``slots_total``; an endpoint that does
+The slot count the gateway enforces is the engine's own ``slots_total``
+(``slotserve.contracts.engine_load``); an endpoint that does
 not answer, reports ``draining`` or failed a proxied request is offered to nobody until its next
 good report.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from slotserve.contracts.engine_load import EngineLoadReport
 from slotserve.gateway.config import PoolRegistry
 from slotserve.gateway.routing import EndpointOffer, load_score
 
@@ -113,14 +115,14 @@ class EngineMonitor:
         try:
             async with self._session.get(f"{url}/load") as resp:
                 resp.raise_for_status()
-                body = await resp.json()
-            load.slots_total = int(body["slots_total"])
-            load.running = int(body.get("running", 0))
-            load.waiting = int(body.get("waiting", 0))
-            load.kv_cache_usage = float(body.get("kv_cache_usage", 0.0))
-            load.draining = bool(body.get("draining", False))
-            load.mean_request_s = max(0.0, float(body.get("mean_request_seconds", 0.0)))
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+                report = EngineLoadReport.model_validate(await resp.json())
+            load.slots_total = report.slots_total
+            load.running = report.running
+            load.waiting = report.waiting
+            load.kv_cache_usage = report.kv_cache_usage
+            load.draining = report.draining
+            load.mean_request_s = max(0.0, report.mean_request_seconds)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             load.num_failures += 1
             if load.num_failures == FAILURES_BEFORE_DOWN:
                 log.warning("engine %s is down: %s", url, exc or type(exc).__name__)

@@ -22,6 +22,7 @@ from functools import partial
 import aiohttp
 from aiohttp import web
 
+from slotserve.contracts.headers import QUEUE_WAIT_MS_HEADER, SLOTS_FREE_HEADER, SLOTS_TOTAL_HEADER
 from slotserve.gateway.admission import Admission, Lease
 from slotserve.gateway.admission_types import RETRY_PRIORITY, AdmissionError
 from slotserve.gateway.engines import EngineMonitor
@@ -47,8 +48,8 @@ FORWARD_RESPONSE_HEADERS = (
     "Content-Encoding",
     "Cache-Control",
     "X-Request-Id",
-    "x-slotserve-slots-free",
-    "x-slotserve-slots-total",
+    SLOTS_FREE_HEADER,
+    SLOTS_TOTAL_HEADER,
 )
 RETRYABLE_STATUSES = frozenset({502, 503})
 SSE_CONTENT_TYPE = "text/event-stream"
@@ -187,7 +188,7 @@ def _copy_headers(
     for name in FORWARD_RESPONSE_HEADERS:
         if name in upstream.headers:
             response.headers[name] = upstream.headers[name]
-    response.headers["x-slotserve-queue-wait-ms"] = f"{lease.queue_wait_s * 1000:.1f}"
+    response.headers[QUEUE_WAIT_MS_HEADER] = f"{lease.queue_wait_s * 1000:.1f}"
 
 
 def _silence_message(ctx: ProxyContext, lease: Lease) -> str:

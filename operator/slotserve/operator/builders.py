@@ -10,11 +10,11 @@ import json
 import math
 from typing import Any
 
+from slotserve.contracts.crd import ENGINE_PORT_NAME, POOL_LABEL
+from slotserve.contracts.engine_argv import ENGINE_PORT, EngineLaunch, engine_argv
 from slotserve.operator.models import InferencePool, InferencePoolSpec
 
 ENGINE_CONTAINER = "engine"
-ENGINE_PORT = 8000
-ENGINE_PORT_NAME = "http"
 MODELS_MOUNT = "/models"
 CACHE_MOUNT = "/cache"
 RUN_AS_USER = 1000
@@ -24,7 +24,6 @@ PRE_STOP_SLEEP_SECONDS = 5
 # Slack beyond the drain itself: process exit, flushing logs.
 GRACE_SLACK_SECONDS = 10
 
-POOL_LABEL = "slotserve.dev/pool"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY = "slotserve-operator"
 
@@ -51,43 +50,22 @@ def common_labels(pool: InferencePool) -> dict[str, str]:
 
 
 def engine_args(spec: InferencePoolSpec, model_arg: str) -> list[str]:
-    """Arguments of ``slotserve engine`` (the contract's flag names)."""
-    batching = spec.batching
-    args = [
-        "engine",
-        "--model",
-        model_arg,
-        "--served-model-name",
-        spec.model.name,
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(ENGINE_PORT),
-        "--policy",
-        batching.policy,
-        "--max-batch-size",
-        str(batching.max_batch_size),
-        "--max-queue-delay-microseconds",
-        str(batching.max_queue_delay_microseconds),
-        "--max-batched-tokens",
-        str(batching.max_batched_tokens),
-        "--max-model-len",
-        str(spec.model.max_model_len),
-        "--dtype",
-        spec.model.dtype,
-        "--drain-timeout-seconds",
-        str(spec.engine.drain_timeout_seconds),
-    ]
-    if batching.preferred_batch_sizes:
-        args += ["--preferred-batch-sizes", *map(str, batching.preferred_batch_sizes)]
+    """Arguments of ``slotserve engine`` for the pool's pods (``slotserve.contracts``)."""
     model = spec.model
-    args += ["--generation-config", model.generation_config]
-    args += ["--tool-call-parser", model.tool_call_parser]
-    if model.sampling_defaults is not None and (
-        overrides := model.sampling_defaults.as_generation_config()
-    ):
-        args += ["--override-generation-config", json.dumps(overrides, sort_keys=True)]
-    return args
+    overrides = model.sampling_defaults.as_generation_config() if model.sampling_defaults else {}
+    return engine_argv(
+        EngineLaunch(
+            model=model_arg,
+            served_model_name=model.name,
+            batching=spec.batching,
+            max_model_len=model.max_model_len,
+            dtype=model.dtype,
+            drain_timeout_seconds=spec.engine.drain_timeout_seconds,
+            generation_config=model.generation_config,
+            tool_call_parser=model.tool_call_parser,
+            override_generation_config=json.dumps(overrides, sort_keys=True) if overrides else None,
+        )
+    )
 
 
 def _model_source(

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema
 
+from slotserve.contracts.crd import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from slotserve.operator import models
 
 HEADER = (
@@ -29,12 +30,12 @@ HEADER = (
     "# Do not edit by hand: change the models and regenerate (a test fails on drift).\n"
 )
 
-# Bounds the shared models (slotserve.pools) do not declare, but CEL cost estimation needs:
-# a rule that iterates a list must know how long the list can be.
+# Bounds the shared models (slotserve.contracts.pool_spec) do not declare, but CEL cost
+# estimation needs: a rule that iterates a list must know how long the list can be.
 _EXTRA_BOUNDS: dict[tuple[str, ...], dict[str, Any]] = {
     ("spec", "batching", "preferredBatchSizes"): {"maxItems": 64},
     ("status", "endpoints"): {"maxItems": 10_000},
-    # Map keys are strings in Kubernetes: the levels, as slotserve.pools.AdmissionSpec checks.
+    # Map keys are strings in Kubernetes: the levels, as contracts.pool_spec.AdmissionSpec checks.
     ("spec", "admission"): {
         "x-kubernetes-validations": [
             {
@@ -169,26 +170,26 @@ def build_crd() -> dict[str, Any]:
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": f"{models.PLURAL}.{models.GROUP}",
+            "name": f"{PLURAL}.{GROUP}",
             "labels": {
                 "app.kubernetes.io/name": "slotserve",
                 "app.kubernetes.io/part-of": "slotserve",
             },
         },
         "spec": {
-            "group": models.GROUP,
+            "group": GROUP,
             "scope": "Namespaced",
             "names": {
-                "kind": models.KIND,
-                "listKind": f"{models.KIND}List",
-                "plural": models.PLURAL,
-                "singular": models.SINGULAR,
-                "shortNames": list(models.SHORT_NAMES),
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
                 "categories": ["slotserve"],
             },
             "versions": [
                 {
-                    "name": models.VERSION,
+                    "name": VERSION,
                     "served": True,
                     "storage": True,
                     "schema": {"openAPIV3Schema": openapi_schema()},

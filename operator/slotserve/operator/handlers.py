@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from slotserve.contracts.crd import GROUP, PLURAL, VERSION
 from slotserve.operator import builders, drift, kube
 from slotserve.operator.admission_monitor import AdmissionMonitor
 from slotserve.operator.admission_redis import AdmissionReader
@@ -37,7 +38,7 @@ from slotserve.operator.gateway_api import build_gateway_inference_pool
 from slotserve.operator.healer import Healer
 from slotserve.operator.keda import build_scaled_object
 from slotserve.operator.kube_api import KubeApi, api_message
-from slotserve.operator.models import GROUP, PLURAL, VERSION, InferencePool
+from slotserve.operator.models import InferencePool
 from slotserve.operator.network import build_network_policy
 from slotserve.operator.policy import Policy
 from slotserve.operator.pool_checks import check_pool

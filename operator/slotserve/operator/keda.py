@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from slotserve.contracts.crd import API_VERSION, KIND
 from slotserve.operator.builders import COMPONENT_LABEL, common_labels
-from slotserve.operator.models import API_VERSION, KIND, InferencePool
+from slotserve.operator.models import InferencePool
 
 KEDA_GROUP = "keda.sh"
 KEDA_VERSION = "v1alpha1"

@@ -21,9 +21,9 @@ import kubernetes.client
 import kubernetes.config
 from kubernetes.client.exceptions import ApiException
 
+from slotserve.contracts.crd import GROUP, KIND, PLURAL, VERSION
 from slotserve.operator.drift import in_sync, is_subset
 from slotserve.operator.kube_api import MERGE_PATCH, KubeApi, object_path
-from slotserve.operator.models import GROUP, KIND, PLURAL, VERSION
 
 __all__ = [
     "MERGE_PATCH",

@@ -1,6 +1,7 @@
 """The InferencePool custom resource as pydantic models: spec, status, and the parsed object.
 
-These models are the single source of truth: ``slotserve.operator.crd`` generates the CRD's
+These models are the single source of truth (the batching and admission parts are the shared
+``slotserve.contracts.pool_spec``): ``slotserve.operator.crd`` generates the CRD's
 openAPIV3Schema from them, the operator validates every object it reconciles with them, and the
 gateway reads ``spec.model.name``, ``spec.batching`` and ``spec.admission`` (its engines come from
 the EndpointSlices of the pool's Service; ``status.endpoints`` is information only).
@@ -17,20 +18,12 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StringConstraints, WithJsonSchema, model_validator
 
+from slotserve.contracts.engine_argv import DType
+from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec, WireModel
 from slotserve.operator.platform_models import AutoscalingSpec, GatewayAPISpec
-from slotserve.pools import AdmissionSpec, BatchingSpec, WireModel
-
-GROUP = "slotserve.dev"
-VERSION = "v1alpha1"
-KIND = "InferencePool"
-PLURAL = "inferencepools"
-SINGULAR = "inferencepool"
-SHORT_NAMES = ["ipool"]
-API_VERSION = f"{GROUP}/{VERSION}"
 
 # Models baked into the engine image (``slotserve model pull`` at image build time).
 BuiltinModel = Literal["smollm2"]
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 # Kubernetes' own Quantity pattern (what controller-gen emits for resource.Quantity).
 QUANTITY_PATTERN = (
@@ -163,7 +156,7 @@ class ModelSpec(WireModel):
         description='The name clients send in the OpenAI "model" field.',
     )
     source: ModelSource
-    dtype: Dtype = Field(
+    dtype: DType = Field(
         "auto", description="Weight dtype; auto = float32 on CPU, bfloat16 on GPU."
     )
     max_model_len: int = Field(

@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from slotserve.pools import WireModel
+from slotserve.contracts.pool_spec import WireModel
 
 # The same pattern as models.DNS_SUBDOMAIN (models imports this module, not the reverse).
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"

@@ -15,7 +15,8 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from slotserve.operator.models import API_VERSION, InferencePool
+from slotserve.contracts.crd import API_VERSION
+from slotserve.operator.models import InferencePool
 from slotserve.operator.policy import ModelClaim
 from slotserve.operator.status import Problem
 

@@ -43,10 +43,16 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from slotserve.contracts.pool_spec import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_BATCHED_TOKENS,
+    DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS,
+    DEFAULT_POLICY,
+    BatchingPolicy,
+)
 from slotserve.engine.core.kv_cache import KVCacheManager
 from slotserve.engine.core.prefix_cache import SlotCopy
 from slotserve.engine.core.sequence import FinishReason, Sequence, SequenceError, SequenceStatus
-from slotserve.engine.settings import Policy
 
 
 @dataclass(slots=True)
@@ -89,10 +95,16 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: Policy = "continuous"
-    max_batch_size: int = 32
-    max_batched_tokens: int = 2048
-    max_queue_delay_seconds: float = 100e-6
+    """The batching fields of ``slotserve.contracts.pool_spec``, as the step loop reads them.
+
+    Bounds are checked where the values enter (``EngineSettings``, the CRD); this plain
+    dataclass is read every step, and unit tests run it with budgets the contract refuses.
+    """
+
+    policy: BatchingPolicy = DEFAULT_POLICY
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS
+    max_queue_delay_seconds: float = DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS / 1e6
     preferred_batch_sizes: tuple[int, ...] = ()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slotserve.contracts.pool_spec import BatchingPolicy
 from slotserve.engine.core.calibration import CalibrationRecord
 from slotserve.engine.core.logprobs import TokenLogprobs
 from slotserve.engine.core.sequence import FinishReason, Sequence, SequenceError
@@ -56,7 +57,7 @@ class RequestOutput:
 class EngineStats:
     """A cheap snapshot of the engine's state and counters since start."""
 
-    policy: str
+    policy: BatchingPolicy
     num_running: int
     num_waiting: int
     num_slots_total: int

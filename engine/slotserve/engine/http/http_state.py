@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from slotserve.contracts.headers import SLOTS_FREE_HEADER, SLOTS_TOTAL_HEADER
 from slotserve.engine.http.metrics import EngineMetrics
 from slotserve.engine.http.openai_responses import ErrorBody, ErrorDetail
 from slotserve.engine.settings import EngineSettings
@@ -16,9 +17,6 @@ from slotserve.engine.settings import EngineSettings
 if TYPE_CHECKING:
     from slotserve.engine.core.async_engine import AsyncEngine
     from slotserve.engine.core.stats import EngineStats
-
-SLOTS_FREE_HEADER = "x-slotserve-slots-free"
-SLOTS_TOTAL_HEADER = "x-slotserve-slots-total"
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
+from slotserve.contracts.engine_load import EngineLoadReport
 from slotserve.engine.http.http_state import (
     STATE,
     ApiError,
@@ -219,22 +220,19 @@ async def _load(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = loaded_engine(state)
     stats = engine.stats()
-    return web.json_response(
-        {
-            "model": engine.model_name,
-            "policy": stats.policy,
-            "slots_total": stats.num_slots_total,
-            "slots_free": stats.num_slots_free,
-            "running": stats.num_running,
-            "waiting": stats.num_waiting,
-            "kv_cache_usage": stats.kv_cache_usage,
-            "draining": state.draining,
-            "mean_request_seconds": round(state.metrics.mean_request_seconds, 6),
-            # Choices made at load (e.g. linear_backend) and what each cost.
-            "calibrations": [record.as_dict() for record in stats.calibrations],
-        },
-        headers=slot_headers(stats),
+    report = EngineLoadReport(
+        model=engine.model_name,
+        policy=stats.policy,
+        slots_total=stats.num_slots_total,
+        slots_free=stats.num_slots_free,
+        running=stats.num_running,
+        waiting=stats.num_waiting,
+        kv_cache_usage=stats.kv_cache_usage,
+        draining=state.draining,
+        mean_request_seconds=round(state.metrics.mean_request_seconds, 6),
+        calibrations=[record.as_dict() for record in stats.calibrations],
     )
+    return web.json_response(report.model_dump(mode="json"), headers=slot_headers(stats))
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -1,18 +1,56 @@
 """The batching and admission policy of one pool: shared by the CRD, the gateway and the engine.
 
-Field names are camelCase on the wire (CRD, YAML config) and snake_case in Python.
+Each batching field is declared once here, with its bounds and description, as an ``Annotated``
+type: ``BatchingSpec`` (the CRD's ``spec.batching`` and the gateway's pool file) and the engine's
+``EngineSettings`` both use these types, so they accept and reject the same values. Field names
+are camelCase on the wire (CRD, YAML config) and snake_case in Python.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 BatchingPolicy = Literal["static", "dynamic", "continuous"]
+BATCHING_POLICIES: tuple[BatchingPolicy, ...] = get_args(BatchingPolicy)
 TimeoutAction = Literal["REJECT", "DELAY"]
 MAX_PRIORITY_LEVELS = 9  # x-slotserve-priority is 1 (first) .. 9
+
+# The defaults every part starts from (DESIGN.md's InferencePool sketch).
+DEFAULT_POLICY: BatchingPolicy = "continuous"
+DEFAULT_MAX_BATCH_SIZE = 32
+DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS = 100
+DEFAULT_MAX_BATCHED_TOKENS = 2048
+
+Policy = Annotated[BatchingPolicy, Field(description="static | dynamic | continuous (default).")]
+MaxBatchSize = Annotated[
+    int, Field(ge=1, le=1024, description="Sequences per engine step: the slots of one replica.")
+]
+MaxQueueDelayMicroseconds = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=60_000_000,
+        description="Longest a waiting request is held back to let a batch fill (dynamic policy).",
+    ),
+]
+PreferredBatchSizes = Annotated[
+    list[int],
+    Field(description="Batch sizes the dynamic policy prefers, each at most maxBatchSize."),
+]
+# At least 16, the bound the CRD has published since v1alpha1: a smaller budget cannot give even
+# a small batch one token each per step, so it is a typo, not a tuning. The engine took 1 before
+# and now refuses what the CRD refuses (the API does not loosen to match a looser copy).
+MaxBatchedTokens = Annotated[
+    int, Field(ge=16, le=1_048_576, description="Per-step token budget (chunked prefill).")
+]
+
+
+def preferred_sizes_fit(preferred_batch_sizes: list[int], max_batch_size: int) -> bool:
+    """Whether every preferred batch size is a batch that ``max_batch_size`` slots can run."""
+    return all(1 <= size <= max_batch_size for size in preferred_batch_sizes)
 
 
 class WireModel(BaseModel):
@@ -24,29 +62,15 @@ class WireModel(BaseModel):
 class BatchingSpec(WireModel):
     """How an engine groups sequences into steps (Triton's names where they exist)."""
 
-    policy: BatchingPolicy = Field(
-        "continuous", description="static | dynamic | continuous (default)."
-    )
-    max_batch_size: int = Field(
-        32, ge=1, le=1024, description="Sequences per engine step: the slots of one replica."
-    )
-    max_queue_delay_microseconds: int = Field(
-        100,
-        ge=0,
-        le=60_000_000,
-        description="Longest a waiting request is held back to let a batch fill (dynamic policy).",
-    )
-    preferred_batch_sizes: list[int] = Field(
-        default_factory=list,
-        description="Batch sizes the dynamic policy prefers, each at most maxBatchSize.",
-    )
-    max_batched_tokens: int = Field(
-        2048, ge=16, le=1_048_576, description="Per-step token budget (chunked prefill)."
-    )
+    policy: Policy = DEFAULT_POLICY
+    max_batch_size: MaxBatchSize = DEFAULT_MAX_BATCH_SIZE
+    max_queue_delay_microseconds: MaxQueueDelayMicroseconds = DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS
+    preferred_batch_sizes: PreferredBatchSizes = Field(default_factory=list)
+    max_batched_tokens: MaxBatchedTokens = DEFAULT_MAX_BATCHED_TOKENS
 
     @model_validator(mode="after")
     def _preferred_sizes_fit(self) -> BatchingSpec:
-        if any(size < 1 or size > self.max_batch_size for size in self.preferred_batch_sizes):
+        if not preferred_sizes_fit(self.preferred_batch_sizes, self.max_batch_size):
             raise ValueError("every preferredBatchSizes entry must be between 1 and maxBatchSize")
         return self
 
