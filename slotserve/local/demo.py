@@ -23,7 +23,12 @@ from pathlib import Path
 from rich.console import Console
 
 from slotserve.contracts.engine_argv import DTYPES
-from slotserve.contracts.pool_spec import BATCHING_POLICIES, AdmissionSpec, BatchingSpec
+from slotserve.contracts.pool_spec import (
+    BATCHING_POLICIES,
+    AdmissionSpec,
+    BatchingPolicy,
+    BatchingSpec,
+)
 from slotserve.local.phases import run_phase, sample_interval, warm_up
 from slotserve.local.processes import ChildExitedError, Supervisor, interrupt_on_signals
 from slotserve.local.report import PhaseResult, build_table, write_results
@@ -85,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plan_pools(args: argparse.Namespace, model_source: str, policies: list[str]) -> list[PoolPlan]:
+def plan_pools(
+    args: argparse.Namespace, model_source: str, policies: list[BatchingPolicy]
+) -> list[PoolPlan]:
     """One pool per policy: same model, same slots, a distinct OpenAI model name."""
     base = default_served_name(args.model)
     longest = max(1, round(500 * args.max_tokens_scale))
@@ -191,8 +198,10 @@ def _late_ttft(phase: PhaseResult) -> float:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = sorted(set(policies) - set(POLICIES))
+    requested = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = sorted(set(requested) - set(POLICIES))
+    # The requested names as policies, in the order given (unknown names are refused below).
+    policies = [policy for name in requested for policy in POLICIES if policy == name]
     if unknown or not policies or args.engines < 1 or args.max_tokens_scale <= 0:
         raise SystemExit(
             "slotserve demo: --policies takes static,dynamic,continuous; --engines >= 1; "
