@@ -9,22 +9,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from slotserve.contracts.crd import GROUP, PLURAL
+
 REQUIRED_RULES: list[dict[str, Any]] = [
     # The custom resource: watched, annotated with kopf's progress, finalizer-free, status written.
     {
-        "apiGroups": ["slotserve.dev"],
-        "resources": ["inferencepools"],
+        "apiGroups": [GROUP],
+        "resources": [PLURAL],
         "verbs": ["get", "list", "watch", "patch", "update"],
     },
     {
-        "apiGroups": ["slotserve.dev"],
-        "resources": ["inferencepools/status"],
+        "apiGroups": [GROUP],
+        "resources": [f"{PLURAL}/status"],
         "verbs": ["get", "patch", "update"],
     },
     # The built-in autoscaler sets replicas through the scale subresource, as an HPA does.
     {
-        "apiGroups": ["slotserve.dev"],
-        "resources": ["inferencepools/scale"],
+        "apiGroups": [GROUP],
+        "resources": [f"{PLURAL}/scale"],
         "verbs": ["get", "patch"],
     },
     # autoscaling.provider keda: the pool's ScaledObject (created, patched).
