@@ -37,7 +37,7 @@ write. Times are Redis server time (``TIME``) in microseconds, so replica clocks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 STATE_TTL_S = 3600
 GRANT_SEPARATOR = "\x1f"
@@ -81,3 +81,40 @@ class Keys:
 
     def grants(self, replica_id: str) -> str:
         return f"{self.prefix}:grants:{replica_id}"
+
+
+@dataclass(frozen=True)
+class DispatchArgs:
+    """The first arguments of every dispatching script (``lua.py``), in ARGV order.
+
+    :meth:`argv` builds them and :meth:`lua_locals` binds each to a Lua local named after its
+    field in capitals, so neither side counts positions by hand. ``num_offers`` triples (url,
+    slots_total, load_score) follow, then each script's own arguments.
+    """
+
+    prefix: str
+    pool: str
+    caller: str  # the calling replica
+    lease_ttl_us: int
+    state_ttl_ms: int
+    known_epoch: str  # the admission epoch the caller knows ("" if none yet)
+    sweep_batch: int
+    max_queue: int  # the pool's maxQueueSize
+    num_offers: int
+
+    def argv(self) -> list[str | int]:
+        return [getattr(self, field.name) for field in fields(self)]
+
+    @classmethod
+    def lua_locals(cls) -> str:
+        """``local PREFIX = ARGV[1]`` ..., numbers through ``tonumber``."""
+        lines = []
+        for number, field in enumerate(fields(cls), start=1):
+            value = f"ARGV[{number}]" if field.type == "str" else f"tonumber(ARGV[{number}])"
+            lines.append(f"local {field.name.upper()} = {value}\n")
+        return "".join(lines)
+
+    @classmethod
+    def first_offer_index(cls) -> int:
+        """The ARGV index of the first offer's url (Lua counts from 1)."""
+        return len(fields(cls)) + 1

@@ -22,6 +22,7 @@ from slotserve.contracts.engine_argv import EngineLaunch, engine_argv
 from slotserve.contracts.engine_load import EngineLoadReport
 from slotserve.contracts.headers import SLOTS_FREE_HEADER, SLOTS_TOTAL_HEADER
 from slotserve.contracts.pool_spec import BATCHING_POLICIES, BatchingSpec
+from slotserve.contracts.redis_keys import DispatchArgs
 from slotserve.engine.cli import build_parser
 from slotserve.engine.core.scheduler import SchedulerConfig
 from slotserve.engine.settings import EngineSettings
@@ -191,6 +192,34 @@ def test_the_generated_crd_lives_where_the_gateway_looks() -> None:
     # The operator labels the pool's Service with it; the gateway selects slices by it.
     assert coordinates.POOL_LABEL in builders.selector_labels("p")
     assert coordinates.POOL_LABEL in endpointslices.SLICE_SELECTOR
+
+
+def test_the_lua_scripts_read_each_argument_where_the_backend_puts_it(redis_server) -> None:
+    import redis
+
+    args = DispatchArgs(
+        prefix="p",
+        pool="m",
+        caller="r1",
+        lease_ttl_us=7,
+        state_ttl_ms=11,
+        known_epoch="e",
+        sweep_batch=13,
+        max_queue=17,
+        num_offers=1,
+    )
+    names = [name.upper() for name in vars(args)]
+    script = (
+        DispatchArgs.lua_locals()
+        + f"return {{{', '.join(f'tostring({name})' for name in names)}, "
+        + f"ARGV[{DispatchArgs.first_offer_index()}]}}"
+    )
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        reply = client.eval(script, 0, *args.argv(), "http://a", 4, "0.5")
+    finally:
+        client.close()
+    assert reply == [str(value) for value in vars(args).values()] + ["http://a"]
 
 
 async def test_max_batch_size_reaches_the_gateway_slot_count_under_one_name(

@@ -11,11 +11,10 @@ Every script bounds its own work: expired leases, expired queue entries and dead
 entries are swept ``SWEEP_BATCH`` at a time, oldest deadline first, so that no call blocks Redis
 for long however many requests wait (the rest goes on the next tick).
 
-Dispatching scripts share one argument layout:
-ARGV[1] prefix, [2] pool, [3] calling replica, [4] lease TTL (us), [5] state TTL (ms),
-[6] batching policy, [7] maxQueueDelay (us), [8] preferred batch sizes ("4,8"), [9] the admission
-epoch the caller knows ("" if none yet), [10] sweep batch, [11] maxQueueSize, [12] number of
-endpoint offers N, then N triples (url, slots_total, load_score), then the script's own arguments.
+Dispatching scripts share one argument layout, ``redis_keys.DispatchArgs`` (the prefix, pool,
+calling replica, TTLs, known epoch, sweep batch, maxQueueSize and number of endpoint offers N),
+then N triples (url, slots_total, load_score), then the script's own arguments. The batching
+policy and its delay do not reach Redis: the engine forms batches.
 
 The admission epoch and the heartbeat script live in ``lua_epoch.py``; slot accounting (a lease
 weighs its request's ``n`` slots) in ``lua_slots.py``.
@@ -23,6 +22,7 @@ weighs its request's ``n`` slots) in ``lua_slots.py``.
 
 from __future__ import annotations
 
+from slotserve.contracts.redis_keys import DispatchArgs
 from slotserve.gateway.admission_types import DEMOTION_OFFSET_US
 from slotserve.gateway.lua_epoch import EPOCH, HEARTBEAT
 from slotserve.gateway.lua_slots import SLOTS
@@ -33,23 +33,17 @@ local K_QUEUE, K_ENTRIES, K_SEQ, K_LEASES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local K_LEASE_EP, K_INFLIGHT, K_STATS, K_DEADLINES = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local K_REPLICAS, K_RETRIES, K_LEVELS, K_DELAYS = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
 local K_LEASE_SLOTS = KEYS[13]
-local PREFIX, POOL, CALLER = ARGV[1], ARGV[2], ARGV[3]
-local LEASE_TTL_US = tonumber(ARGV[4])
-local STATE_TTL_MS = tonumber(ARGV[5])
-local POLICY = ARGV[6]
-local MAX_DELAY_US = tonumber(ARGV[7])
-local PREFERRED = {}
-for size in string.gmatch(ARGV[8], '%d+') do PREFERRED[#PREFERRED + 1] = tonumber(size) end
-local KNOWN_EPOCH = ARGV[9]
-local SWEEP_BATCH = tonumber(ARGV[10])
-local MAX_QUEUE = tonumber(ARGV[11])
-local NUM_OFFERS = tonumber(ARGV[12])
+"""
+    + DispatchArgs.lua_locals()
+    + r"""local FIRST_OFFER = """
+    + str(DispatchArgs.first_offer_index())
+    + r"""
 local OFFERS = {}
 for i = 0, NUM_OFFERS - 1 do
-  local b = 13 + i * 3
+  local b = FIRST_OFFER + i * 3
   OFFERS[#OFFERS + 1] = {url = ARGV[b], slots = tonumber(ARGV[b + 1]), load = tonumber(ARGV[b + 2])}
 end
-local REST = 13 + NUM_OFFERS * 3
+local REST = FIRST_OFFER + NUM_OFFERS * 3
 local DEMOTION_OFFSET = """
     + str(DEMOTION_OFFSET_US)
     + r"""

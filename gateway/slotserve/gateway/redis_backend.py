@@ -21,7 +21,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, NoScriptError, RedisError
 
-from slotserve.contracts.redis_keys import GRANT_SEPARATOR, STATE_TTL_S, Keys
+from slotserve.contracts.redis_keys import GRANT_SEPARATOR, STATE_TTL_S, DispatchArgs, Keys
 from slotserve.gateway.admission_types import (
     DEFAULT_AGING_US,
     BackendUnavailableError,
@@ -144,20 +144,17 @@ class RedisBackend:
     # -- script calls -------------------------------------------------------------------------
 
     def _args(self, pool: PoolPolicy, offers: Sequence[EndpointOffer]) -> list[str | int]:
-        args: list[str | int] = [
-            self.keys.prefix,
-            pool.name,
-            self.replica_id,
-            self.lease_ttl_us,
-            STATE_TTL_S * 1000,
-            pool.policy,
-            pool.max_queue_delay_us,
-            ",".join(str(size) for size in pool.preferred_batch_sizes),
-            self.epoch,
-            SWEEP_BATCH,
-            pool.max_queue_size,
-            len(offers),
-        ]
+        args = DispatchArgs(
+            prefix=self.keys.prefix,
+            pool=pool.name,
+            caller=self.replica_id,
+            lease_ttl_us=self.lease_ttl_us,
+            state_ttl_ms=STATE_TTL_S * 1000,
+            known_epoch=self.epoch,
+            sweep_batch=SWEEP_BATCH,
+            max_queue=pool.max_queue_size,
+            num_offers=len(offers),
+        ).argv()
         for offer in offers:
             args += [offer.url, offer.slots_total, repr(float(offer.load_score))]
         return args
