@@ -20,7 +20,6 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
 
 from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError
@@ -82,7 +81,8 @@ class AsyncEngine:
         self.limits = engine.limits
         # Prompts are tokenized in a process of their own (see tokenize.py).
         self.prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len)
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # Commands for the loop thread: a validated sequence to add, or a request id to abort.
+        self._inbox: queue.SimpleQueue[Sequence | str] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -150,7 +150,7 @@ class AsyncEngine:
             stream = RequestStream(request_id)
             self._streams[request_id] = stream
             self._num_pending_adds += 1
-            self._inbox.put(("add", seq))
+            self._inbox.put(seq)
         self._wake.set()
         return stream
 
@@ -165,7 +165,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent); its slot is free at the next step."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(request_id)
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -201,24 +201,24 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                with self._lock:
-                    self._num_pending_adds -= 1
-                try:
-                    self.engine.enqueue(payload)
-                except Exception as error:  # this request only (a duplicate id, its stop strings)
-                    failure = SequenceError(
-                        "internal", f"the request could not start: {type(error).__name__}"
-                    )
-                    logger.warning(
-                        "request %s could not start: %s", payload.request_id, failure.message
-                    )
-                    self._deliver([_error_output(payload.request_id, failure)])
-            else:
-                self.engine.abort(payload)
+            if isinstance(command, str):
+                self.engine.abort(command)
+                continue
+            with self._lock:
+                self._num_pending_adds -= 1
+            try:
+                self.engine.enqueue(command)
+            except Exception as error:  # this request only (a duplicate id, its stop strings)
+                failure = SequenceError(
+                    "internal", f"the request could not start: {type(error).__name__}"
+                )
+                logger.warning(
+                    "request %s could not start: %s", command.request_id, failure.message
+                )
+                self._deliver([_error_output(command.request_id, failure)])
 
     def _break(self, error: Exception) -> None:
         """The step raised: the runner is broken. End every request and stop for good."""
