@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from slotserve.contracts.headers import DEADLINE_MS_HEADER, PRIORITY_HEADER
 from slotserve.gateway.admission_types import AdmissionError, PoolPolicy
 from slotserve.gateway.app_keys import (
     ADMISSION,
@@ -101,8 +102,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
     policy = pool.policy
     try:
-        priority = _header_int(request, "x-slotserve-priority", 1, policy.priority_levels)
-        deadline_ms = _header_int(request, "x-slotserve-deadline-ms", 1, 3_600_000)
+        priority = _header_int(request, PRIORITY_HEADER, 1, policy.priority_levels)
+        deadline_ms = _header_int(request, DEADLINE_MS_HEADER, 1, 3_600_000)
     except ValueError as exc:
         return error_response(400, str(exc), "invalid_header")
     allowed = request.app[API_KEYS].allowed_levels(request.headers.get("Authorization", ""))
