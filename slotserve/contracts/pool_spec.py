@@ -33,7 +33,10 @@ MaxQueueDelayMicroseconds = Annotated[
     Field(
         ge=0,
         le=60_000_000,
-        description="Longest a waiting request is held back to let a batch fill (dynamic policy).",
+        description=(
+            "Longest the engine holds a waiting request back to let a batch fill"
+            " (static and dynamic policies)."
+        ),
     ),
 ]
 PreferredBatchSizes = Annotated[

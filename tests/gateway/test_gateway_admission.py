@@ -186,11 +186,9 @@ async def test_least_loaded_endpoint_first(cluster):
 async def test_batching_pools_dispatch_at_once_the_engine_forms_the_batch(cluster, policy):
     """No grouping or delay at the gateway for any policy (the engine gathers its batch): a
     request goes as soon as an endpoint has a free slot, up to its slots."""
+    # The pool's batching policy and delay live on its engines; the gateway has no say in them.
     pool = cluster.serve(
-        PoolPolicy(
-            "m", policy=policy, max_queue_size=20, queue_timeout_s=5, max_queue_delay_us=300_000
-        ),
-        ("http://a", 4, 0.0),
+        PoolPolicy("m", max_queue_size=20, queue_timeout_s=5), ("http://a", 4, 0.0)
     )
     a = await cluster.replica()
     started = time.monotonic()

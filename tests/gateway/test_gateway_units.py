@@ -61,8 +61,12 @@ pools:
     )
     policy = pools[0].policy
     assert pools[0].endpoints == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
-    assert (policy.policy, policy.max_queue_size, policy.queue_timeout_s) == ("dynamic", 16, 5)
-    assert (policy.max_queue_delay_us, policy.preferred_batch_sizes) == (500, (4,))
+    assert (policy.max_queue_size, policy.queue_timeout_s) == (16, 5)
+    # Batching belongs to the engines (their flags); the gateway keeps only admission limits.
+    assert (pools[0].batching.policy, pools[0].batching.max_queue_delay_microseconds) == (
+        "dynamic",
+        500,
+    )
     bad = {
         "pools: [": "not valid YAML",
         "pools: [{model: m, admission: {maxQueSize: 3}}]": "maxQueSize",

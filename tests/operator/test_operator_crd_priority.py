@@ -29,7 +29,7 @@ def test_priority_fields_pass_the_schema_and_reach_the_gateways_policy():
     body = pool(admission=ADMISSION)
     validator().validate(body)
     spec = models.InferencePool.from_body(body).spec
-    policy = PoolPolicy.from_specs("smollm2", spec.batching, spec.admission)
+    policy = PoolPolicy.from_specs("smollm2", spec.admission)
     assert policy.priority_levels == 5 and policy.default_priority_level == 3
     assert policy.priority_aging_s == 1.5
     assert policy.level(1) == LevelPolicy(10, 2, "REJECT")

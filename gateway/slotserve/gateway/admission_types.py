@@ -7,12 +7,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from slotserve.contracts.pool_spec import (
-    DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS,
-    DEFAULT_POLICY,
     MAX_PRIORITY_LEVELS,
     AdmissionSpec,
-    BatchingPolicy,
-    BatchingSpec,
     TimeoutAction,
 )
 from slotserve.gateway.routing import EndpointOffer
@@ -49,11 +45,8 @@ class PoolPolicy:
     """What the backends need to know about a pool to admit its requests."""
 
     name: str
-    policy: BatchingPolicy = DEFAULT_POLICY
     max_queue_size: int = 256
     queue_timeout_s: float = 30.0
-    max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS
-    preferred_batch_sizes: tuple[int, ...] = ()
     priority_levels: int = MAX_PRIORITY_LEVELS
     default_priority_level: int | None = None  # unset: the gateway's --default-priority
     # (level, its policy) for the levels that have their own; the rest use the pool's values.
@@ -61,7 +54,7 @@ class PoolPolicy:
     priority_aging_s: float | None = None  # unset: the gateway's --priority-aging-seconds
 
     @classmethod
-    def from_specs(cls, name: str, batching: BatchingSpec, admission: AdmissionSpec) -> PoolPolicy:
+    def from_specs(cls, name: str, admission: AdmissionSpec) -> PoolPolicy:
         levels = tuple(
             (
                 level,
@@ -77,11 +70,8 @@ class PoolPolicy:
         )
         return cls(
             name=name,
-            policy=batching.policy,
             max_queue_size=admission.max_queue_size,
             queue_timeout_s=admission.queue_timeout_seconds,
-            max_queue_delay_us=batching.max_queue_delay_microseconds,
-            preferred_batch_sizes=tuple(batching.preferred_batch_sizes),
             priority_levels=admission.priority_levels,
             default_priority_level=admission.default_priority_level,
             priority_queue_policy=levels,

@@ -68,7 +68,7 @@ class Pool:
 
     @property
     def policy(self) -> PoolPolicy:
-        return PoolPolicy.from_specs(self.model, self.batching, self.admission)
+        return PoolPolicy.from_specs(self.model, self.admission)
 
 
 class PoolConfigError(Exception):
