@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -100,6 +101,17 @@ def slotserve_cli_file() -> str:
 def test_each_part_is_its_own_wheel(
     tmp_path: Path, folder: str, wheel_glob: str, present: list[str], absent: list[str]
 ) -> None:
+    # Built from a copy: setuptools leaves build/ beside the sources, and a stale build/lib
+    # would both litter the checkout and slip removed modules into later wheels.
+    source = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
+    if folder == ".":
+        source.mkdir()
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy2(ROOT / name, source / name)
+        shutil.copytree(ROOT / "slotserve", source / "slotserve", ignore=skip)
+    else:
+        shutil.copytree(ROOT / folder, source, ignore=skip)
     subprocess.run(
         [
             sys.executable,
@@ -111,7 +123,7 @@ def test_each_part_is_its_own_wheel(
             "-q",
             "-w",
             str(tmp_path),
-            str(ROOT / folder),
+            str(source),
         ],
         check=True,
         timeout=240,
