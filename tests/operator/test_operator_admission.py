@@ -27,6 +27,7 @@ from support import RedisServer, free_port, wait_until
 
 from slotserve.admission_stats import WINDOW_TTL_S
 from slotserve.contracts.crd import API_VERSION, KIND
+from slotserve.gateway.admission_window import FLUSH_INTERVAL_S
 from slotserve.operator import kube as kube_io
 from slotserve.operator.settings import OperatorSettings
 
@@ -178,7 +179,16 @@ def test_status_admission_follows_the_traffic_with_few_writes(
         what="Saturated and Unsaturated events",
     )
 
-    # Idle: nothing moves, so nothing is written (until admission_max_age_seconds).
+    # Idle: nothing moves, so nothing is written (until admission_max_age_seconds). The gateways
+    # flush their last counts up to FLUSH_INTERVAL_S after the queue drains, and the operator
+    # publishes them at its next refresh: idle starts once the published rate has settled.
+    last_rate: list[int] = []
+
+    def rate_settled() -> bool:
+        last_rate.append(admission(kube)["admittedPerMinute"])
+        return len(last_rate) > 1 and last_rate[-1] == last_rate[-2]
+
+    wait_until(rate_settled, 20, interval=FLUSH_INTERVAL_S + 1.0, what="the published rate settles")
     idle_before = status_writes(apiserver)
     time.sleep(4)
     assert status_writes(apiserver) == idle_before
