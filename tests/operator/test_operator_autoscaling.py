@@ -180,6 +180,23 @@ def test_keda_provider_renders_a_documented_scaled_object_owned_by_the_pool(kube
     kube.patch_pool("chat", {"spec": {"autoscaling": {"maxReplicas": 7}}})
     wait_until(lambda: scaled_object()["spec"]["maxReplicaCount"] == 7, 15, what="patched")
     assert condition(kube, "Degraded")["status"] == "False"
+    # Back to the built-in scaler: the ScaledObject goes, or KEDA would fight it.
+    kube.patch_pool("chat", {"spec": {"autoscaling": {"provider": "builtin"}}})
+    wait_until(lambda: scaled_object() is None, 15, what="ScaledObject deleted")
+    # One a user made under the pool's name (not owned by it) is never deleted.
+    custom.create_namespaced_custom_object(
+        KEDA_GROUP, KEDA_VERSION, "default", SCALED_OBJECTS, {**obj, "metadata": {"name": "chat"}}
+    )
+    kube.patch_pool("chat", {"spec": {"autoscaling": {"maxReplicas": 6}}})
+    wait_until(
+        lambda: (
+            kube.get_pool("chat")["status"].get("observedGeneration")
+            == kube.get_pool("chat")["metadata"]["generation"]
+        ),
+        15,
+        what="the change converged",
+    )
+    assert scaled_object() is not None
 
 
 @pytest.mark.usefixtures("operator")

@@ -149,6 +149,11 @@ def test_the_operator_creates_an_owned_gateway_api_inference_pool(kube: Kube):
         lambda: gateway_pool(kube)["spec"]["endpointPickerRef"]["name"] == "epp", 15, what="patch"
     )
     assert condition(kube, "Degraded")["status"] == "False"
+    # Switched off, the object goes (a Gateway would otherwise keep routing around admission);
+    # the pool's own engines stay.
+    kube.patch_pool("chat", {"spec": {"gatewayAPI": {"inferencePool": {"enabled": False}}}})
+    wait_until(lambda: gateway_pool(kube) is None, 15, what="Gateway API InferencePool deleted")
+    assert kube.deployment("chat") is not None
 
 
 @pytest.mark.usefixtures("operator")

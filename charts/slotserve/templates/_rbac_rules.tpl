@@ -14,14 +14,14 @@ compares them and fails on any difference; update both together).
 - apiGroups: ["slotserve.dev"]
   resources: ["inferencepools/scale"]
   verbs: ["get", "patch"]
-# autoscaling.provider keda: the pool's ScaledObject.
+# autoscaling.provider keda: the pool's ScaledObject (deleted when switched off).
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
-  verbs: ["get", "create", "patch"]
-# gatewayAPI.inferencePool: the Gateway API InferencePool over the engines.
+  verbs: ["get", "create", "patch", "delete"]
+# gatewayAPI.inferencePool: the Gateway API InferencePool over the engines (deleted when off).
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 # The built-in autoscaler refuses to run beside another HPA of the same pool.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
@@ -33,10 +33,11 @@ compares them and fails on any difference; update both together).
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch"]
-# The NetworkPolicy in front of each pool's engines: created, patched, watched (drift).
+# The NetworkPolicy in front of each pool's engines: created, patched, watched (drift),
+# deleted when the operator runs without network policies.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Engine pods: read-only, for readiness and endpoints.
 - apiGroups: [""]
   resources: ["pods"]

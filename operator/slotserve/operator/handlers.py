@@ -244,6 +244,12 @@ class PoolOperator(AutoscalingHandlers):
                 outcomes[child["kind"]] = await self.writer.children.apply(
                     child, owner_uid=view.uid
                 )
+            removed = await self.writer.children.remove_unwanted(
+                *view.key,
+                owner_uid=view.uid,
+                wanted={(child["apiVersion"], child["kind"]) for child in children},
+            )
+            outcomes.update(dict.fromkeys(removed, "deleted"))
         except InvalidPoolError as error:
             problem = error.problem
         except kube.ChildConflictError as error:

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 USER_AGENT = "slotserve-operator"
-Outcome = Literal["created", "patched", "unchanged"]
+Outcome = Literal["created", "patched", "unchanged", "deleted"]
 
 
 class ChildConflictError(Exception):
@@ -110,6 +110,13 @@ CHILD_KINDS: dict[tuple[str, str], ChildKind] = {
     ("keda.sh/v1alpha1", "ScaledObject"): ChildKind("scaledobjects", ("*",)),
     ("inference.networking.k8s.io/v1", "InferencePool"): ChildKind("inferencepools", ("*",)),
 }
+# Children that a pool's spec (or the operator's settings) may stop asking for; the rest are
+# always wanted while the pool exists.
+OPTIONAL_CHILDREN: tuple[tuple[str, str], ...] = (
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+)
 POOL_API_VERSION = f"{GROUP}/{VERSION}"
 
 
@@ -192,6 +199,39 @@ class Children:
         }
         await self.api.merge_patch(path, patch)
         return "patched"
+
+    async def remove_unwanted(
+        self, namespace: str, name: str, *, owner_uid: str, wanted: set[tuple[str, str]]
+    ) -> list[str]:
+        """Delete the pool's optional children that are no longer wanted; their kinds.
+
+        Switching KEDA or the Gateway API InferencePool off must remove the old object: a
+        leftover ScaledObject would go on scaling the pool against the built-in scaler. Only an
+        object this pool owns is deleted (never one a user made under the same name); a 404, the
+        object or its whole API being absent, is nothing to do.
+        """
+        removed = []
+        for api_version, kind in OPTIONAL_CHILDREN:
+            if (api_version, kind) in wanted:
+                continue
+            plural = CHILD_KINDS[(api_version, kind)].plural
+            path = object_path(api_version, plural, namespace, name)
+            try:
+                live = await self.api.get(path)
+            except ApiException as error:
+                if error.status == 404:
+                    continue
+                raise
+            owners = live["metadata"].get("ownerReferences") or []
+            if not any(owner.get("uid") == owner_uid for owner in owners):
+                continue
+            try:
+                await self.api.delete(path, uid=live["metadata"]["uid"])
+            except ApiException as error:
+                if error.status != 404:  # gone meanwhile: what we wanted
+                    raise
+            removed.append(kind)
+        return removed
 
     async def _owner_pool_gone(self, desired: dict[str, Any], owner_uid: str) -> bool:
         owners = desired["metadata"].get("ownerReferences") or []

@@ -78,6 +78,11 @@ class KubeApi:
     async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
         return await self._request("PATCH", path, patch, content_type=MERGE_PATCH)
 
+    async def delete(self, path: str, *, uid: str) -> dict[str, Any]:
+        """Delete the object at ``path`` if it is still the one with ``uid`` (409 otherwise)."""
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}}
+        return await self._request("DELETE", path, body)
+
     async def _request(
         self,
         method: str,

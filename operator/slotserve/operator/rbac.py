@@ -29,17 +29,19 @@ REQUIRED_RULES: list[dict[str, Any]] = [
         "resources": [f"{PLURAL}/scale"],
         "verbs": ["get", "patch"],
     },
-    # autoscaling.provider keda: the pool's ScaledObject (created, patched).
+    # autoscaling.provider keda: the pool's ScaledObject (created, patched; deleted when the
+    # pool stops asking for it).
     {
         "apiGroups": ["keda.sh"],
         "resources": ["scaledobjects"],
-        "verbs": ["get", "create", "patch"],
+        "verbs": ["get", "create", "patch", "delete"],
     },
-    # gatewayAPI.inferencePool: the Gateway API InferencePool over the engines.
+    # gatewayAPI.inferencePool: the Gateway API InferencePool over the engines (deleted too
+    # when switched off).
     {
         "apiGroups": ["inference.networking.k8s.io"],
         "resources": ["inferencepools"],
-        "verbs": ["get", "create", "patch"],
+        "verbs": ["get", "create", "patch", "delete"],
     },
     # The built-in autoscaler refuses to run beside another HPA of the same pool.
     {
@@ -58,11 +60,12 @@ REQUIRED_RULES: list[dict[str, Any]] = [
         "resources": ["services"],
         "verbs": ["get", "list", "watch", "create", "patch"],
     },
-    # The NetworkPolicy in front of each pool's engines: created, patched, watched (drift).
+    # The NetworkPolicy in front of each pool's engines: created, patched, watched (drift),
+    # deleted when the operator runs without network policies.
     {
         "apiGroups": ["networking.k8s.io"],
         "resources": ["networkpolicies"],
-        "verbs": ["get", "list", "watch", "create", "patch"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     # Engine pods: read-only, for readiness and endpoints.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
