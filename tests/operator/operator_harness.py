@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 import kubernetes.client
+from support import free_port
 
 from slotserve.contracts.crd import GROUP, PLURAL, VERSION
 from slotserve.operator import cli, kube
@@ -22,6 +23,17 @@ from slotserve.operator.rbac import REQUIRED_RULES
 from slotserve.operator.settings import OperatorSettings
 
 WATCH_TIMEOUT_SECONDS = 1
+
+
+def redis_operator_settings(redis_url: str, **extra: Any) -> OperatorSettings:
+    """Settings of an operator that reads the gateways' Redis, refreshing every 0.5 s."""
+    return OperatorSettings(
+        engine_image="registry.test/slotserve/engine:test",
+        health_port=free_port(),
+        redis_url=redis_url,
+        admission_refresh_seconds=0.5,
+        **extra,
+    )
 
 
 def allowed(verb: str, group: str, resource: str) -> bool:

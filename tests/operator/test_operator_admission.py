@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import redis
 from kubeapi import ApiServerThread
-from operator_harness import Kube
+from operator_harness import Kube, redis_operator_settings
 from support import RedisServer, free_port, wait_until
 
 from slotserve.admission_stats import WINDOW_TTL_S
@@ -41,13 +41,7 @@ SLOTS = 2
 
 @pytest.fixture
 def operator_settings(redis_server: RedisServer) -> OperatorSettings:
-    return OperatorSettings(
-        engine_image="registry.test/slotserve/engine:test",
-        health_port=free_port(),
-        redis_url=redis_server.url,
-        admission_refresh_seconds=0.5,
-        admission_max_age_seconds=60,
-    )
+    return redis_operator_settings(redis_server.url, admission_max_age_seconds=60)
 
 
 def create_pool(kube: Kube, name: str = "chat", **spec: Any) -> None:

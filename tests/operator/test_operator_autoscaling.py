@@ -21,7 +21,7 @@ from typing import Any
 import kubernetes.client
 import pytest
 from keda_scaledobject import scaled_object_problems
-from operator_harness import Kube
+from operator_harness import Kube, redis_operator_settings
 from support import RedisServer, free_port, wait_until
 from test_operator_admission import Load, condition, create_pool
 
@@ -68,12 +68,7 @@ KEDA = {"serverAddress": "http://prometheus.monitoring:9090"}
 
 @pytest.fixture
 def operator_settings(redis_server: RedisServer) -> OperatorSettings:
-    return OperatorSettings(
-        engine_image="registry.test/slotserve/engine:test",
-        health_port=free_port(),
-        redis_url=redis_server.url,
-        admission_refresh_seconds=0.5,
-    )
+    return redis_operator_settings(redis_server.url)
 
 
 def replicas(kube: Kube) -> int:

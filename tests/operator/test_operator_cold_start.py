@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import Kube
+from operator_harness import Kube, redis_operator_settings
 from support import RedisServer, free_port, http_ok, wait_until
 from test_operator_admission import admission, create_pool
 
@@ -80,12 +80,7 @@ def test_waking_from_zero_skips_the_scale_up_window():
 
 @pytest.fixture
 def operator_settings(redis_server: RedisServer) -> OperatorSettings:
-    return OperatorSettings(
-        engine_image="registry.test/slotserve/engine:test",
-        health_port=free_port(),
-        redis_url=redis_server.url,
-        admission_refresh_seconds=0.5,
-    )
+    return redis_operator_settings(redis_server.url)
 
 
 def status(kube: Kube) -> dict[str, Any]:
