@@ -406,7 +406,10 @@ def test_a_child_refused_by_admission_degrades_the_pool(kube: Kube, apiserver: A
         kube, "chat", lambda p: condition(p, "Degraded").get("reason") == "ChildRejected", "refused"
     )
     assert "system-node-critical is reserved" in condition(pool, "Degraded")["message"]
-    assert any(e["reason"] == "ChildRejected" for e in kube.events())
+    # kopf posts events from its own queue: the status can be visible before the event.
+    wait_until(
+        lambda: any(e["reason"] == "ChildRejected" for e in kube.events()), WAIT, what="event"
+    )
     # Dropping the refused field recovers.
     kube.patch_pool("chat", {"spec": {"engine": {"priorityClassName": None}}})
     wait_until(lambda: kube.deployments(), WAIT, what="deployment after the fix")
