@@ -135,7 +135,11 @@ def test_builtin_scaler_wakes_from_zero_follows_the_backlog_and_returns_to_zero(
     assert down_s >= window_s - 0.5  # never before the scale-down window
     messages = [e["message"] for e in kube.events() if e["reason"] == "Scaled"]
     assert any(m.startswith("0 -> 1 replicas") for m in messages), messages
-    assert any(m.startswith("1 -> 3 replicas") for m in messages), messages
+    # Up to 3 under the backlog: in one step, or through 2 when the scaler read the queue while
+    # the 6 clients were still arriving (both are right: demand is read at each refresh).
+    steps = [tuple(map(int, m.split(" replicas")[0].split(" -> "))) for m in messages]
+    ups = [(old, new) for old, new in steps if new > old]
+    assert ups[0] == (0, 1) and ups[-1] in {(1, 3), (2, 3)}, messages
     assert " -> 0 replicas: 0 requests" in messages[-1], messages
     print("\n".join(messages))
 
