@@ -15,6 +15,8 @@ from slotserve.contracts.pool_spec import BatchingSpec
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[DType, ...] = get_args(DType)
+Quantization = Literal["none", "int8", "int4"]
+QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
 ENGINE_PORT = 8000
 
 
@@ -40,6 +42,7 @@ class EngineLaunch:
     override_generation_config: str | None = None  # a JSON object
     kv_cache_tokens: int | None = None
     num_threads: int | None = None
+    quantization: Quantization | None = None
 
 
 def engine_argv(launch: EngineLaunch) -> list[str]:
@@ -64,6 +67,8 @@ def engine_argv(launch: EngineLaunch) -> list[str]:
         ("override_generation_config", launch.override_generation_config),
         ("kv_cache_tokens", launch.kv_cache_tokens),
         ("num_threads", launch.num_threads),
+        # Appended last, and None (no flag) for "none", so that adding it rolled no pods.
+        ("quantization", launch.quantization),
     ]
     argv = ["engine"]
     for field, value in values:

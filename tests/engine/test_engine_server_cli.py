@@ -31,6 +31,7 @@ def test_flags_reach_settings_with_their_types(tmp_path):
             "--kv-cache-memory-fraction", "0.25",
             "--drain-timeout-seconds", "2.5",
             "--dtype", "float32",
+            "--quantization", "int8",
             "--port", "9123",
         ]
     )  # fmt: skip
@@ -42,6 +43,7 @@ def test_flags_reach_settings_with_their_types(tmp_path):
     assert settings.max_queue_delay_microseconds == 500
     assert settings.kv_cache_memory_fraction == 0.25
     assert settings.drain_timeout_seconds == 2.5
+    assert settings.quantization == "int8"
     assert settings.port == 9123
 
 
@@ -63,3 +65,14 @@ def test_invalid_values_exit_2_with_a_message(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--policy", "fastest"])
     assert info.value.code == 2
+
+
+def test_an_unknown_quantization_exits_2_naming_the_choices(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as info:
+        main(["--quantization", "int3"])
+    assert info.value.code == 2
+    assert "--quantization: invalid choice: 'int3'" in capsys.readouterr().err
+    monkeypatch.setenv("SLOTSERVE_ENGINE_QUANTIZATION", "int3")
+    assert main(["--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "quantization" in err and "'none', 'int8' or 'int4'" in err

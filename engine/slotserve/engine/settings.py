@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from slotserve.contracts.engine_argv import DType
+from slotserve.contracts.engine_argv import DType, Quantization
 from slotserve.contracts.pool_spec import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCHED_TOKENS,
@@ -49,6 +49,11 @@ class EngineSettings(BaseSettings):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
     linear_backend: LinearBackend = Field(
         "auto", description="CPU matrix products: auto (measured at start), onednn, aten."
+    )
+    quantization: Quantization = Field(
+        "none",
+        description="Weight-only quantization of the linear layers: none, int8 (per-channel "
+        "scales) or int4 (groups of 32 with scale and minimum); CPU only.",
     )
     generation_config: str = Field(
         "auto",
