@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from pydantic import ValidationError
 
 from slotserve.contracts import crd as coordinates
-from slotserve.contracts.engine_argv import EngineLaunch, engine_argv
+from slotserve.contracts.engine_argv import QUANTIZATIONS, EngineLaunch, engine_argv
 from slotserve.contracts.engine_load import EngineLoadReport
 from slotserve.contracts.headers import SLOTS_FREE_HEADER, SLOTS_TOTAL_HEADER
 from slotserve.contracts.pool_spec import BATCHING_POLICIES, BatchingSpec
@@ -147,6 +147,7 @@ def test_every_launch_setting_round_trips_through_the_engine_parser() -> None:
         override_generation_config='{"temperature": 0.5}',
         kv_cache_tokens=1024,
         num_threads=2,
+        quantization="int4",
     )
     settings = parse_engine_argv(engine_argv(launch))
     assert settings.model_dump(include=set(BatchingSpec.model_fields)) == batching.model_dump()
@@ -177,6 +178,31 @@ def test_operator_and_local_stack_start_engines_with_the_same_flags() -> None:
     assert (pod.policy, pod.max_batch_size, pod.max_batched_tokens) == ("static", 5, 64)
     # Unset stays the engine's default (the pool defaults of the contract, not a copy).
     assert pod.max_queue_delay_microseconds == BatchingSpec().max_queue_delay_microseconds
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_a_pool_quantization_reaches_the_engine(quantization: str) -> None:
+    model = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    field = model["properties"]["spec"]["properties"]["model"]["properties"]["quantization"]
+    assert field["enum"] == list(QUANTIZATIONS) and field["default"] == "none"
+    spec = InferencePoolSpec.model_validate(
+        {"model": {"name": "m", "source": {"builtin": "smollm2"}, "quantization": quantization}}
+    )
+    args = builders.engine_args(spec, "smollm2")
+    assert parse_engine_argv(args).quantization == quantization
+    # "none" is the engine's default: no flag, so pools made before the field keep their args.
+    assert ("--quantization" in args) == (quantization != "none")
+
+
+def test_an_unknown_quantization_is_refused_by_crd_operator_and_engine() -> None:
+    model = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    field = model["properties"]["spec"]["properties"]["model"]["properties"]["quantization"]
+    assert "int3" not in field["enum"]
+    with pytest.raises(ValidationError, match="quantization"):
+        InferencePoolSpec.model_validate(
+            {"model": {"name": "m", "source": {"builtin": "smollm2"}, "quantization": "int3"}}
+        )
+    assert not accepted_by_engine("quantization", "int3")
 
 
 def test_the_generated_crd_lives_where_the_gateway_looks() -> None:

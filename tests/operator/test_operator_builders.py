@@ -118,6 +118,27 @@ def test_engine_container_follows_the_contract():
     assert engine["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantization_reaches_the_engine_args(quantization: str):
+    pool = make_pool(
+        model={"name": "m", "source": {"builtin": "smollm2"}, "quantization": quantization}
+    )
+    args = container(builders.build_deployment(pool, engine_image=IMAGE))["args"]
+    # Appended last: the flags of pools made before the field keep their order.
+    assert args[-2:] == ["--quantization", quantization]
+
+
+@pytest.mark.parametrize("model", [{}, {"quantization": "none"}])
+def test_no_quantization_flag_when_none_or_absent(model: dict[str, Any]):
+    pool = make_pool(model={"name": "m", "source": {"builtin": "smollm2"}, **model})
+    assert pool.spec.model.quantization == "none"
+    # No flag for the engine's default, so existing pools' pod templates (and pods) stay as is.
+    assert (
+        "--quantization"
+        not in container(builders.build_deployment(pool, engine_image=IMAGE))["args"]
+    )
+
+
 def test_startup_probe_covers_the_model_load_timeout():
     engine = container(
         builders.build_deployment(

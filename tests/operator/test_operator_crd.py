@@ -141,6 +141,10 @@ def test_there_are_examples():
         ({"model": {"name": "-bad", "source": {"builtin": "smollm2"}}}, "name"),
         ({"model": {"name": "m", "source": {"builtin": "gpt-5"}}}, "builtin"),
         ({"engine": {"gpus": 1}}, "gpus"),
+        (
+            {"model": {"name": "m", "source": {"builtin": "smollm2"}, "quantization": "int3"}},
+            "quantization",
+        ),
     ],
 )
 def test_schema_rejects_invalid_specs(spec: dict[str, Any], where: str):
@@ -151,3 +155,9 @@ def test_schema_rejects_invalid_specs(spec: dict[str, Any], where: str):
 
 def test_schema_accepts_the_smallest_pool():
     validator().validate(pool())
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_schema_accepts_each_quantization(quantization: str):
+    model = {"name": "m", "source": {"builtin": "smollm2"}, "quantization": quantization}
+    validator().validate(pool(model=model))

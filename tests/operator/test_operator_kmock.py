@@ -158,10 +158,17 @@ def test_spec_change_patches_the_deployment_in_place(kube: Kube):
 
 
 def test_schema_violations_are_rejected_with_422(kube: Kube):
-    for spec in ({"replicas": -1}, {"batching": {"policy": "greedy"}}, {"model": {"name": "x"}}):
+    invalid = [
+        {"replicas": -1},
+        {"batching": {"policy": "greedy"}},
+        {"model": {"name": "x"}},
+        {"model": {"name": "x", "source": {"builtin": "smollm2"}, "quantization": "int3"}},
+    ]
+    for spec in invalid:
         with pytest.raises(ApiException) as raised:
             kube.create_pool(pool_body("bad", **spec))
         assert raised.value.status == 422, spec
+    assert "spec.model.quantization" in raised.value.body  # the last one names the field
     kube.create_pool(pool_body("good"))
     with pytest.raises(ApiException) as raised:
         kube.patch_pool("good", {"spec": {"admission": {"maxQueueSize": -5}}})

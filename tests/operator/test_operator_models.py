@@ -22,6 +22,13 @@ def test_defaults_fill_a_minimal_spec():
     assert parsed.batching.max_batch_size == 32
     assert parsed.admission.max_queue_size == 256
     assert parsed.model.dtype == "auto"
+    assert parsed.model.quantization == "none"
+
+
+def test_an_unknown_quantization_names_the_field_and_the_choices():
+    model = {"name": "m", "source": {"builtin": "smollm2"}, "quantization": "int3"}
+    with pytest.raises(ValidationError, match=r"model\.quantization\n.*'none', 'int8' or 'int4'"):
+        InferencePoolSpec.model_validate({"model": model})
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,9 @@ def engine_args(spec: InferencePoolSpec, model_arg: str) -> list[str]:
             generation_config=model.generation_config,
             tool_call_parser=model.tool_call_parser,
             override_generation_config=json.dumps(overrides, sort_keys=True) if overrides else None,
+            # No flag for "none" (the engine's default): the args of existing pools stay as
+            # they were, and so do their pods.
+            quantization=None if model.quantization == "none" else model.quantization,
         )
     )
 
