@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The GPU check of issue 16, in at most 5 minutes on one H200: decode tokens/s of random ~1B and
+# ~8B Llamas in bf16, our engine's runner next to HF generate() and the HBM bound
+# (bench/gpu_decode_bench.py). docs/engine.md, "GPU check", says how to run it.
+#
+#   bench/gpu_check.sh --fetch-wheels   # once, on a machine with network and the repo's .venv
+#   bash bench/gpu_check.sh [ARGS...]   # on the GPU machine; ARGS go to gpu_decode_bench.py
+#   bench/gpu_check.sh --dry-run        # here: the same path on CPU with a tiny config
+#
+# The device machine has no network and nothing of ours installed. Its python3 holds torch,
+# transformers, tokenizers, rich and matplotlib, but not pydantic and pydantic-settings (which
+# the engine's settings need): --fetch-wheels downloads those, at the versions of this checkout's
+# .venv, into the git-ignored .whl/, which the device call carries. The sources travel with the
+# working tree and are put on PYTHONPATH (no install). Results go to $OUT (the device tool's
+# folder that comes back) or bench/results/: gpu_check.json and gpu_check.log.
+#
+# Environment: PYTHON (default .venv/bin/python if present, else python3), GPU_CHECK_TIMEOUT
+# (seconds, default 280), DEVICE_PYTHON (--fetch-wheels' target version, default 3.12).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+WHEELS=.whl
+# The engine's imports beyond what the device image holds (pydantic-core is the only binary).
+PACKAGES=(pydantic pydantic-core pydantic-settings python-dotenv typing-inspection
+    annotated-types typing-extensions)
+MODULES=(pydantic pydantic_core pydantic_settings dotenv typing_inspection annotated_types)
+
+fetch_wheels() {
+    local py=.venv/bin/python specs=() package version exclude
+    [[ -x $py ]] || { echo "gpu_check: --fetch-wheels reads pinned versions from .venv: run 'make venv' first"; exit 2; }
+    for package in "${PACKAGES[@]}"; do
+        version=$("$py" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$package") ||
+            { echo "gpu_check: $package is not installed in .venv"; exit 2; }
+        specs+=("$package==$version")
+    done
+    exclude=$(git rev-parse --git-path info/exclude)
+    mkdir -p "$(dirname "$exclude")"
+    grep -qxF "/$WHEELS/" "$exclude" 2>/dev/null || echo "/$WHEELS/" >>"$exclude"
+    rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+    "$py" -m pip download --quiet --no-deps --only-binary=:all: \
+        --python-version "${DEVICE_PYTHON:-3.12}" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$WHEELS" "${specs[@]}" || exit 2
+    ls -1 "$WHEELS"
+    echo "gpu_check: carry $WHEELS to the device machine (device tool: carry [\"$WHEELS\"])"
+}
+
+if [[ ${1:-} == --fetch-wheels ]]; then
+    fetch_wheels
+    exit 0
+fi
+
+PY=${PYTHON:-}
+if [[ -z $PY ]]; then
+    if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+# One interpreter start (torch takes seconds to import): versions, then the modules it lacks.
+preflight=$("$PY" -c 'import importlib.util, sys
+import tokenizers, torch, transformers
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "transformers", transformers.__version__)
+print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' "${MODULES[@]}" 2>/tmp/gpu-check-preflight.err) || {
+    tail -n 1 /tmp/gpu-check-preflight.err 2>/dev/null
+    echo "gpu_check: $PY cannot import torch, transformers and tokenizers, and they cannot be" \
+        "installed without network: use a python that has them (the device image's python3" \
+        "does) through PYTHON=..."
+    exit 2
+}
+echo "gpu_check: $(head -n 1 <<<"$preflight")"
+missing=$(tail -n +2 <<<"$preflight")
+if [[ -n $missing ]]; then
+    if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
+        echo "gpu_check: $PY lacks $missing; run 'bench/gpu_check.sh --fetch-wheels' where there" \
+            "is network, and carry $WHEELS along"
+        exit 2
+    fi
+    site=$(mktemp -d /tmp/gpu-check-site.XXXXXX)
+    "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$site" "$WHEELS"/*.whl || { echo "gpu_check: installing $WHEELS failed"; exit 2; }
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# `slotserve` is a namespace package spread over the repo root and engine/: no install needed.
+export PYTHONPATH="$PWD:$PWD/engine${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+out_dir=${OUT:-bench/results}
+mkdir -p "$out_dir"
+limit=${GPU_CHECK_TIMEOUT:-280}
+command -v nvidia-smi >/dev/null &&
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
+        --format=csv,noheader
+
+timeout --kill-after=10 "$limit" "$PY" bench/gpu_decode_bench.py \
+    --out "$out_dir/gpu_check.json" "$@" 2>&1 | tee "$out_dir/gpu_check.log"
+rc=${PIPESTATUS[0]}
+case $rc in
+    0) echo "gpu_check: done; $out_dir/gpu_check.json" ;;
+    2) echo "gpu_check: not run (see above)" ;;
+    124 | 137) echo "gpu_check: stopped after ${limit} s; $out_dir/gpu_check.json holds the models that finished" ;;
+    *) echo "gpu_check: failed (exit $rc); $out_dir/gpu_check.log has the output" ;;
+esac
+exit "$rc"

@@ -1,0 +1,322 @@
+"""GPU decode check: random Llama configs in bf16, our runner vs HF generate() vs the HBM bound.
+
+    bash bench/gpu_check.sh                                   # on a CUDA machine (docs/engine.md)
+    .venv/bin/python bench/gpu_decode_bench.py --dry-run      # the same code on CPU, tiny config
+
+For a ~1B and a ~8B Llama (Llama-3-8B's shape), initialised at random on the device (nothing is
+downloaded), it measures decode tokens/s at each batch size for HF ``generate()`` (greedy,
+``min_new_tokens`` so nothing stops early, prefill subtracted) and for our engine stepping its
+``ModelRunner`` in-process (bench/engine_bench.py's helpers), and sets both against the bound
+that reading the weights and KV rows once per step at the measured copy bandwidth allows.
+Prints a table and writes JSON (after each model, so a run cut short keeps what it measured).
+Without CUDA it prints one line and exits 2, unless ``--dry-run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+from slotserve.engine.core.openmp import openmp_environment
+
+os.environ.update(openmp_environment())  # libgomp reads it when torch loads (dry-run on CPU)
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from engine_bench import Bench, hf_generate, ours_decode
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from slotserve.engine.core.runner import ModelShape
+
+CONFIGS: dict[str, dict[str, int]] = {
+    "llama-1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 8192,
+        "vocab_size": 32000,
+    },
+    # Llama-3-8B's shape.
+    "llama-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 512,
+    },
+}
+NOMINAL_H200_BYTES_S = 4.8e12  # the datasheet's HBM3e bandwidth
+EOS_ID = 2  # LlamaConfig's default; both sides are told to ignore it
+
+
+def default_out() -> Path:
+    out = os.environ.get("OUT")  # the device tool's folder that comes back
+    return Path(out) / "gpu_check.json" if out else Path("bench/results/gpu_check.json")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first-touch pages and the copy kernel
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+    del src, dst
+    return 2 * num_bytes * iters / elapsed
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A fast tokenizer of ``vocab_size`` words: the engine detokenizes every step, as it would
+    a real model's output, without a download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="w0", pad_token="w0", eos_token=f"w{EOS_ID}"
+    )
+
+
+def build_model(shape: dict[str, int], device: torch.device, dtype: torch.dtype) -> Any:
+    config = LlamaConfig(
+        **shape,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,  # as Llama-3-8B; the output layer is read every step
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    # Built on the device directly: initialising 8B parameters on the host takes minutes.
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.to(device)
+    return model.eval()
+
+
+def best_rate(measure: Any, repeats: int) -> float:
+    return max(measure() for _ in range(repeats))
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, bw: float) -> dict:
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    shape = CONFIGS[name]
+    start = time.perf_counter()
+    model = build_model(shape, device, dtype)
+    synchronize(device)
+    init_s = time.perf_counter() - start
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    # A decode step gathers a few embedding rows and reads every other weight once.
+    step_weight_bytes = weight_bytes - embedding.numel() * embedding.element_size()
+    kv_bytes_per_token = ModelShape.from_config(model.config).kv_bytes_per_token(dtype)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, shape["vocab_size"], (args.prompt_tokens,), generator=generator)
+    bench = Bench(model, word_tokenizer(shape["vocab_size"]), model, prompt.tolist(), device)
+    if args.hf_static_cache:
+        # transformers compiles the decode forward itself when the cache is static.
+        model.generation_config.cache_implementation = "static"
+    report: dict[str, Any] = {
+        "name": name,
+        "config": shape,
+        "params": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": weight_bytes,
+        "step_weight_bytes": step_weight_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "init_s": init_s,
+        "hf_attn_implementation": model.config._attn_implementation,
+        "rows": [],
+    }
+    print(
+        f"{name}: {report['params'] / 1e9:.2f}B params, {weight_bytes / 1e9:.1f} GB, "
+        f"built in {init_s:.1f} s"
+    )
+    new, prompt_ids = args.new_tokens, bench.prompt_ids
+    rows = {batch: {"batch": batch} for batch in args.batches}
+    # HF first: the runner switches the model's attention to its slot attention for good.
+    for batch, row in rows.items():
+        try:
+            hf_generate(bench, batch, 2, prompt_ids)  # warm-up (a compile, with a static cache)
+
+            def hf_rate(batch: int = batch) -> float:
+                # Prefill dropped: a long generate minus a one-token one.
+                first = hf_generate(bench, batch, 1, prompt_ids)
+                full = hf_generate(bench, batch, new, prompt_ids)
+                return batch * (new - 1) / max(1e-9, full - first)
+
+            row["hf_generate_tok_s"] = best_rate(hf_rate, args.repeats)
+        except Exception as error:  # record it and go on: the other side may still run
+            traceback.print_exc()
+            row["hf_error"] = f"{type(error).__name__}: {error}"
+    for batch, row in rows.items():
+        try:
+            ours_decode(bench, batch, 4, prompt_ids)  # warm-up: this batch's kernel shapes
+            row["ours_tok_s"] = best_rate(
+                lambda batch=batch: ours_decode(bench, batch, new, prompt_ids)[0], args.repeats
+            )
+            row["ours_ms_per_step"] = 1e3 * batch / row["ours_tok_s"]
+        except Exception as error:
+            traceback.print_exc()
+            row["ours_error"] = f"{type(error).__name__}: {error}"
+        gc.collect()  # each measurement's engine holds a runner and its KV rows
+    mean_context = args.prompt_tokens + new / 2
+    for batch, row in rows.items():
+        step_bytes = step_weight_bytes + batch * kv_bytes_per_token * mean_context
+        row["bound_step_ms"] = 1e3 * step_bytes / bw
+        row["bound_tok_s"] = batch * bw / step_bytes
+        if device.type == "cuda":
+            row["bound_nominal_tok_s"] = batch * NOMINAL_H200_BYTES_S / step_bytes
+        for side in ("ours", "hf_generate"):
+            if f"{side}_tok_s" in row:
+                row[f"{side}_fraction_of_bound"] = row[f"{side}_tok_s"] / row["bound_tok_s"]
+        if "ours_tok_s" in row and "hf_generate_tok_s" in row:
+            row["ratio"] = row["ours_tok_s"] / row["hf_generate_tok_s"]
+        report["rows"].append(row)
+    return report
+
+
+def fmt(row: dict, key: str, spec: str) -> str:
+    return format(row[key], spec) if key in row else "-"
+
+
+def print_table(models: list[dict]) -> None:
+    header = (
+        f"{'model':<9} {'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8} "
+        f"{'bound tok/s':>12} {'ours/bound':>10} {'HF/bound':>9} {'ours ms/step':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    for model in models:
+        for row in model.get("rows", []):
+            print(
+                f"{model['name']:<9} {row['batch']:>5} {fmt(row, 'ours_tok_s', '11.1f')} "
+                f"{fmt(row, 'hf_generate_tok_s', '10.1f')} {fmt(row, 'ratio', '7.2f')}x "
+                f"{fmt(row, 'bound_tok_s', '12.1f')} {fmt(row, 'ours_fraction_of_bound', '10.1%')}"
+                f" {fmt(row, 'hf_generate_fraction_of_bound', '9.1%')} "
+                f"{fmt(row, 'ours_ms_per_step', '13.2f')}"
+            )
+        if "error" in model:
+            print(f"{model['name']:<9} {model['error']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: see docs)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="CPU, tiny config, batch 1/2: tests the script"
+    )
+    parser.add_argument("--models", nargs="+", choices=sorted(CONFIGS), default=None)
+    parser.add_argument("--batches", type=int, nargs="+", default=None)
+    parser.add_argument("--prompt-tokens", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=2, help="best of N per side")
+    parser.add_argument(
+        "--hf-static-cache",
+        action="store_true",
+        help="HF generate() with a static cache (transformers compiles it: minutes)",
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=240.0, help="start no further model past this"
+    )
+    args = parser.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    if args.dry_run:
+        device = torch.device("cpu")
+        args.models = args.models or ["tiny"]
+        args.batches = args.batches or [1, 2]
+        args.prompt_tokens = args.prompt_tokens or 16
+        args.new_tokens = args.new_tokens or 8
+        copy_bytes = 1 << 25
+    else:
+        if not torch.cuda.is_available():
+            print(
+                f"gpu_decode_bench: no CUDA device (torch {torch.__version__}, built for CUDA "
+                f"{torch.version.cuda}); run it on a GPU machine, or pass --dry-run"
+            )
+            return 2
+        device = torch.device("cuda")
+        args.models = args.models or ["llama-1b", "llama-8b"]
+        args.batches = args.batches or [1, 32]
+        args.prompt_tokens = args.prompt_tokens or 128
+        args.new_tokens = args.new_tokens or 64
+        copy_bytes = 1 << 32
+    out: Path = args.out or default_out()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    bw = copy_bandwidth(device, copy_bytes)
+    report: dict[str, Any] = {
+        "dry_run": args.dry_run,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": "float32" if device.type == "cpu" else "bfloat16",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "copy_bandwidth_bytes_s": bw,
+        "nominal_bandwidth_bytes_s": NOMINAL_H200_BYTES_S if device.type == "cuda" else None,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "hf_cache": "static (compiled)" if args.hf_static_cache else "dynamic",
+        "models": [],
+    }
+    print(
+        f"{report['device_name']}: copy bandwidth {bw / 1e12:.3f} TB/s (read + written); "
+        f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, best of {args.repeats}"
+    )
+    for name in args.models:
+        if time.perf_counter() - started > args.budget_s:
+            report["models"].append({"name": name, "error": "skipped: past --budget-s"})
+        else:
+            try:
+                report["models"].append(bench_model(name, args, device, bw))
+            except Exception as error:  # e.g. out of memory: the next model may still fit
+                traceback.print_exc()
+                report["models"].append({"name": name, "error": f"{type(error).__name__}: {error}"})
+            gc.collect()  # the model and its runners are garbage now; free them before the next
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        report["total_s"] = time.perf_counter() - started
+        out.write_text(json.dumps(report, indent=2))
+    print_table(report["models"])
+    print(f"wrote {out} ({report['total_s']:.0f} s)")
+    failed = [m["name"] for m in report["models"] if "error" in m] + [
+        f"{m['name']} batch {row['batch']}"
+        for m in report["models"]
+        for row in m.get("rows", [])
+        if {"hf_error", "ours_error"} & set(row)
+    ]
+    if failed:
+        print(f"gpu_decode_bench: errors in {', '.join(failed)} (see the JSON and traceback)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
