@@ -1,0 +1,93 @@
+"""bench/quant_quality.py: teacher-forced agreement and perplexity between two models."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from quant_quality import DEFAULT_TEXT, evaluate, score, text_token_ids, windows
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 1000
+
+
+def tiny_llama(max_positions: int = 256) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        # Spread the logits, so the argmax is a decision rather than float noise.
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model
+
+
+def token_ids(num: int) -> list[int]:
+    return torch.randint(0, VOCAB, (num,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def test_windows_cover_the_text_without_overlap() -> None:
+    assert windows(600, 256) == [(0, 256), (256, 512), (512, 600)]
+    assert windows(513, 256) == [(0, 256), (256, 512)]  # a 1-token tail predicts nothing
+
+
+def test_identical_models_agree_everywhere() -> None:
+    reference = tiny_llama()
+    result = evaluate(reference, copy.deepcopy(reference), token_ids(600), window=256)
+    assert result.top1_agreement == 1.0
+    assert result.perplexity_increase == pytest.approx(0.0, abs=1e-12)
+    assert result.num_tokens == 600
+    assert result.num_predictions == 600 - 3  # three windows, each first token unpredicted
+    assert result.reference_perplexity == result.candidate_perplexity
+
+
+def test_a_perturbed_copy_disagrees_and_has_a_finite_perplexity() -> None:
+    reference = tiny_llama()
+    candidate = copy.deepcopy(reference)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for parameter in candidate.parameters():
+            parameter.add_(0.05 * parameter.std() * torch.randn_like(parameter))
+    result = evaluate(reference, candidate, token_ids(600), window=256)
+    assert 0.0 < result.top1_agreement < 1.0
+    assert math.isfinite(result.candidate_perplexity)
+    assert result.perplexity_increase != 0.0
+    assert result.passes("fp16") is None  # no threshold for modes the issue does not name
+
+
+def test_chunked_scores_match_the_full_forward_pass() -> None:
+    """NLL and argmax equal Hugging Face's own loss and logits over a window (no chunk seams)."""
+    model = tiny_llama(max_positions=512)
+    ids = token_ids(300)  # one window of 300 > the 128-position logit chunk
+    scores = score(model, ids, window=512)
+    with torch.inference_mode():
+        tensor = torch.tensor([ids])
+        out = model(input_ids=tensor, labels=tensor)
+    assert scores.nll.shape == (299,)
+    assert scores.perplexity == pytest.approx(math.exp(out.loss.item()), rel=1e-5)
+    assert torch.equal(scores.argmax, out.logits[0, :-1].argmax(-1))
+
+
+def test_windows_never_exceed_the_models_positions() -> None:
+    model = tiny_llama(max_positions=64)
+    result = evaluate(model, model, token_ids(200), window=1024)
+    assert result.window == 64
+    assert result.num_predictions == 200 - 4  # windows of 64, 64, 64, 8
+
+
+def test_the_shipped_text_holds_2000_smollm2_tokens(smollm2_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ids = text_token_ids(AutoTokenizer.from_pretrained(str(smollm2_dir)), DEFAULT_TEXT)
+    assert len(ids) >= 2000
