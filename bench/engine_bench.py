@@ -254,6 +254,19 @@ def ours_decode(
     return (num_tokens - batch) / (end - decode_start), num_tokens / (end - start)
 
 
+def hf_decode_rate(bench: Bench, batch: int, new_tokens: int, prompt: list[int]) -> float:
+    """HF generate()'s decode tokens/s: a long minus a one-token generate (drops prefill)."""
+    first = hf_generate(bench, batch, 1, prompt)
+    full = hf_generate(bench, batch, new_tokens, prompt)
+    return batch * (new_tokens - 1) / max(1e-9, full - first)
+
+
+def decode_prompt(length: int = 128) -> list[int]:
+    """The decode tests' prompt: fixed random token ids (no prefix for a cache to share)."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(100, 40_000, (length,), generator=generator).tolist()
+
+
 def hf_generate_batch(bench: Bench, batch: int, new_tokens: int, prompt: list[int]) -> float:
     """Aggregate tokens/s of transformers' own continuous batching, prefill included."""
     config = GenerationConfig(
@@ -270,8 +283,7 @@ def hf_generate_batch(bench: Bench, batch: int, new_tokens: int, prompt: list[in
 def decode_speed(
     bench: Bench, batches: list[int], new_tokens: int, repeats: int, out: Path
 ) -> list:
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, 40_000, (128,), generator=generator).tolist()
+    prompt = decode_prompt()
     rows = []
     for batch in batches:
         # Best of `repeats` for each side, alternating: a busy moment on a shared machine
@@ -280,10 +292,7 @@ def decode_speed(
         for _ in range(repeats):
             decode, with_prefill = ours_decode(bench, batch, new_tokens, prompt)
             ours, ours_with_prefill = max(ours, decode), max(ours_with_prefill, with_prefill)
-            # HF: decode rate from a long minus a one-token generate (drops prefill).
-            first = hf_generate(bench, batch, 1, prompt)
-            full = hf_generate(bench, batch, new_tokens, prompt)
-            hf = max(hf, batch * (new_tokens - 1) / max(1e-9, full - first))
+            hf = max(hf, hf_decode_rate(bench, batch, new_tokens, prompt))
         rows.append(
             {
                 "batch": batch,

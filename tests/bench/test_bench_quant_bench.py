@@ -1,0 +1,38 @@
+"""bench/quant_bench.py end to end on a tiny model: speed and quality in one JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import quant_bench
+
+
+def run_bench(model_dir: Path, tmp_path: Path, *modes: str) -> dict:
+    peer = tmp_path / "llamacpp.json"
+    peer.write_text(json.dumps({"tokens_per_s": {"batch_1": 50.0, "batch_8": None}}))
+    out = tmp_path / "quant.json"
+    argv = ["--model", str(model_dir), "--quick", "--batches", "1", "2", "--decode-tokens", "3"]
+    argv += ["--quality-tokens", "600", "--window", "256", "--threads", "1"]
+    argv += ["--llama-cpp", str(peer), "--out", str(out), "--quantization", *modes]
+    assert quant_bench.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_unquantized_run_reports_speed_against_hf_and_llama_cpp(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    report = run_bench(tiny_model_dir, tmp_path, "none")
+    assert [row["batch"] for row in report["decode"]] == [1, 2]
+    first, second = report["decode"]
+    assert first["none_tok_s"] > 0 and first["hf_generate_fp32_tok_s"] > 0
+    assert first["none_vs_hf"] == first["none_tok_s"] / first["hf_generate_fp32_tok_s"]
+    assert first["none_vs_llama_cpp"] == first["none_tok_s"] / 50.0
+    assert second["llama_cpp_tok_s"] is None and second["none_vs_llama_cpp"] is None
+    (model,) = report["models"]
+    assert model["mode"] == "none" and model["quality"] is None
+    assert model["quantized_bytes_after"] is None
+    assert model["weight_bytes"] > 0
+    assert report["quality_tokens"] == 600
+    assert report["targets"] == []  # int8/int4 targets need those modes in the run
+
