@@ -30,7 +30,8 @@ from typing import Literal
 
 logger = logging.getLogger(__name__)
 
-CalibrationSource = Literal["measured", "cached"]
+# "built": made at load rather than chosen (the native kernels compiled, weights quantized).
+CalibrationSource = Literal["measured", "cached", "built"]
 
 
 @dataclass(frozen=True)

@@ -22,3 +22,8 @@ class QueueFullError(EngineError):
 
 class EngineNotRunningError(EngineError):
     """The engine is not started, or is shutting down (503)."""
+
+
+class UnsupportedSettingError(ValueError):
+    """The settings ask for what this model, device or machine cannot run (e.g. a quantization
+    without its kernels): the engine stops at start-up with exit 2 and this one line."""

@@ -176,11 +176,14 @@ class FusedGatedMLP(nn.Module):
         super().__init__()
         gate, up = mlp.gate_proj, mlp.up_proj
         self.intermediate_size = gate.out_features
+        # Built on the meta device: a real one would spend a second of start-up on a random
+        # initialisation that the next line overwrites.
         self.gate_up_proj = nn.Linear(
-            gate.in_features, 2 * gate.out_features, bias=False, dtype=gate.weight.dtype
-        ).to(gate.weight.device)
-        with torch.no_grad():
-            self.gate_up_proj.weight.copy_(torch.cat([gate.weight, up.weight]))
+            gate.in_features, 2 * gate.out_features, bias=False, device="meta"
+        )
+        self.gate_up_proj.weight = nn.Parameter(
+            torch.cat([gate.weight.detach(), up.weight.detach()]), requires_grad=False
+        )
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
 
@@ -207,6 +210,10 @@ def fuse_gated_mlps(decoder: nn.Module) -> int:
     return count
 
 
+# Builds the module for one (fused) weight and bias: packed, native or quantized.
+MakeLinear = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+
+
 class _SharedQKV:
     """One product for the query, key and value projections of an attention module.
 
@@ -215,13 +222,11 @@ class _SharedQKV:
     another input recomputes, so a different call order is slower but never wrong.
     """
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], make: MakeLinear) -> None:
         weights: list[torch.Tensor] = [linear.weight for linear in linears]
         biases: list[torch.Tensor] = [linear.bias for linear in linears if linear.bias is not None]
-        self.linear = PackedLinear(
-            torch.cat(weights),
-            torch.cat(biases) if biases else None,
-        )
+        self.linear = make(torch.cat(weights).detach(), torch.cat(biases) if biases else None)
+        self.in_features = linears[0].in_features
         self.sizes = [linear.out_features for linear in linears]
         self.input: torch.Tensor | None = None
         self.parts: tuple[torch.Tensor, ...] = ()
@@ -244,7 +249,7 @@ class QKVPart(nn.Module):
         super().__init__()
         self.shared = shared
         self.index = index
-        self.in_features = shared.linear.in_features
+        self.in_features = shared.in_features
         self.out_features = shared.sizes[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,14 +271,15 @@ def _plain_qkv(module: nn.Module) -> list[nn.Linear] | None:
     return plain
 
 
-def fuse_qkv(decoder: nn.Module) -> int:
-    """Give every attention module with plain q/k/v projections one shared packed product."""
+def fuse_qkv(decoder: nn.Module, make: MakeLinear = PackedLinear) -> int:
+    """Give every attention module with plain q/k/v projections one shared product, built by
+    ``make(weight, bias)`` (oneDNN-packed by default)."""
     count = 0
     for module in list(decoder.modules()):
         linears = _plain_qkv(module)
         if linears is None:
             continue
-        shared = _SharedQKV(linears)
+        shared = _SharedQKV(linears, make)
         for index, name in enumerate(QKV_NAMES):
             setattr(module, name, QKVPart(shared, index))
         count += 1

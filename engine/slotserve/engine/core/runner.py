@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from slotserve.contracts.engine_argv import Quantization
 from slotserve.engine.core.attention import PrefillChunkInput, SlotStep, register_slot_attention
 from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
+from slotserve.engine.core.kernels import load_kernels
 from slotserve.engine.core.linear import (
     LinearBackend,
     aten_logits,
@@ -29,6 +31,7 @@ from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
 from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.core.prefix_cache import SlotCopy
 from slotserve.engine.core.protocols import Tokenizer
+from slotserve.engine.core.quantize import QuantizationReport, preflight, quantize_model
 from slotserve.engine.core.sampling import Sampler
 from slotserve.engine.core.scheduler import ScheduledChunk
 from slotserve.engine.core.sequence import SequenceError
@@ -114,6 +117,7 @@ class ModelRunner:
         max_model_len: int,
         linear_backend: LinearBackend = "auto",
         calibration: CalibrationCache | None = None,
+        quantization: Quantization = "none",
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -123,15 +127,42 @@ class ModelRunner:
         self.max_model_len = max_model_len
         model.set_attn_implementation(register_slot_attention())
         self.decoder = model.get_decoder()
-        # Logits for the sampling rows only: oneDNN-packed when that pays, else the stock layer.
-        # ``auto`` is decided here (measured, or read from the calibration cache) and reported.
-        backend, record = choose_linear_backend(
-            model, linear_backend, max_rows=num_slots, cache=calibration
-        )
-        self.calibrations: list[CalibrationRecord] = [record] if record is not None else []
-        self.logits = pack_linears(model, backend, max_rows=num_slots) or aten_logits(
-            model.get_output_embeddings()
-        )
+        self.calibrations: list[CalibrationRecord] = []
+        self.quantization: QuantizationReport | None = None
+        if quantization != "none":
+            # Quantized layers run the native kernels whatever the linear backend says.
+            kernels = load_kernels(CommonSettings().home)
+            self.quantization = report = quantize_model(model, quantization, kernels)
+            self.logits = model.get_output_embeddings()
+            self.calibrations = [
+                CalibrationRecord(
+                    "native_kernels",
+                    "avx2_fma" if kernels.avx2 else "plain_c",
+                    "built" if kernels.build.compiled else "cached",
+                    kernels.build.seconds,
+                ),
+                CalibrationRecord(
+                    "quantization",
+                    quantization,
+                    "built",
+                    report.seconds,
+                    {
+                        "layers": float(report.num_layers),
+                        "mb_before": report.bytes_before / 1e6,
+                        "mb_after": report.bytes_after / 1e6,
+                    },
+                ),
+            ]
+        else:
+            # Logits for the sampling rows only: oneDNN-packed when that pays, else the stock
+            # layer. ``auto`` is decided here (measured, or read from the calibration cache).
+            backend, record = choose_linear_backend(
+                model, linear_backend, max_rows=num_slots, cache=calibration
+            )
+            self.calibrations = [record] if record is not None else []
+            self.logits = pack_linears(model, backend, max_rows=num_slots) or aten_logits(
+                model.get_output_embeddings()
+            )
         cache_shape = (num_slots, self.shape.num_kv_heads, max_model_len, self.shape.head_dim)
         # torch.empty: on a CPU, pages are only committed as positions get written.
         self.k_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
@@ -301,6 +332,7 @@ def build_runner(
     load_start = time.perf_counter()
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
+    preflight(settings.quantization, device, dtype)
     model, tokenizer = load_model(source, device, dtype)
     shape = ModelShape.from_config(model.config)
     max_model_len = settings.max_model_len or min(
@@ -337,6 +369,7 @@ def build_runner(
         max_model_len=max_model_len,
         linear_backend=settings.linear_backend,
         calibration=CalibrationCache(CommonSettings().home / "calibration"),
+        quantization=settings.quantization,
     )
     for record in runner.calibrations:
         logger.info(

@@ -31,6 +31,7 @@ class ServerState:
     in_flight: set[str] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     fatal: asyncio.Event = field(default_factory=asyncio.Event)
+    fatal_exit_code: int = 1  # 2: the settings cannot run here (UnsupportedSettingError)
     started_at: int = field(default_factory=lambda: int(time.time()))
     metrics: EngineMetrics = field(init=False)
 

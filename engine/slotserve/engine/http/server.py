@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 
 from slotserve.contracts.engine_load import EngineLoadReport
+from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.http.http_state import (
     STATE,
     ApiError,
@@ -107,6 +108,13 @@ async def _load_and_start(state: ServerState) -> None:
             log.info("loading model %s", state.settings.model)
             engine = await _in_daemon_thread(AsyncEngine.load, state.settings)
         await engine.start()
+    except UnsupportedSettingError as error:
+        # A setting this model or machine cannot run: one clear line, no traceback, exit 2.
+        log.error("cannot start: %s", error)
+        state.load_error = str(error)
+        state.fatal_exit_code = 2
+        state.fatal.set()
+        return
     except Exception as error:
         log.exception("the model failed to load")
         state.load_error = f"{type(error).__name__}: {error}"
@@ -165,7 +173,8 @@ async def _first_of(*waits: Awaitable[Any], timeout: float | None) -> None:
 
 
 async def serve(settings: EngineSettings, tracer_provider: SdkTracerProvider | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0 after draining) or a failed model load (exit 1)."""
+    """Serve until SIGTERM/SIGINT (exit 0 after draining) or a failed model load (exit 1; 2
+    when the settings cannot run with this model or machine)."""
     app = create_app(settings, tracer_provider)
     state = app[STATE]
     access_log = log if log.isEnabledFor(logging.DEBUG) else None
@@ -187,7 +196,7 @@ async def serve(settings: EngineSettings, tracer_provider: SdkTracerProvider | N
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await _first_of(stop.wait(), state.fatal.wait(), timeout=None)
-    exit_code = 1 if state.fatal.is_set() else 0
+    exit_code = state.fatal_exit_code if state.fatal.is_set() else 0
     if exit_code == 0:
         stop.clear()  # a second signal skips the rest of the drain
         await drain(state, settings.drain_timeout_seconds, force=stop)

@@ -1,0 +1,260 @@
+"""The engine's own CPU matrix products (``qgemm.c``), compiled on first use and cached.
+
+The C source is compiled with the machine's C compiler (``$CC``, else ``gcc``) into
+``$SLOTSERVE_HOME/kernels/qgemm-<hash>.so``, the hash covering the source, the compiler's
+version and the flags, so an upgrade rebuilds and engines sharing a home reuse one build (about
+a second). A home that cannot be written (a read-only image) falls back to a temporary folder.
+The library links the OpenMP runtime torch has already loaded, so its threads are torch's.
+
+Called through ctypes with raw pointers: about a microsecond a call, against milliseconds of
+weights streamed per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from slotserve.engine.core.errors import UnsupportedSettingError
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qgemm.c")
+FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
+ABI = 2
+GROUP_SIZE = 32  # int4 weights per (scale, minimum) pair: fixed by the C source
+
+
+class KernelUnavailable(UnsupportedSettingError):
+    """No C compiler, or the build failed: the native products cannot run here."""
+
+
+@dataclass(frozen=True)
+class Build:
+    path: Path
+    compiled: bool  # False: found in the cache
+    seconds: float
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "gcc")
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(
+            f"the native kernels need a C compiler ({compiler!r} not usable: {exc}); install gcc "
+            "or set CC"
+        ) from exc
+    return done.stdout.splitlines()[0] if done.stdout else compiler
+
+
+def _cache_dirs(home: Path) -> list[Path]:
+    return [home / "kernels", Path(tempfile.gettempdir()) / "slotserve-kernels"]
+
+
+def build(home: Path) -> Build:
+    """The compiled library for this source and compiler: from the cache, or compiled now."""
+    start = time.perf_counter()
+    compiler = _compiler()
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        source + _compiler_version(compiler).encode() + " ".join(FLAGS).encode()
+    ).hexdigest()[:16]
+    name = f"qgemm-{key}.so"
+    for folder in _cache_dirs(home):
+        if (folder / name).is_file():
+            return Build(folder / name, False, time.perf_counter() - start)
+    errors = []
+    for folder in _cache_dirs(home):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            # Compile beside the target and rename: engines starting together never load a
+            # half-written library.
+            with tempfile.TemporaryDirectory(dir=folder) as scratch:
+                output = Path(scratch) / name
+                done = subprocess.run(
+                    [compiler, *FLAGS, "-o", str(output), str(SOURCE), "-lm"],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+                if done.returncode != 0:
+                    raise KernelUnavailable(f"compiling {SOURCE.name} failed:\n{done.stderr}")
+                os.replace(output, folder / name)
+            return Build(folder / name, True, time.perf_counter() - start)
+        except OSError as exc:
+            errors.append(f"{folder}: {exc}")
+    raise KernelUnavailable("no folder to build the native kernels in: " + "; ".join(errors))
+
+
+class NativeKernels:
+    """The loaded library: ``y = x @ W.T`` for fp32, int8 and int4 weights (CPU tensors)."""
+
+    def __init__(self, built: Build) -> None:
+        self.build = built
+        lib = ctypes.CDLL(str(built.path))
+        if lib.slotserve_kernel_abi() != ABI:
+            raise KernelUnavailable(f"{built.path} is not ABI {ABI}")
+        ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.slotserve_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, ptr, c_int]
+        lib.slotserve_gemm_q8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, c_int]
+        lib.slotserve_gemm_q4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, c_int]
+        for fn in (lib.slotserve_gemm_f32, lib.slotserve_gemm_q8, lib.slotserve_gemm_q4):
+            fn.restype = None
+        lib.slotserve_dequantize.argtypes = [c_int, ptr, ptr, ptr, i64, i64, ptr, c_int]
+        lib.slotserve_dequantize.restype = None
+        lib.slotserve_quantize_q8.argtypes = [ptr, i64, i64, ptr, ptr, c_int]
+        lib.slotserve_quantize_q4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, c_int]
+        lib.slotserve_kernel_set_isa.argtypes = [c_int]
+        self._lib = lib
+
+    @property
+    def avx2(self) -> bool:
+        """Whether the products run the AVX2/FMA code (else the plain C one)."""
+        return bool(self._lib.slotserve_kernel_isa())
+
+    def set_avx2(self, enabled: bool) -> bool:
+        """Use the AVX2 code if ``enabled`` and the CPU has it (tests); returns what is used."""
+        return bool(self._lib.slotserve_kernel_set_isa(int(enabled)))
+
+    def gemm_f32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        m, k, out = self._begin(x, weight.shape[0])
+        self._lib.slotserve_gemm_f32(
+            x.data_ptr(), m, k, weight.data_ptr(), weight.shape[0], out.data_ptr(), _threads()
+        )
+        return out
+
+    def gemm_q8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        m, k, out = self._begin(x, q.shape[0])
+        self._lib.slotserve_gemm_q8(
+            x.data_ptr(),
+            m,
+            k,
+            q.data_ptr(),
+            scale.data_ptr(),
+            q.shape[0],
+            out.data_ptr(),
+            _threads(),
+        )
+        return out
+
+    def gemm_q4(
+        self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+    ) -> torch.Tensor:
+        m, k, out = self._begin(x, q.shape[0])
+        self._lib.slotserve_gemm_q4(
+            x.data_ptr(),
+            m,
+            k,
+            q.data_ptr(),
+            scale.data_ptr(),
+            minimum.data_ptr(),
+            q.shape[0],
+            out.data_ptr(),
+            _threads(),
+        )
+        return out
+
+    def quantize_q8(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Symmetric int8 in groups of 32 along K: ``(q [N, K] int8, scale [N, K/32])``."""
+        w, n, k = _weight(weight)
+        q = torch.empty(n, k, dtype=torch.int8)
+        scale = torch.empty(n, k // GROUP_SIZE, dtype=torch.float32)
+        self._lib.slotserve_quantize_q8(
+            w.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), _threads()
+        )
+        return q, scale
+
+    def quantize_q4(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int4 groups of 32 along K with scale and minimum: ``(q [N, K/2] uint8, scale
+        [N, K/32], minimum [N, K/32])``; byte j of a group holds weights j and j + 16."""
+        w, n, k = _weight(weight)
+        q = torch.empty(n, k // 2, dtype=torch.uint8)
+        scale = torch.empty(n, k // GROUP_SIZE, dtype=torch.float32)
+        minimum = torch.empty_like(scale)
+        self._lib.slotserve_quantize_q4(
+            w.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), minimum.data_ptr(), _threads()
+        )
+        return q, scale, minimum
+
+    def dequantize_q8(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The fp32 weight ``q * scale`` ([N, K])."""
+        return self._dequantize(1, q, scale, None, q.shape[1])
+
+    def dequantize_q4(
+        self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+    ) -> torch.Tensor:
+        """The fp32 weight of packed int4 groups ([N, K] from [N, K/2] bytes)."""
+        return self._dequantize(2, q, scale, minimum, q.shape[1] * 2)
+
+    def _dequantize(
+        self, kind: int, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, k: int
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape[0], k, dtype=torch.float32)
+        self._lib.slotserve_dequantize(
+            kind,
+            q.data_ptr(),
+            scale.data_ptr(),
+            None if minimum is None else minimum.data_ptr(),
+            q.shape[0],
+            k,
+            out.data_ptr(),
+            _threads(),
+        )
+        return out
+
+    @staticmethod
+    def _begin(x: torch.Tensor, n: int) -> tuple[int, int, torch.Tensor]:
+        # Callers pass contiguous fp32 CPU rows; a wrong tensor here would read stray memory.
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.is_cuda:
+            raise ValueError("native kernels take contiguous 2-D float32 CPU rows")
+        m, k = x.shape
+        return m, k, torch.empty(m, n, dtype=torch.float32)
+
+
+def _weight(weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    w = weight.detach().float().contiguous()
+    n, k = w.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"quantized weights need K a multiple of {GROUP_SIZE}, got {k}")
+    return w, n, k
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+@functools.cache
+def load_kernels(home: Path) -> NativeKernels:
+    """Build (or find) and load the library; raises :class:`KernelUnavailable`."""
+    built = build(home)
+    kernels = NativeKernels(built)
+    logger.info(
+        "native kernels %s (%s, %.2f s), %s",
+        built.path,
+        "compiled" if built.compiled else "cached",
+        built.seconds,
+        "AVX2/FMA" if kernels.avx2 else "plain C (no AVX2/FMA on this CPU)",
+    )
+    return kernels
+
+
+def compiler_available() -> bool:
+    """Whether a C compiler is on the path (the native kernels can be built here)."""
+    return shutil.which(_compiler()) is not None

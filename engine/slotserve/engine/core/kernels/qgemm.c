@@ -1,0 +1,420 @@
+/* Matrix products for CPU decoding: y[M,N] = x[M,K] . W[N,K]^T with W in fp32, int8 or int4.
+ *
+ * Why a kernel of our own: on AVX2 machines without AVX-512, torch's weight-only int8/int4
+ * kernels ran slower than fp32, and MKL's fp32 products with a few rows read the weights at
+ * under half the machine's bandwidth. Decode is a few rows against every weight of the model,
+ * so the time is the time to stream the weights: fewer bytes per weight (int8, int4) and one
+ * pass over them at full bandwidth are what count.
+ *
+ * How: the output channels are cut into panels of PANEL rows; each thread takes whole panels
+ * (OpenMP, the runtime torch already loaded). A quantized panel is dequantized once into a small
+ * fp32 buffer that stays in L1/L2, then every input row is multiplied against it, two rows at a
+ * time, each row of the panel with its own accumulator: the weights are read from memory once
+ * per call whatever M is. Both quantized formats keep their scales per group of 32 weights along
+ * the input. int8: one scale a group (w = scale * q, q in -127..127: llama.cpp's Q8_0). int4: a
+ * scale and a minimum (w = scale * q + min, q in 0..15: Q4_1), byte j of a group holding weight
+ * j in its low nibble and weight j + 16 in its high nibble, so one 16-byte load unpacks into
+ * two runs of 16 weights.
+ *
+ * Every product has an AVX2/FMA version and a plain C one; the AVX2 one is chosen at run time
+ * from the CPU's flags (never on a CPU that lacks them), and can be switched off for tests.
+ */
+#include <omp.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define HAVE_AVX2_CODE 1
+#include <immintrin.h>
+#else
+#define HAVE_AVX2_CODE 0
+#endif
+
+#define PANEL 4
+#define GROUP 32
+
+int slotserve_kernel_abi(void) { return 2; }
+
+static int use_avx2 = -1;
+
+int slotserve_kernel_isa(void) {
+    if (use_avx2 < 0) {
+#if HAVE_AVX2_CODE
+        __builtin_cpu_init();
+        use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+        use_avx2 = 0;
+#endif
+    }
+    return use_avx2;
+}
+
+/* 0 forces the plain C products (tests); 1 asks for AVX2, granted only if the CPU has it. */
+int slotserve_kernel_set_isa(int avx2) {
+    use_avx2 = -1;
+    if (avx2 && slotserve_kernel_isa()) return 1;
+    use_avx2 = 0;
+    return 0;
+}
+
+/* ---- plain C ------------------------------------------------------------------------------ */
+
+static void dot_panel_c(const float *x, int64_t m, int64_t k, const float *w, int64_t rows,
+                        float *y, int64_t n) {
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t r = 0; r < rows; r++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < k; j++) acc += x[i * k + j] * w[r * k + j];
+            y[i * n + r] = acc;
+        }
+    }
+}
+
+static void unpack_q8_c(const int8_t *q, const float *scale, int64_t k, int64_t rows,
+                        float *out) {
+    for (int64_t j = 0; j < rows * k; j++) out[j] = scale[j / GROUP] * (float)q[j];
+}
+
+static void unpack_q4_c(const uint8_t *q, const float *scale, const float *minimum, int64_t k,
+                        int64_t rows, float *out) {
+    const int64_t groups = k / GROUP;
+    for (int64_t g = 0; g < rows * groups; g++) {
+        const uint8_t *bytes = q + g * (GROUP / 2);
+        float *dst = out + g * GROUP;
+        for (int j = 0; j < GROUP / 2; j++) {
+            dst[j] = scale[g] * (float)(bytes[j] & 0x0F) + minimum[g];
+            dst[j + GROUP / 2] = scale[g] * (float)(bytes[j] >> 4) + minimum[g];
+        }
+    }
+}
+
+/* ---- AVX2 + FMA --------------------------------------------------------------------------- */
+
+#if HAVE_AVX2_CODE
+
+__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* A full panel (PANEL rows of w) against every row of x; k is a multiple of 8. */
+__attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, int64_t m,
+                                                               int64_t k, const float *w,
+                                                               float *y, int64_t n) {
+    const float *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k;
+    int64_t i = 0;
+    for (; i + 2 <= m; i += 2) {
+        const float *xa = x + i * k, *xb = xa + k;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t j = 0; j < k; j += 8) {
+            __m256 va = _mm256_loadu_ps(xa + j), vb = _mm256_loadu_ps(xb + j);
+            __m256 v0 = _mm256_loadu_ps(w0 + j), v1 = _mm256_loadu_ps(w1 + j);
+            __m256 v2 = _mm256_loadu_ps(w2 + j), v3 = _mm256_loadu_ps(w3 + j);
+            a0 = _mm256_fmadd_ps(va, v0, a0);
+            a1 = _mm256_fmadd_ps(va, v1, a1);
+            a2 = _mm256_fmadd_ps(va, v2, a2);
+            a3 = _mm256_fmadd_ps(va, v3, a3);
+            b0 = _mm256_fmadd_ps(vb, v0, b0);
+            b1 = _mm256_fmadd_ps(vb, v1, b1);
+            b2 = _mm256_fmadd_ps(vb, v2, b2);
+            b3 = _mm256_fmadd_ps(vb, v3, b3);
+        }
+        float *ya = y + i * n, *yb = ya + n;
+        ya[0] = hsum(a0), ya[1] = hsum(a1), ya[2] = hsum(a2), ya[3] = hsum(a3);
+        yb[0] = hsum(b0), yb[1] = hsum(b1), yb[2] = hsum(b2), yb[3] = hsum(b3);
+    }
+    if (i < m) {
+        /* One row left (always, at batch 1): two accumulators per panel row keep the FMA
+         * latency hidden while the weights stream in. */
+        const float *xa = x + i * k;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+        int64_t j = 0;
+        for (; j + 16 <= k; j += 16) {
+            __m256 va = _mm256_loadu_ps(xa + j), vc = _mm256_loadu_ps(xa + j + 8);
+            a0 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w0 + j), a0);
+            a1 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w1 + j), a1);
+            a2 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w2 + j), a2);
+            a3 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w3 + j), a3);
+            c0 = _mm256_fmadd_ps(vc, _mm256_loadu_ps(w0 + j + 8), c0);
+            c1 = _mm256_fmadd_ps(vc, _mm256_loadu_ps(w1 + j + 8), c1);
+            c2 = _mm256_fmadd_ps(vc, _mm256_loadu_ps(w2 + j + 8), c2);
+            c3 = _mm256_fmadd_ps(vc, _mm256_loadu_ps(w3 + j + 8), c3);
+        }
+        for (; j < k; j += 8) {
+            __m256 va = _mm256_loadu_ps(xa + j);
+            a0 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w0 + j), a0);
+            a1 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w1 + j), a1);
+            a2 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w2 + j), a2);
+            a3 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w3 + j), a3);
+        }
+        float *ya = y + i * n;
+        ya[0] = hsum(_mm256_add_ps(a0, c0)), ya[1] = hsum(_mm256_add_ps(a1, c1));
+        ya[2] = hsum(_mm256_add_ps(a2, c2)), ya[3] = hsum(_mm256_add_ps(a3, c3));
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void unpack_q8_avx2(const int8_t *q,
+                                                               const float *scale, int64_t k,
+                                                               float *out) {
+    const int64_t groups = PANEL * (k / GROUP);
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256 d = _mm256_set1_ps(scale[g]);
+        for (int j = 0; j < GROUP; j += 8) {
+            __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + g * GROUP + j));
+            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+            _mm256_storeu_ps(out + g * GROUP + j, _mm256_mul_ps(v, d));
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static inline void store_q4_8(__m128i nibbles, __m256 d,
+                                                                  __m256 mn, float *dst) {
+    __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles));
+    _mm256_storeu_ps(dst, _mm256_fmadd_ps(q, d, mn));
+}
+
+__attribute__((target("avx2,fma"))) static void unpack_q4_avx2(const uint8_t *q,
+                                                               const float *scale,
+                                                               const float *minimum, int64_t k,
+                                                               float *out) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const int64_t groups = PANEL * (k / GROUP);
+    for (int64_t g = 0; g < groups; g++) {
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(q + g * (GROUP / 2)));
+        __m128i lo = _mm_and_si128(bytes, low);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+        __m256 d = _mm256_set1_ps(scale[g]), mn = _mm256_set1_ps(minimum[g]);
+        float *dst = out + g * GROUP;
+        store_q4_8(lo, d, mn, dst);
+        store_q4_8(_mm_srli_si128(lo, 8), d, mn, dst + 8);
+        store_q4_8(hi, d, mn, dst + 16);
+        store_q4_8(_mm_srli_si128(hi, 8), d, mn, dst + 24);
+    }
+}
+
+#else /* no x86: the dispatch never picks these */
+static void dot_panel_avx2(const float *x, int64_t m, int64_t k, const float *w, float *y,
+                           int64_t n) {
+    dot_panel_c(x, m, k, w, PANEL, y, n);
+}
+static void unpack_q8_avx2(const int8_t *q, const float *scale, int64_t k, float *out) {
+    unpack_q8_c(q, scale, k, PANEL, out);
+}
+static void unpack_q4_avx2(const uint8_t *q, const float *scale, const float *minimum, int64_t k,
+                           float *out) {
+    unpack_q4_c(q, scale, minimum, k, PANEL, out);
+}
+#endif
+
+/* ---- quantizing (at load) ----------------------------------------------------------------- */
+/* Rounding is to nearest, ties to even (as torch.round), in both versions, so the two give the
+ * same bytes. A group's quantized values pass through int32[32] before packing: simple, and
+ * load time is spent in the rounding, not there. */
+
+static void round_q8_c(const float *src, int32_t *out, float *scale) {
+    float amax = 0.0f;
+    for (int j = 0; j < GROUP; j++) amax = fmaxf(amax, fabsf(src[j]));
+    const float d = amax > 0.0f ? amax / 127.0f : 1.0f;
+    *scale = d;
+    for (int j = 0; j < GROUP; j++) out[j] = (int32_t)fminf(fmaxf(nearbyintf(src[j] / d), -127.0f), 127.0f);
+}
+
+static void round_q4_c(const float *src, int32_t *out, float *scale, float *minimum) {
+    float lo = src[0], hi = src[0];
+    for (int j = 1; j < GROUP; j++) lo = fminf(lo, src[j]), hi = fmaxf(hi, src[j]);
+    const float d = hi > lo ? (hi - lo) / 15.0f : 1.0f;
+    *scale = d, *minimum = lo;
+    for (int j = 0; j < GROUP; j++)
+        out[j] = (int32_t)fminf(fmaxf(nearbyintf((src[j] - lo) / d), 0.0f), 15.0f);
+}
+
+#if HAVE_AVX2_CODE
+__attribute__((target("avx2,fma"))) static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+__attribute__((target("avx2,fma"))) static inline float hmin(__m256 v) {
+    __m128 s = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_min_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_min_ss(s, _mm_movehdup_ps(s)));
+}
+
+#define ROUND_EVEN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+__attribute__((target("avx2,fma"))) static void round_q8_avx2(const float *src, int32_t *out,
+                                                              float *scale) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    const float amax = hmax(m);
+    const float d = amax > 0.0f ? amax / 127.0f : 1.0f;
+    *scale = d;
+    const __m256 vd = _mm256_set1_ps(d), top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
+    for (int i = 0; i < 4; i++) {
+        __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], vd), ROUND_EVEN);
+        r = _mm256_min_ps(_mm256_max_ps(r, bottom), top);
+        _mm256_storeu_si256((__m256i *)(out + 8 * i), _mm256_cvtps_epi32(r));
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void round_q4_avx2(const float *src, int32_t *out,
+                                                              float *scale, float *minimum) {
+    __m256 v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(src + 8 * i);
+    const float lo = hmin(_mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3])));
+    const float hi = hmax(_mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3])));
+    const float d = hi > lo ? (hi - lo) / 15.0f : 1.0f;
+    *scale = d, *minimum = lo;
+    const __m256 vd = _mm256_set1_ps(d), vlo = _mm256_set1_ps(lo);
+    const __m256 top = _mm256_set1_ps(15.0f), zero = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(v[i], vlo), vd), ROUND_EVEN);
+        r = _mm256_min_ps(_mm256_max_ps(r, zero), top);
+        _mm256_storeu_si256((__m256i *)(out + 8 * i), _mm256_cvtps_epi32(r));
+    }
+}
+#else
+static void round_q8_avx2(const float *src, int32_t *out, float *scale) {
+    round_q8_c(src, out, scale);
+}
+static void round_q4_avx2(const float *src, int32_t *out, float *scale, float *minimum) {
+    round_q4_c(src, out, scale, minimum);
+}
+#endif
+
+/* w [N,K] fp32 -> q [N,K] int8 and scale [N,K/32]: symmetric, scale = max|w| / 127. */
+void slotserve_quantize_q8(const float *w, int64_t n, int64_t k, int8_t *q, float *scale,
+                           int threads) {
+    const int avx2 = slotserve_kernel_isa();
+    const int64_t groups = n * (k / GROUP);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; g++) {
+        int32_t values[GROUP];
+        if (avx2) round_q8_avx2(w + g * GROUP, values, scale + g);
+        else round_q8_c(w + g * GROUP, values, scale + g);
+        for (int j = 0; j < GROUP; j++) q[g * GROUP + j] = (int8_t)values[j];
+    }
+}
+
+/* w [N,K] fp32 -> q [N,K/2] packed nibbles, scale and minimum [N,K/32]. */
+void slotserve_quantize_q4(const float *w, int64_t n, int64_t k, uint8_t *q, float *scale,
+                           float *minimum, int threads) {
+    const int avx2 = slotserve_kernel_isa();
+    const int64_t groups = n * (k / GROUP);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; g++) {
+        int32_t values[GROUP];
+        if (avx2) round_q4_avx2(w + g * GROUP, values, scale + g, minimum + g);
+        else round_q4_c(w + g * GROUP, values, scale + g, minimum + g);
+        for (int j = 0; j < GROUP / 2; j++)
+            q[g * (GROUP / 2) + j] = (uint8_t)(values[j] | (values[j + GROUP / 2] << 4));
+    }
+}
+
+/* ---- drivers ------------------------------------------------------------------------------ */
+
+enum kind { F32, Q8, Q4 };
+
+struct weights {
+    enum kind kind;
+    const void *data;    /* float[N,K], int8[N,K] or uint8[N,K/2] */
+    const float *scale;  /* Q8: [N]; Q4: [N, K/32] */
+    const float *minimum;/* Q4: [N, K/32] */
+};
+
+static void gemm(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
+                 int threads) {
+    const int avx2 = slotserve_kernel_isa() && k % 8 == 0;
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buffer = NULL;
+        if (w.kind != F32) buffer = aligned_alloc(64, sizeof(float) * PANEL * (size_t)k);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t n0 = p * PANEL;
+            const int64_t rows = n - n0 < PANEL ? n - n0 : PANEL;
+            const float *panel;
+            if (w.kind == F32) {
+                panel = (const float *)w.data + n0 * k;
+            } else if (w.kind == Q8) {
+                const int8_t *q = (const int8_t *)w.data + n0 * k;
+                const float *sc = w.scale + n0 * (k / GROUP);
+                if (avx2 && rows == PANEL) unpack_q8_avx2(q, sc, k, buffer);
+                else unpack_q8_c(q, sc, k, rows, buffer);
+                panel = buffer;
+            } else {
+                const int64_t groups = k / GROUP;
+                const uint8_t *q = (const uint8_t *)w.data + n0 * (k / 2);
+                const float *sc = w.scale + n0 * groups, *mn = w.minimum + n0 * groups;
+                if (avx2 && rows == PANEL) unpack_q4_avx2(q, sc, mn, k, buffer);
+                else unpack_q4_c(q, sc, mn, k, rows, buffer);
+                panel = buffer;
+            }
+            if (avx2 && rows == PANEL) {
+                dot_panel_avx2(x, m, k, panel, y + n0, n);
+            } else {
+                dot_panel_c(x, m, k, panel, rows, y + n0, n);
+            }
+        }
+        free(buffer);
+    }
+}
+
+void slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
+                        float *y, int threads) {
+    struct weights weights = {F32, w, NULL, NULL};
+    gemm(x, m, k, weights, n, y, threads);
+}
+
+void slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w,
+                       const float *scale, int64_t n, float *y, int threads) {
+    struct weights weights = {Q8, w, scale, NULL};
+    gemm(x, m, k, weights, n, y, threads);
+}
+
+/* Whole weights back to fp32 (out: [N,K]), for products with many rows (prefill), where a
+ * tuned fp32 GEMM beats streaming panels: the weights are then read once and the work is
+ * compute-bound. */
+void slotserve_dequantize(int kind, const void *data, const float *scale, const float *minimum,
+                          int64_t n, int64_t k, float *out, int threads) {
+    const int avx2 = slotserve_kernel_isa() && k % 8 == 0;
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * PANEL;
+        const int64_t rows = n - n0 < PANEL ? n - n0 : PANEL;
+        float *dst = out + n0 * k;
+        if (kind == Q8) {
+            const int8_t *q = (const int8_t *)data + n0 * k;
+            const float *sc = scale + n0 * (k / GROUP);
+            if (avx2 && rows == PANEL) unpack_q8_avx2(q, sc, k, dst);
+            else unpack_q8_c(q, sc, k, rows, dst);
+        } else {
+            const int64_t groups = k / GROUP;
+            const uint8_t *q = (const uint8_t *)data + n0 * (k / 2);
+            const float *sc = scale + n0 * groups, *mn = minimum + n0 * groups;
+            if (avx2 && rows == PANEL) unpack_q4_avx2(q, sc, mn, k, dst);
+            else unpack_q4_c(q, sc, mn, k, rows, dst);
+        }
+    }
+}
+
+/* k must be a multiple of 32 (both quantized formats). */
+void slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w,
+                       const float *scale, const float *minimum, int64_t n, float *y,
+                       int threads) {
+    struct weights weights = {Q4, w, scale, minimum};
+    gemm(x, m, k, weights, n, y, threads);
+}

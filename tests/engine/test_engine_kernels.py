@@ -1,0 +1,152 @@
+"""The native kernels against torch: products equal dequantized matmuls, quantizers equal a torch
+reference byte for byte, on the AVX2/FMA code and on the plain C fallback alike."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from slotserve.engine.core.kernels import (
+    GROUP_SIZE,
+    KernelUnavailable,
+    NativeKernels,
+    build,
+    load_kernels,
+)
+from slotserve.settings import CommonSettings
+
+ISAS = ["avx2", "plain_c"]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> NativeKernels:
+    return load_kernels(CommonSettings().home)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, kernels: NativeKernels) -> Iterator[str]:
+    want_avx2 = request.param == "avx2"
+    if kernels.set_avx2(want_avx2) != want_avx2:
+        pytest.skip("this CPU has no AVX2/FMA")
+    yield request.param
+    kernels.set_avx2(True)
+
+
+def reference_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = weight.shape
+    groups = weight.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    scale = groups.abs().amax(-1) / 127
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scale
+
+
+def dequantize_q8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    return (q.reshape(n, -1, GROUP_SIZE).float() * scale[..., None]).reshape(n, k)
+
+
+def reference_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, k = weight.shape
+    groups = weight.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    half = GROUP_SIZE // 2
+    return (q[..., :half] | (q[..., half:] << 4)).reshape(n, k // 2), scale, low
+
+
+def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    n = q.shape[0]
+    grouped = q.reshape(n, -1, GROUP_SIZE // 2)
+    values = torch.cat([grouped & 0x0F, grouped >> 4], dim=-1).float()
+    return (values * scale[..., None] + minimum[..., None]).reshape(n, -1)
+
+
+# Panels are 4 output channels: 6 and 10 leave a partial last panel; K 96 is not a multiple of
+# 16 (the one-row loop's unrolled step); rows 1-5 cover both row loops and their leftovers.
+SHAPES = [(64, 64), (6, 96), (10, 32), (132, 160)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 33])
+def test_products_equal_dequantized_matmuls(kernels, isa, n, k, m):
+    generator = torch.Generator().manual_seed(n * 1000 + k + m)
+    weight = torch.randn(n, k, generator=generator)
+    x = torch.randn(m, k, generator=generator)
+    torch.testing.assert_close(kernels.gemm_f32(x, weight), x @ weight.T, rtol=1e-4, atol=1e-4)
+    q8, s8 = kernels.quantize_q8(weight)
+    torch.testing.assert_close(
+        kernels.gemm_q8(x, q8, s8), x @ dequantize_q8(q8, s8).T, rtol=1e-4, atol=1e-4
+    )
+    q4, s4, m4 = kernels.quantize_q4(weight)
+    torch.testing.assert_close(
+        kernels.gemm_q4(x, q4, s4, m4), x @ dequantize_q4(q4, s4, m4).T, rtol=1e-4, atol=1e-4
+    )
+    torch.testing.assert_close(kernels.dequantize_q8(q8, s8), dequantize_q8(q8, s8))
+    torch.testing.assert_close(kernels.dequantize_q4(q4, s4, m4), dequantize_q4(q4, s4, m4))
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_quantizers_equal_the_torch_reference_and_bound_the_error(kernels, isa, n, k):
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.05
+    weight[0, :GROUP_SIZE] = 0.0  # a group of zeros: scale 1, all codes 0, no division by zero
+    q8, s8 = kernels.quantize_q8(weight)
+    ref_q8, ref_s8 = reference_q8(weight)
+    assert torch.equal(q8, ref_q8)
+    torch.testing.assert_close(s8, ref_s8)
+    error = (dequantize_q8(q8, s8) - weight).abs().reshape(n, -1, GROUP_SIZE)
+    assert (error <= s8[..., None] / 2 + 1e-7).all()
+
+    q4, s4, m4 = kernels.quantize_q4(weight)
+    ref = reference_q4(weight)
+    assert torch.equal(q4, ref[0])
+    torch.testing.assert_close((s4, m4), ref[1:])
+    error = (dequantize_q4(q4, s4, m4) - weight).abs().reshape(n, -1, GROUP_SIZE)
+    assert (error <= s4[..., None] / 2 + 1e-6).all()
+
+
+def test_weights_on_the_int4_grid_come_back_exactly(kernels):
+    """A model that was Q4_1 (the bundled SmolLM2) keeps its layers exactly under int4."""
+    weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    snapped = dequantize_q4(*kernels.quantize_q4(weight))
+    again = kernels.quantize_q4(snapped)
+    torch.testing.assert_close(dequantize_q4(*again), snapped, rtol=0, atol=1e-6)
+
+
+def test_bad_inputs_are_refused_not_read_past(kernels):
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.quantize_q4(torch.randn(4, 40))
+    with pytest.raises(ValueError, match="contiguous 2-D float32"):
+        kernels.gemm_f32(torch.randn(4, 8).t(), torch.randn(4, 4))
+    with pytest.raises(ValueError, match="contiguous 2-D float32"):
+        kernels.gemm_f32(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8))
+
+
+def test_the_build_is_cached_by_source_and_compiler(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    first = build(tmp_path / "home")
+    again = build(tmp_path / "home")
+    assert first.compiled and not again.compiled
+    assert again.path == first.path
+    assert first.path.parent == tmp_path / "home" / "kernels"
+    assert [p.name for p in first.path.parent.iterdir()] == [first.path.name]  # no leftovers
+
+
+def test_a_home_that_cannot_be_written_builds_in_the_temporary_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    home = tmp_path / "home"
+    home.write_text("")  # a file: no folder can be made under it, even by root
+    built = build(home)
+    assert built.compiled
+    assert built.path.parent == Path(tmp_path / "tmp" / "slotserve-kernels")
+
+
+def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(KernelUnavailable, match="C compiler"):
+        build(tmp_path / "home")
