@@ -34,6 +34,7 @@ import torch
 from engine_bench import Bench, decode_prompt, hf_decode_rate, ours_decode
 from quant_quality import (
     DEFAULT_TEXT,
+    STEP,
     THRESHOLDS,
     QualityResult,
     compare,
@@ -115,7 +116,7 @@ def load_modes(source: str, modes: list[str], reference, token_ids: list[int], w
         model, report, seconds = load_quantized(source, mode)
         quality = None
         if mode != "none" and ref_scores is not None:
-            quality = compare(ref_scores, score(model, token_ids, window), len(token_ids), window)
+            quality = compare(ref_scores, score(model, token_ids, window))
         run = ModeRun(
             mode=mode,
             load_quantize_s=seconds,
@@ -284,9 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         "quality_text": DEFAULT_TEXT.name,
         "quality_tokens": len(token_ids),
         "quality_window": window,
+        "quality_step": STEP,
         "load_average_at_start": os.getloadavg(),
     }
-    print(f"1. load and quantize, quality on {len(token_ids)} tokens (windows of {window})")
+    print(f"1. load, quantize, quality on {len(token_ids)} tokens (windows {window}, step {STEP})")
     models, runs = load_modes(source, args.quantization, reference, token_ids, window)
     device = torch.device("cpu")
     benches = {m: Bench(model, tokenizer, reference, [], device) for m, model in models.items()}

@@ -9,8 +9,9 @@ plain Hugging Face forward pass (no engine), and at each position:
 - top-1 agreement: the candidate's argmax equals the reference's;
 - perplexity: exp of the mean negative log-likelihood of the text's next token, per model.
 
-Logits over the vocabulary (49,152 for SmolLM2) are never held for a whole window: the decoder's
-hidden states go through the output layer a chunk of positions at a time.
+A window is fed ``--step`` tokens a call, its KV cache carried over: every matrix product has at
+most that many rows, as in a decode step, so a quantized model is measured on the kernels that
+decode runs; and logits over the vocabulary (49,152 for SmolLM2) are held for one step at a time.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ from rich.table import Table
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "quality_text.txt"
 # Issue 16's quality targets: (minimum top-1 agreement, maximum relative perplexity increase).
 THRESHOLDS = {"int8": (0.97, 0.02), "int4": (0.90, 0.08)}
-LOGIT_CHUNK = 128  # positions per output-layer call: 128 x 49,152 fp32 logits = 25 MB
+# Tokens per forward call (the KV cache carries a window across calls): every matrix product
+# sees at most this many rows, as in a decode step of a large batch, so quantized layers run the
+# kernels decode runs (a long prefill may take another route). It also bounds the logits held:
+# 32 x 49,152 fp32 = 6 MB.
+STEP = 32
 
 
 @dataclass
@@ -44,6 +49,9 @@ class Scores:
 
     argmax: torch.Tensor  # int64 [num_predictions]
     nll: torch.Tensor  # float64 [num_predictions]
+    num_tokens: int
+    window: int
+    step: int
     seconds: float
 
     @property
@@ -56,6 +64,7 @@ class QualityResult:
     num_tokens: int  # tokens of the text
     num_predictions: int  # positions scored (each window's first token has nothing to predict it)
     window: int
+    step: int
     top1_agreement: float
     reference_perplexity: float
     candidate_perplexity: float
@@ -88,7 +97,7 @@ def windows(num_tokens: int, window: int) -> list[tuple[int, int]]:
 
 
 @torch.inference_mode()
-def score(model, token_ids: list[int], window: int = 1024) -> Scores:
+def score(model, token_ids: list[int], window: int = 1024, step: int = STEP) -> Scores:
     """Teacher-forced argmax and NLL of ``model`` at every position of ``token_ids``."""
     window = effective_window(model, window)
     device = next(model.parameters()).device
@@ -97,26 +106,32 @@ def score(model, token_ids: list[int], window: int = 1024) -> Scores:
     argmax, nll = [], []
     start_time = time.perf_counter()
     for start, end in windows(len(token_ids), window):
-        hidden = decoder(input_ids=ids[start:end].unsqueeze(0), use_cache=False).last_hidden_state
-        hidden, targets = hidden[0, :-1], ids[start + 1 : end]
-        for chunk in range(0, hidden.shape[0], LOGIT_CHUNK):
-            logits = head(hidden[chunk : chunk + LOGIT_CHUNK]).float()
+        past = None
+        # The window's last token predicts nothing, so it is never fed.
+        for first in range(start, end - 1, step):
+            last = min(first + step, end - 1)
+            out = decoder(input_ids=ids[first:last].unsqueeze(0), past_key_values=past)
+            past = out.past_key_values
+            logits = head(out.last_hidden_state[0]).float()
             argmax.append(logits.argmax(dim=-1).cpu())
             log_probs = torch.log_softmax(logits, dim=-1)
-            picked = log_probs.gather(1, targets[chunk : chunk + LOGIT_CHUNK].unsqueeze(1))
+            picked = log_probs.gather(1, ids[first + 1 : last + 1].unsqueeze(1))
             nll.append(-picked.squeeze(1).double().cpu())
-    return Scores(torch.cat(argmax), torch.cat(nll), time.perf_counter() - start_time)
+    seconds = time.perf_counter() - start_time
+    return Scores(torch.cat(argmax), torch.cat(nll), len(token_ids), window, step, seconds)
 
 
-def compare(reference: Scores, candidate: Scores, num_tokens: int, window: int) -> QualityResult:
+def compare(reference: Scores, candidate: Scores) -> QualityResult:
     """Agreement and perplexities of two readings of the same tokens."""
-    if reference.argmax.shape != candidate.argmax.shape:
-        raise ValueError("the two readings scored different positions")
+    setup = (reference.num_tokens, reference.window, reference.step)
+    if setup != (candidate.num_tokens, candidate.window, candidate.step):
+        raise ValueError("the two readings scored different tokens, windows or steps")
     ref_ppl, cand_ppl = reference.perplexity, candidate.perplexity
     return QualityResult(
-        num_tokens=num_tokens,
+        num_tokens=reference.num_tokens,
         num_predictions=int(reference.argmax.numel()),
-        window=window,
+        window=reference.window,
+        step=reference.step,
         top1_agreement=(reference.argmax == candidate.argmax).double().mean().item(),
         reference_perplexity=ref_ppl,
         candidate_perplexity=cand_ppl,
@@ -126,14 +141,13 @@ def compare(reference: Scores, candidate: Scores, num_tokens: int, window: int) 
     )
 
 
-def evaluate(reference, candidate, token_ids: list[int], window: int = 1024) -> QualityResult:
+def evaluate(
+    reference, candidate, token_ids: list[int], window: int = 1024, step: int = STEP
+) -> QualityResult:
     """Top-1 agreement and perplexities of ``candidate`` against ``reference`` on the tokens."""
     window = min(effective_window(reference, window), effective_window(candidate, window))
     return compare(
-        score(reference, token_ids, window),
-        score(candidate, token_ids, window),
-        len(token_ids),
-        window,
+        score(reference, token_ids, window, step), score(candidate, token_ids, window, step)
     )
 
 
@@ -186,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", nargs="+", default=["int8", "int4"])
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--step", type=int, default=STEP, help="tokens per forward call")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--out", type=Path, default=Path("results/quant_quality.json"))
     args = parser.parse_args(argv)
@@ -197,14 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     token_ids = text_token_ids(tokenizer, args.text)
     reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     window = effective_window(reference, args.window)
-    print(f"{len(token_ids)} tokens from {args.text}, windows of {window}")
-    ref_scores = score(reference, token_ids, window)
+    print(f"{len(token_ids)} tokens of {args.text}, windows of {window}, {args.step} a call")
+    ref_scores = score(reference, token_ids, window, args.step)
     rows: dict[str, QualityResult] = {}
     for mode in args.quantization:
         candidate, _, seconds = load_quantized(source, mode)
-        rows[mode] = compare(
-            ref_scores, score(candidate, token_ids, window), len(token_ids), window
-        )
+        rows[mode] = compare(ref_scores, score(candidate, token_ids, window, args.step))
         print(f"  {mode}: loaded and quantized in {seconds:.1f} s")
         del candidate
     Console(width=120).print(quality_table(rows))

@@ -36,3 +36,26 @@ def test_unquantized_run_reports_speed_against_hf_and_llama_cpp(
     assert report["quality_tokens"] == 600
     assert report["targets"] == []  # int8/int4 targets need those modes in the run
 
+
+def test_quantized_runs_report_quality_and_the_issues_targets(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    report = run_bench(tiny_model_dir, tmp_path, "int8", "int4")
+    models = {model["mode"]: model for model in report["models"]}
+    assert set(models) == {"int8", "int4"}
+    for mode, model in models.items():
+        quality = model["quality"]
+        assert quality["num_predictions"] == 600 - 3  # windows of 256, 256, 88
+        assert 0.5 < quality["top1_agreement"] <= 1.0
+        assert abs(quality["perplexity_increase"]) < 1.0
+        assert model["quantized_bytes_after"] < model["quantized_bytes_before"]
+        assert report["decode"][0][f"{mode}_tok_s"] > 0
+    targets = {target["target"]: target for target in report["targets"]}
+    assert (
+        targets["int8 batch 1 ≥ 4x HF generate() fp32"]["ratio"]
+        == (report["decode"][0]["int8_vs_hf"])
+    )
+    assert targets["int4 batch 1 ≥ 1x llama.cpp"]["pass"] == (
+        report["decode"][0]["int4_tok_s"] >= 50.0
+    )
+    assert {"int8 quality", "int4 quality"} <= set(targets)

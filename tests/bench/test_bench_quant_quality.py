@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_quality import DEFAULT_TEXT, evaluate, score, text_token_ids, windows
+from quant_quality import DEFAULT_TEXT, compare, evaluate, score, text_token_ids, windows
 from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 1000
@@ -66,17 +66,24 @@ def test_a_perturbed_copy_disagrees_and_has_a_finite_perplexity() -> None:
     assert result.passes("fp16") is None  # no threshold for modes the issue does not name
 
 
-def test_chunked_scores_match_the_full_forward_pass() -> None:
-    """NLL and argmax equal Hugging Face's own loss and logits over a window (no chunk seams)."""
+def test_stepped_scores_match_the_full_forward_pass() -> None:
+    """Fed a step at a time with the KV cache carried, NLL and argmax equal Hugging Face's own
+    loss and logits over the whole window in one pass (no seams between steps)."""
     model = tiny_llama(max_positions=512)
-    ids = token_ids(300)  # one window of 300 > the 128-position logit chunk
-    scores = score(model, ids, window=512)
+    ids = token_ids(300)  # one window, 10 steps of 32 (the last one short)
+    scores = score(model, ids, window=512, step=32)
     with torch.inference_mode():
         tensor = torch.tensor([ids])
         out = model(input_ids=tensor, labels=tensor)
     assert scores.nll.shape == (299,)
     assert scores.perplexity == pytest.approx(math.exp(out.loss.item()), rel=1e-5)
     assert torch.equal(scores.argmax, out.logits[0, :-1].argmax(-1))
+
+
+def test_readings_of_different_setups_are_not_compared() -> None:
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="different"):
+        compare(score(model, token_ids(100), step=32), score(model, token_ids(100), step=16))
 
 
 def test_windows_never_exceed_the_models_positions() -> None:
