@@ -150,3 +150,25 @@ def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(KernelUnavailable, match="C compiler"):
         build(tmp_path / "home")
+
+
+@pytest.mark.parametrize("rows,lens", [(1, [7]), (3, [5, 0, 40]), (4, [64, 1, 33, 2])])
+def test_decode_attention_equals_masked_softmax_attention(kernels, isa, rows, lens):
+    generator = torch.Generator().manual_seed(rows)
+    slots, kv_heads, group, max_len, d = 5, 2, 3, 64, 16
+    k = torch.randn(slots, kv_heads, max_len, d, generator=generator)
+    v = torch.randn(slots, kv_heads, max_len, d, generator=generator)
+    k[:, :, 50:] = float("nan")  # past every row's length but the full one: never read
+    v[:, :, 50:] = float("nan")
+    k[3], v[3] = k[3].nan_to_num(), v[3].nan_to_num()
+    if rows == 4:
+        k[0], v[0] = k[0].nan_to_num(), v[0].nan_to_num()
+    q = torch.randn(rows, kv_heads, group, d, generator=generator)
+    out = kernels.decode_attention(q, k, v, torch.tensor(lens), 0.25)
+    for row, length in enumerate(lens):
+        if length == 0:
+            assert torch.equal(out[row], torch.zeros_like(out[row]))
+            continue
+        keys, values = k[row, :, :length], v[row, :, :length]
+        scores = torch.softmax(q[row] @ keys.transpose(-1, -2) * 0.25, dim=-1)
+        torch.testing.assert_close(out[row], scores @ values, rtol=1e-4, atol=1e-5)

@@ -19,6 +19,7 @@ from slotserve.engine.core.quantize import (
     NATIVE_MAX_ROWS,
     NativeLinear,
     QuantizationUnsupported,
+    native_layers,
     preflight,
 )
 from slotserve.settings import CommonSettings
@@ -67,8 +68,10 @@ def test_weights_on_the_grid_give_the_tokens_of_the_float_engine(sharp_dir, tmp_
         seqs = run_staggered(engine, prompts(), params, every=2, per=1)
         outputs[quantization] = [seq.generated_token_ids for seq in seqs]
         if quantization != "none":
-            layers = [m for m in engine.runner.model.modules() if isinstance(m, NativeLinear)]
-            assert {m.format for m in layers} == {mode, "int8"}  # int8: the output layer
+            layers = native_layers(engine.runner.model)
+            # 2 layers x (q/k/v fused, o, gate/up fused, down) + the output layer (int8).
+            assert len(layers) == 9
+            assert {m.format for m in layers} == {mode, "int8"}
             names = {record.name for record in engine.stats().calibrations}
             assert {"native_kernels", "quantization"} <= names
     assert outputs[mode] == outputs["none"]

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from slotserve.engine.core.kernels import NativeKernels
+
 ATTN_IMPLEMENTATION = "slotserve_slots"
 
 
@@ -52,6 +54,10 @@ class SlotStep:
     # (0 / -inf) for the CPU path.
     decode_mask: torch.Tensor | None
     prefills: tuple[PrefillChunkInput, ...]
+    # With the native kernels (CPU, fp32): decodes attend in one call over the cache rows in
+    # place, from each row's length ([num_decode_rows] int64), and decode_mask is None.
+    decode_lens: torch.Tensor | None = None
+    native: NativeKernels | None = None
 
 
 class AttentionModule(Protocol):
@@ -93,13 +99,19 @@ def slot_attention(
         q_rows = q.new_zeros(rows, num_kv_heads, group, head_dim)
         q_dec = q[:, slot_step.decode_token_index, :].transpose(0, 1)  # [Bd, H, D]
         q_rows[slot_step.decode_slots] = q_dec.reshape(-1, num_kv_heads, group, head_dim)
-        attn = _decode_attention(
-            q_rows,
-            k_cache[:rows, :, :kv_len],
-            v_cache[:rows, :, :kv_len],
-            slot_step.decode_mask,
-            scaling if scaling is not None else head_dim**-0.5,
-        )
+        scale = scaling if scaling is not None else head_dim**-0.5
+        if slot_step.native is not None and slot_step.decode_lens is not None:
+            attn = slot_step.native.decode_attention(
+                q_rows, k_cache, v_cache, slot_step.decode_lens, scale
+            )
+        else:
+            attn = _decode_attention(
+                q_rows,
+                k_cache[:rows, :, :kv_len],
+                v_cache[:rows, :, :kv_len],
+                slot_step.decode_mask,
+                scale,
+            )
         out[slot_step.decode_token_index] = attn[slot_step.decode_slots].reshape(
             -1, num_heads, head_dim
         )

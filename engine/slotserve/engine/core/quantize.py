@@ -110,6 +110,17 @@ class QuantizationReport:
     seconds: float
 
 
+def native_layers(model: nn.Module) -> list[NativeLinear]:
+    """Every :class:`NativeLinear` of ``model``, those shared by fused q/k/v parts included
+    (they hang off a plain object, outside the module tree)."""
+    found: dict[int, NativeLinear] = {}
+    for module in model.modules():
+        linear = getattr(getattr(module, "shared", None), "linear", module)
+        if isinstance(linear, NativeLinear):
+            found[id(linear)] = linear
+    return list(found.values())
+
+
 def preflight(mode: str, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
     """Before the model loads: refuse a quantization this device or dtype cannot run, and build
     (or find) the kernels, so a bad setting fails in milliseconds, not after the load."""
@@ -170,7 +181,7 @@ def quantize_model(
     when the two were tied). ``kernels`` defaults to the library built under SLOTSERVE_HOME.
     """
     start = time.perf_counter()
-    done = [m for m in model.modules() if isinstance(m, NativeLinear)]
+    done = native_layers(model)
     if done and not any(type(m) is nn.Linear for m in model.get_decoder().modules()):  # type: ignore[operator]
         # A second runner on a model quantized already (benchmarks, tests): reuse it.
         if any(m.format not in (mode, "int8") for m in done):
@@ -199,7 +210,7 @@ def quantize_model(
         model.set_output_embeddings(  # type: ignore[operator]
             NativeLinear(kernels, lm_head.weight, lm_head.bias, "int8")
         )
-    layers = [m for m in model.modules() if isinstance(m, NativeLinear)]
+    layers = native_layers(model)
     report = QuantizationReport(
         mode=mode,
         num_layers=len(layers),

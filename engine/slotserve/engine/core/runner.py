@@ -19,7 +19,7 @@ import torch
 from slotserve.contracts.engine_argv import Quantization
 from slotserve.engine.core.attention import PrefillChunkInput, SlotStep, register_slot_attention
 from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
-from slotserve.engine.core.kernels import load_kernels
+from slotserve.engine.core.kernels import KernelUnavailable, NativeKernels, load_kernels
 from slotserve.engine.core.linear import (
     LinearBackend,
     aten_logits,
@@ -106,6 +106,18 @@ def available_memory_bytes(device: torch.device, sources: MemorySources) -> int:
     return host_available_memory_bytes(sources)
 
 
+def native_kernels(device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
+    """The native kernels where they serve this device and dtype and can be built, else None
+    (the torch code paths run instead: slower, never wrong)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    try:
+        return load_kernels(CommonSettings().home)
+    except KernelUnavailable as error:
+        logger.warning("native kernels unavailable, decode attention runs in torch: %s", error)
+        return None
+
+
 class ModelRunner:
     """Runs steps of packed chunks against a pre-allocated per-slot KV cache."""
 
@@ -118,6 +130,7 @@ class ModelRunner:
         linear_backend: LinearBackend = "auto",
         calibration: CalibrationCache | None = None,
         quantization: Quantization = "none",
+        native_attention: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -129,6 +142,8 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.calibrations: list[CalibrationRecord] = []
         self.quantization: QuantizationReport | None = None
+        # Decode attention over the slot rows in place (CPU, fp32): one native call a layer.
+        self.native = native_kernels(self.device, self.dtype) if native_attention else None
         if quantization != "none":
             # Quantized layers run the native kernels whatever the linear backend says.
             kernels = load_kernels(CommonSettings().home)
@@ -269,9 +284,16 @@ class ModelRunner:
         self._ensure_finite(max(slots) + 1, max(positions) + 1)
         device = self.device
         positions_t = torch.tensor(positions, device=device)
-        decode_mask = None
+        decode_mask = native_lens = None
         num_rows = kv_len = 0
-        if decode_slots:
+        if decode_slots and self.native is not None:
+            num_rows = max(decode_slots) + 1
+            kv_len = max(decode_lens)
+            row_lens = [0] * num_rows  # idle rows: no positions, zeros out, never read back
+            for slot, length in zip(decode_slots, decode_lens, strict=True):
+                row_lens[slot] = length
+            native_lens = torch.tensor(row_lens, dtype=torch.long)
+        elif decode_slots:
             num_rows = max(decode_slots) + 1
             kv_len = max(decode_lens)
             lens = torch.zeros(num_rows, dtype=torch.long, device=device)
@@ -312,6 +334,8 @@ class ModelRunner:
             decode_kv_len=kv_len,
             decode_mask=decode_mask,
             prefills=tuple(prefills),
+            decode_lens=native_lens,
+            native=self.native if native_lens is not None else None,
         )
         return step, torch.tensor(token_ids, device=device), positions_t, sample_index
 

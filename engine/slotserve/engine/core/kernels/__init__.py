@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
-ABI = 2
+ABI = 3
 GROUP_SIZE = 32  # int4 weights per (scale, minimum) pair: fixed by the C source
 
 
@@ -121,6 +121,21 @@ class NativeKernels:
         lib.slotserve_dequantize.restype = None
         lib.slotserve_quantize_q8.argtypes = [ptr, i64, i64, ptr, ptr, c_int]
         lib.slotserve_quantize_q4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, c_int]
+        lib.slotserve_decode_attention.argtypes = [
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ptr,
+            ctypes.c_float,
+            ptr,
+            c_int,
+        ]
+        lib.slotserve_decode_attention.restype = None
         lib.slotserve_kernel_set_isa.argtypes = [c_int]
         self._lib = lib
 
@@ -214,6 +229,49 @@ class NativeKernels:
             None if minimum is None else minimum.data_ptr(),
             q.shape[0],
             k,
+            out.data_ptr(),
+            _threads(),
+        )
+        return out
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Softmax attention of one query per row over its slot's first ``lens[row]`` cache
+        positions, read in place. ``q``: [rows, kv_heads, group, D]; caches: [slots, kv_heads,
+        max_len, D] with slots >= rows; ``lens``: int64 [rows] (0: the row's output is zeros; at
+        most max_len positions are read)."""
+        rows, kv_heads, group, d = q.shape
+        slots, cache_heads, max_len, cache_d = k_cache.shape
+        if (
+            q.dtype != torch.float32
+            or k_cache.dtype != torch.float32
+            or v_cache.shape != k_cache.shape
+            or v_cache.dtype != torch.float32
+            or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+            or (cache_heads, cache_d) != (kv_heads, d)
+            or slots < rows
+            or lens.dtype != torch.int64
+            or lens.shape != (rows,)
+        ):
+            raise ValueError("decode_attention: tensors of the wrong shape, layout or dtype")
+        out = torch.empty_like(q)
+        self._lib.slotserve_decode_attention(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            rows,
+            kv_heads,
+            group,
+            d,
+            max_len,
+            lens.data_ptr(),
+            scale,
             out.data_ptr(),
             _threads(),
         )

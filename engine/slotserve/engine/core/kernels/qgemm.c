@@ -35,7 +35,7 @@
 #define PANEL 4
 #define GROUP 32
 
-int slotserve_kernel_abi(void) { return 2; }
+int slotserve_kernel_abi(void) { return 3; }
 
 static int use_avx2 = -1;
 
@@ -417,4 +417,86 @@ void slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w,
                        int threads) {
     struct weights weights = {Q4, w, scale, minimum};
     gemm(x, m, k, weights, n, y, threads);
+}
+
+/* ---- decode attention over the slot cache ------------------------------------------------- */
+/* One query token per row, against that row's cache up to lens[row] positions, read in place
+ * (no gathered copy of the keys and values). q and out: [rows, kv_heads, group, d]; k and v:
+ * a layer's cache [slots, kv_heads, max_len, d]. A decode step's attention is a few hundred
+ * thousand multiply-adds per layer: torch spent 1-2 ms a layer on it in five small ops, each
+ * forking the thread team; here it is one call, threaded only when there is enough work. */
+
+static float dot_c(const float *a, const float *b, int64_t d) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < d; j++) acc += a[j] * b[j];
+    return acc;
+}
+
+static void axpy_c(float alpha, const float *x, float *y, int64_t d) {
+    for (int64_t j = 0; j < d; j++) y[j] += alpha * x[j];
+}
+
+#if HAVE_AVX2_CODE
+__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b,
+                                                          int64_t d) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+    float total = hsum(acc);
+    for (; j < d; j++) total += a[j] * b[j];
+    return total;
+}
+
+__attribute__((target("avx2,fma"))) static void axpy_avx2(float alpha, const float *x, float *y,
+                                                          int64_t d) {
+    const __m256 va = _mm256_set1_ps(alpha);
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8)
+        _mm256_storeu_ps(y + j, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + j), _mm256_loadu_ps(y + j)));
+    for (; j < d; j++) y[j] += alpha * x[j];
+}
+#else
+static float dot_avx2(const float *a, const float *b, int64_t d) { return dot_c(a, b, d); }
+static void axpy_avx2(float alpha, const float *x, float *y, int64_t d) { axpy_c(alpha, x, y, d); }
+#endif
+
+void slotserve_decode_attention(const float *q, const float *k, const float *v, int64_t rows,
+                                int64_t kv_heads, int64_t group, int64_t d, int64_t max_len,
+                                const int64_t *lens, float scale, float *out, int threads) {
+    const int avx2 = slotserve_kernel_isa();
+    int64_t work = 0;
+    for (int64_t r = 0; r < rows; r++) work += lens[r];
+    work *= kv_heads * group * d;
+    /* Below ~1M multiply-adds, waking a second thread costs more than it saves. */
+    const int team = work < (1 << 20) ? 1 : threads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
+    for (int64_t task = 0; task < rows * kv_heads; task++) {
+        const int64_t r = task / kv_heads, h = task % kv_heads;
+        const int64_t len = lens[r] < max_len ? lens[r] : max_len;
+        const float *keys = k + (r * kv_heads + h) * max_len * d;
+        const float *values = v + (r * kv_heads + h) * max_len * d;
+        float *scores = malloc(sizeof(float) * (size_t)(len > 0 ? len : 1));
+        for (int64_t g = 0; g < group; g++) {
+            const float *query = q + ((r * kv_heads + h) * group + g) * d;
+            float *dst = out + ((r * kv_heads + h) * group + g) * d;
+            memset(dst, 0, sizeof(float) * (size_t)d);
+            if (len <= 0) continue;
+            float top = -INFINITY;
+            for (int64_t t = 0; t < len; t++) {
+                float sc = scale * (avx2 ? dot_avx2(query, keys + t * d, d)
+                                         : dot_c(query, keys + t * d, d));
+                scores[t] = sc;
+                top = sc > top ? sc : top;
+            }
+            float total = 0.0f;
+            for (int64_t t = 0; t < len; t++) total += scores[t] = expf(scores[t] - top);
+            const float norm = 1.0f / total;
+            for (int64_t t = 0; t < len; t++) {
+                if (avx2) axpy_avx2(scores[t] * norm, values + t * d, dst, d);
+                else axpy_c(scores[t] * norm, values + t * d, dst, d);
+            }
+        }
+        free(scores);
+    }
 }
