@@ -15,9 +15,10 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from slotserve.engine.core import linear
+from slotserve.engine.core import linear, native_linear
 from slotserve.engine.core.calibration import CalibrationCache, Measurement, cpu_identity
 from slotserve.engine.core.linear import PackedLinear, onednn_supported
+from slotserve.engine.core.native_linear import NativeLinear
 from slotserve.engine.core.runner import ModelRunner
 
 CPU_A = {"cpu_model": "Test CPU A", "cpu_flags": "avx2 fma", "machine": "x86_64", "torch": "t"}
@@ -142,8 +143,15 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def runner(cache: CalibrationCache) -> ModelRunner:
-    return ModelRunner(tiny_llama(), num_slots=4, max_model_len=64, calibration=cache)
+def runner(cache: CalibrationCache, use_native_kernels: bool = False) -> ModelRunner:
+    # Without the native kernels, ``auto`` is the oneDNN-or-aten choice these tests are about.
+    return ModelRunner(
+        tiny_llama(),
+        num_slots=4,
+        max_model_len=64,
+        calibration=cache,
+        use_native_kernels=use_native_kernels,
+    )
 
 
 def is_packed(r: ModelRunner) -> bool:
@@ -225,3 +233,20 @@ def test_engines_in_separate_processes_starting_together_agree(tmp_path):
             process.join(30)
     assert [source for source, _, _ in outcomes] == ["cached", "cached", "measured"]
     assert len({(choice, packed) for _, choice, packed in outcomes}) == 1
+
+
+@pytest.mark.parametrize("rows", [0, 2])
+def test_the_native_row_count_is_measured_once_and_followed(tmp_path, monkeypatch, rows):
+    monkeypatch.setattr(native_linear, "measure_native_rows", lambda *a: Measurement(str(rows)))
+    first = runner(CalibrationCache(tmp_path, CPU_A), use_native_kernels=True)
+    monkeypatch.setattr(native_linear, "measure_native_rows", lambda *a: Measurement("4"))
+    later = runner(CalibrationCache(tmp_path, CPU_A), use_native_kernels=True)
+    for r, source in ((first, "measured"), (later, "cached")):
+        assert (r.calibrations[0].name, r.calibrations[0].source) == ("native_rows", source)
+        o_proj = r.model.model.layers[0].self_attn.o_proj
+        if rows:
+            assert isinstance(o_proj, NativeLinear) and o_proj.max_native_rows == rows
+            assert len(r.calibrations) == 1
+        else:  # native never won: the oneDNN-or-aten choice follows
+            assert not isinstance(o_proj, NativeLinear)
+            assert r.calibrations[1].name == "linear_backend"

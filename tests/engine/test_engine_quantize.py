@@ -14,14 +14,9 @@ from engine_server_support import SLOTSERVE
 from test_engine_kernels import dequantize_q4, dequantize_q8
 
 from slotserve.engine.core.kernels import load_kernels
+from slotserve.engine.core.native_linear import QUANTIZED_MAX_ROWS, NativeLinear
 from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.quantize import (
-    NATIVE_MAX_ROWS,
-    NativeLinear,
-    QuantizationUnsupported,
-    native_layers,
-    preflight,
-)
+from slotserve.engine.core.quantize import QuantizationUnsupported, native_layers, preflight
 from slotserve.settings import CommonSettings
 
 
@@ -81,8 +76,8 @@ def test_many_rows_take_the_dequantized_path_with_the_same_result(sharp_dir):
     kernels = load_kernels(CommonSettings().home)
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
     layer = NativeLinear(kernels, weight, torch.randn(64), "int4")
-    x = torch.randn(NATIVE_MAX_ROWS + 5, 128)
-    dense = layer(x)  # above NATIVE_MAX_ROWS: dequantize + torch
+    x = torch.randn(QUANTIZED_MAX_ROWS + 5, 128)
+    dense = layer(x)  # above QUANTIZED_MAX_ROWS: dequantize + torch
     rows = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])  # native, one row each
     torch.testing.assert_close(dense, rows, rtol=1e-4, atol=1e-4)
 

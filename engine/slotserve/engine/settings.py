@@ -24,7 +24,7 @@ from slotserve.contracts.pool_spec import (
 from slotserve.engine.core.generation_defaults import parse_override
 from slotserve.engine.core.tool_parsers import ToolParserName
 
-LinearBackend = Literal["auto", "onednn", "aten"]
+LinearBackend = Literal["auto", "onednn", "aten", "native"]
 
 
 class EngineSettings(BaseSettings):
@@ -48,7 +48,9 @@ class EngineSettings(BaseSettings):
     max_waiting: int = Field(1024, ge=0, description="Waiting requests beyond: QueueFullError.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
     linear_backend: LinearBackend = Field(
-        "auto", description="CPU matrix products: auto (measured at start), onednn, aten."
+        "auto",
+        description="CPU matrix products: auto (measured at start), onednn, aten, or native "
+        "(the engine's own kernels for every decode step).",
     )
     quantization: Quantization = Field(
         "none",

@@ -286,7 +286,7 @@ def fuse_qkv(decoder: nn.Module, make: MakeLinear = PackedLinear) -> int:
     return count
 
 
-def _first_layer_linears(decoder: nn.Module) -> list[nn.Linear]:
+def first_layer_linears(decoder: nn.Module) -> list[nn.Linear]:
     layers = getattr(decoder, "layers", None)
     scope = layers[0] if layers is not None and len(layers) else decoder
     return [m for m in scope.modules() if type(m) is nn.Linear]
@@ -308,7 +308,7 @@ def choose_linear_backend(
     if not onednn_supported(param.device, param.dtype):
         return "aten", None
     decoder = model.get_decoder()
-    linears = _first_layer_linears(decoder)
+    linears = first_layer_linears(decoder)
     if not linears:
         # Packed already (a second runner on the same model) or nothing to pack.
         packed = any(isinstance(m, PackedLinear) for m in decoder.modules())
@@ -353,7 +353,7 @@ def pack_linears(
     if backend == "aten" or not onednn_supported(param.device, param.dtype):
         return None
     decoder = model.get_decoder()
-    linears = _first_layer_linears(decoder)
+    linears = first_layer_linears(decoder)
     if not linears and not any(isinstance(m, PackedLinear) for m in decoder.modules()):
         return None
     fuse_gated_mlps(decoder)

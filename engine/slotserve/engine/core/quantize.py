@@ -23,82 +23,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.kernels import GROUP_SIZE, KernelUnavailable, NativeKernels, load_kernels
 from slotserve.engine.core.linear import fuse_gated_mlps, fuse_qkv
+from slotserve.engine.core.native_linear import NativeLinear
 from slotserve.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
 
-WeightFormat = Literal["float32", "int8", "int4"]
-# Up to this many rows a product streams the packed weights; above, it dequantizes and calls
-# torch. Decode steps have one row per running sequence; prefill chunks have hundreds.
-NATIVE_MAX_ROWS = 64
-
 
 class QuantizationUnsupported(UnsupportedSettingError):
     """This model, dtype or device cannot run the asked quantization (a start-up error)."""
-
-
-class NativeLinear(nn.Module):
-    """``y = x @ W.T + b`` through the native kernels, ``W`` in fp32, int8 or int4."""
-
-    def __init__(
-        self,
-        kernels: NativeKernels,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        fmt: WeightFormat,
-    ) -> None:
-        super().__init__()
-        self.kernels = kernels
-        self.format: WeightFormat = fmt
-        self.out_features, self.in_features = weight.shape
-        # Plain attributes, not parameters: nothing trains or saves these.
-        self.weight_fp32: torch.Tensor | None = None
-        self.q = self.scale = self.minimum = torch.empty(0)
-        if fmt == "float32":
-            self.weight_fp32 = weight.detach().float().contiguous()
-        elif fmt == "int8":
-            self.q, self.scale = kernels.quantize_q8(weight)
-        else:
-            self.q, self.scale, self.minimum = kernels.quantize_q4(weight)
-        self.bias = None if bias is None else bias.detach().float()
-
-    def nbytes(self) -> int:
-        tensors = [self.weight_fp32] if self.weight_fp32 is not None else []
-        tensors += [self.q, self.scale, self.minimum]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def dense_weight(self) -> torch.Tensor:
-        if self.weight_fp32 is not None:
-            return self.weight_fp32
-        if self.format == "int8":
-            return self.kernels.dequantize_q8(self.q, self.scale)
-        return self.kernels.dequantize_q4(self.q, self.scale, self.minimum)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.float().contiguous()
-        if rows.shape[0] > NATIVE_MAX_ROWS:
-            out = F.linear(rows, self.dense_weight(), self.bias)
-        else:
-            if self.weight_fp32 is not None:
-                out = self.kernels.gemm_f32(rows, self.weight_fp32)
-            elif self.format == "int8":
-                out = self.kernels.gemm_q8(rows, self.q, self.scale)
-            else:
-                out = self.kernels.gemm_q4(rows, self.q, self.scale, self.minimum)
-            if self.bias is not None:
-                out.add_(self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}"
 
 
 @dataclass(frozen=True)

@@ -19,23 +19,17 @@ import torch
 from slotserve.contracts.engine_argv import Quantization
 from slotserve.engine.core.attention import PrefillChunkInput, SlotStep, register_slot_attention
 from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
-from slotserve.engine.core.kernels import KernelUnavailable, NativeKernels, load_kernels
-from slotserve.engine.core.linear import (
-    LinearBackend,
-    aten_logits,
-    choose_linear_backend,
-    pack_linears,
-)
+from slotserve.engine.core.linear_setup import native_kernels, set_up_linears
 from slotserve.engine.core.logprobs import SampledLogprobs
 from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
 from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.core.prefix_cache import SlotCopy
 from slotserve.engine.core.protocols import Tokenizer
-from slotserve.engine.core.quantize import QuantizationReport, preflight, quantize_model
+from slotserve.engine.core.quantize import QuantizationReport, preflight
 from slotserve.engine.core.sampling import Sampler
 from slotserve.engine.core.scheduler import ScheduledChunk
 from slotserve.engine.core.sequence import SequenceError
-from slotserve.engine.settings import EngineSettings
+from slotserve.engine.settings import EngineSettings, LinearBackend
 from slotserve.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
@@ -106,18 +100,6 @@ def available_memory_bytes(device: torch.device, sources: MemorySources) -> int:
     return host_available_memory_bytes(sources)
 
 
-def native_kernels(device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
-    """The native kernels where they serve this device and dtype and can be built, else None
-    (the torch code paths run instead: slower, never wrong)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return None
-    try:
-        return load_kernels(CommonSettings().home)
-    except KernelUnavailable as error:
-        logger.warning("native kernels unavailable, decode attention runs in torch: %s", error)
-        return None
-
-
 class ModelRunner:
     """Runs steps of packed chunks against a pre-allocated per-slot KV cache."""
 
@@ -130,7 +112,7 @@ class ModelRunner:
         linear_backend: LinearBackend = "auto",
         calibration: CalibrationCache | None = None,
         quantization: Quantization = "none",
-        native_attention: bool = True,
+        use_native_kernels: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -140,44 +122,21 @@ class ModelRunner:
         self.max_model_len = max_model_len
         model.set_attn_implementation(register_slot_attention())
         self.decoder = model.get_decoder()
-        self.calibrations: list[CalibrationRecord] = []
-        self.quantization: QuantizationReport | None = None
-        # Decode attention over the slot rows in place (CPU, fp32): one native call a layer.
-        self.native = native_kernels(self.device, self.dtype) if native_attention else None
-        if quantization != "none":
-            # Quantized layers run the native kernels whatever the linear backend says.
-            kernels = load_kernels(CommonSettings().home)
-            self.quantization = report = quantize_model(model, quantization, kernels)
-            self.logits = model.get_output_embeddings()
-            self.calibrations = [
-                CalibrationRecord(
-                    "native_kernels",
-                    "avx2_fma" if kernels.avx2 else "plain_c",
-                    "built" if kernels.build.compiled else "cached",
-                    kernels.build.seconds,
-                ),
-                CalibrationRecord(
-                    "quantization",
-                    quantization,
-                    "built",
-                    report.seconds,
-                    {
-                        "layers": float(report.num_layers),
-                        "mb_before": report.bytes_before / 1e6,
-                        "mb_after": report.bytes_after / 1e6,
-                    },
-                ),
-            ]
-        else:
-            # Logits for the sampling rows only: oneDNN-packed when that pays, else the stock
-            # layer. ``auto`` is decided here (measured, or read from the calibration cache).
-            backend, record = choose_linear_backend(
-                model, linear_backend, max_rows=num_slots, cache=calibration
-            )
-            self.calibrations = [record] if record is not None else []
-            self.logits = pack_linears(model, backend, max_rows=num_slots) or aten_logits(
-                model.get_output_embeddings()
-            )
+        # The engine's own kernels (CPU, fp32, a C compiler): decode attention over the slot
+        # rows in place, and decode-sized products where they beat aten. False: torch only.
+        self.native = native_kernels(self.device, self.dtype) if use_native_kernels else None
+        # The linear layers (native, quantized, oneDNN-packed or stock) and the logits layer.
+        layers = set_up_linears(
+            model,
+            self.native,
+            linear_backend=linear_backend,
+            quantization=quantization,
+            num_slots=num_slots,
+            calibration=calibration,
+        )
+        self.logits = layers.logits
+        self.calibrations: list[CalibrationRecord] = layers.calibrations
+        self.quantization: QuantizationReport | None = layers.quantization
         cache_shape = (num_slots, self.shape.num_kv_heads, max_model_len, self.shape.head_dim)
         # torch.empty: on a CPU, pages are only committed as positions get written.
         self.k_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]

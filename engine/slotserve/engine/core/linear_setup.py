@@ -1,0 +1,120 @@
+"""Which linear layers a model runs with, decided once at load: quantized, native fp32,
+oneDNN-packed or stock, and the layer that computes the logits.
+
+- ``quantization`` int8/int4: every decoder linear is quantized onto the native kernels, the
+  output projection int8 (:mod:`slotserve.engine.core.quantize`).
+- fp32 on CPU with the native kernels built: decode-sized products run natively up to the row
+  count where they stop beating aten (``auto``: measured and cached; ``native``: every decode
+  step), larger ones through torch (:mod:`slotserve.engine.core.native_linear`).
+- otherwise oneDNN-packed where that measured faster, else the stock layers
+  (:mod:`slotserve.engine.core.linear`).
+
+Every choice and what it cost at load is returned as calibration records.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slotserve.contracts.engine_argv import Quantization
+from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
+from slotserve.engine.core.errors import UnsupportedSettingError
+from slotserve.engine.core.kernels import KernelUnavailable, NativeKernels, load_kernels
+from slotserve.engine.core.linear import aten_logits, choose_linear_backend, pack_linears
+from slotserve.engine.core.native_linear import choose_native_rows, install_native_fp32
+from slotserve.engine.core.quantize import QuantizationReport, quantize_model
+from slotserve.engine.settings import LinearBackend
+from slotserve.settings import CommonSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LinearLayers:
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    calibrations: list[CalibrationRecord] = field(default_factory=list)
+    quantization: QuantizationReport | None = None
+
+
+def native_kernels(device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
+    """The native kernels where they serve this device and dtype and can be built, else None
+    (the torch code paths run instead: slower, never wrong)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    try:
+        return load_kernels(CommonSettings().home)
+    except KernelUnavailable as error:
+        logger.warning("native kernels unavailable, decode attention runs in torch: %s", error)
+        return None
+
+
+def set_up_linears(
+    model: Any,
+    native: NativeKernels | None,
+    *,
+    linear_backend: LinearBackend,
+    quantization: Quantization,
+    num_slots: int,
+    calibration: CalibrationCache | None,
+) -> LinearLayers:
+    """Replace ``model``'s linear layers as decided here (in place); see the module doc."""
+    if quantization != "none":
+        return _quantized(model, quantization)
+    if linear_backend == "native" and native is None:
+        raise UnsupportedSettingError(
+            "linear_backend native needs the native kernels: a CPU, float32 weights and a C "
+            "compiler (gcc) to build them"
+        )
+    calibrations: list[CalibrationRecord] = []
+    if native is not None and linear_backend in ("auto", "native"):
+        if linear_backend == "native":
+            native_rows = num_slots
+        else:
+            native_rows, record = choose_native_rows(
+                model, native, max_rows=num_slots, cache=calibration
+            )
+            calibrations += [record] if record is not None else []
+        if native_rows > 0:
+            logits = install_native_fp32(model, native, native_rows)
+            return LinearLayers(logits or aten_logits(model.get_output_embeddings()), calibrations)
+    backend, record = choose_linear_backend(
+        model,
+        "auto" if linear_backend == "native" else linear_backend,
+        max_rows=num_slots,
+        cache=calibration,
+    )
+    calibrations += [record] if record is not None else []
+    logits = pack_linears(model, backend, max_rows=num_slots) or aten_logits(
+        model.get_output_embeddings()
+    )
+    return LinearLayers(logits, calibrations)
+
+
+def _quantized(model: Any, quantization: Quantization) -> LinearLayers:
+    kernels = load_kernels(CommonSettings().home)
+    report = quantize_model(model, quantization, kernels)
+    records = [
+        CalibrationRecord(
+            "native_kernels",
+            "avx2_fma" if kernels.avx2 else "plain_c",
+            "built" if kernels.build.compiled else "cached",
+            kernels.build.seconds,
+        ),
+        CalibrationRecord(
+            "quantization",
+            quantization,
+            "built",
+            report.seconds,
+            {
+                "layers": float(report.num_layers),
+                "mb_before": report.bytes_before / 1e6,
+                "mb_after": report.bytes_after / 1e6,
+            },
+        ),
+    ]
+    return LinearLayers(model.get_output_embeddings(), records, report)

@@ -1,0 +1,198 @@
+"""Linear layers on the native kernels: fp32 for decode on CPU, and the quantized formats.
+
+A decode step multiplies a few rows (one per running sequence) by every weight: its time is
+the time to stream the weights. MKL reached 5.6 GB/s on the 49152x576 output projection of the
+AVX2 machines we target, where the native kernel streams at the memory's speed. With many rows
+(prefill) a tuned GEMM wins, so a native layer hands products above ``max_native_rows`` rows to
+torch: the fp32 weight itself, or a quantized one dequantized for that call.
+
+For fp32 the crossover is measured at load (:func:`measure_native_rows`: native against aten at
+1, 2, 4, ... rows, interleaved, on the model's own first layer) and cached per CPU kind like the
+other calibrations; 0 rows means the native products never won here and the stock layers stay.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord, Measurement
+from slotserve.engine.core.kernels import NativeKernels
+from slotserve.engine.core.linear import (
+    first_layer_linears,
+    fuse_gated_mlps,
+    fuse_qkv,
+    interleaved_timings,
+)
+
+logger = logging.getLogger(__name__)
+
+WeightFormat = Literal["float32", "int8", "int4"]
+# Quantized layers: up to this many rows a product streams the packed weights; above, it
+# dequantizes and calls torch. Decode steps have one row per running sequence.
+QUANTIZED_MAX_ROWS = 64
+# The fp32 crossover is searched over these row counts (up to the widest decode step).
+ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)
+# Native must be this much faster at a row count to take it (the stock path is the default).
+NATIVE_MARGIN = 0.95
+CALIBRATION_ROUNDS = 7
+
+
+class NativeLinear(nn.Module):
+    """``y = x @ W.T + b`` through the native kernels, ``W`` in fp32, int8 or int4."""
+
+    def __init__(
+        self,
+        kernels: NativeKernels,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        fmt: WeightFormat,
+        max_native_rows: int = QUANTIZED_MAX_ROWS,
+    ) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.format: WeightFormat = fmt
+        self.max_native_rows = max_native_rows
+        self.out_features, self.in_features = weight.shape
+        # Plain attributes, not parameters: nothing trains or saves these. An fp32 weight that
+        # is already contiguous fp32 is shared, not copied (a tied output layer stays one
+        # tensor with the embedding).
+        self.weight_fp32: torch.Tensor | None = None
+        self.q = self.scale = self.minimum = torch.empty(0)
+        if fmt == "float32":
+            self.weight_fp32 = weight.detach().float().contiguous()
+        elif fmt == "int8":
+            self.q, self.scale = kernels.quantize_q8(weight)
+        else:
+            self.q, self.scale, self.minimum = kernels.quantize_q4(weight)
+        self.bias = None if bias is None else bias.detach().float()
+
+    def nbytes(self) -> int:
+        tensors = [self.weight_fp32] if self.weight_fp32 is not None else []
+        tensors += [self.q, self.scale, self.minimum]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def dense_weight(self) -> torch.Tensor:
+        if self.weight_fp32 is not None:
+            return self.weight_fp32
+        if self.format == "int8":
+            return self.kernels.dequantize_q8(self.q, self.scale)
+        return self.kernels.dequantize_q4(self.q, self.scale, self.minimum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        if rows.shape[0] > self.max_native_rows:
+            out = F.linear(rows, self.dense_weight(), self.bias)
+        else:
+            if self.weight_fp32 is not None:
+                out = self.kernels.gemm_f32(rows, self.weight_fp32)
+            elif self.format == "int8":
+                out = self.kernels.gemm_q8(rows, self.q, self.scale)
+            else:
+                out = self.kernels.gemm_q4(rows, self.q, self.scale, self.minimum)
+            if self.bias is not None:
+                out.add_(self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.format}, "
+            f"native up to {self.max_native_rows} rows"
+        )
+
+
+@torch.inference_mode()
+def measure_native_rows(
+    kernels: NativeKernels, linears: list[nn.Linear], max_rows: int
+) -> Measurement:
+    """Up to how many rows the native fp32 products beat aten on these layers (0: never).
+
+    Row counts are tried from 1 upwards, interleaved round by round against aten and decided on
+    the median ratio; the first count where native is not clearly faster ends the search.
+    """
+    figures: dict[str, float] = {}
+    best = 0
+    weights = [linear.weight.detach().contiguous() for linear in linears]
+    for rows in [r for r in ROW_STEPS if r <= max(1, max_rows)]:
+        inputs = [torch.randn(rows, linear.in_features) for linear in linears]
+
+        def aten(inputs: list[torch.Tensor] = inputs) -> None:
+            for linear, x in zip(linears, inputs, strict=True):
+                linear(x)
+
+        def native(inputs: list[torch.Tensor] = inputs) -> None:
+            for weight, x in zip(weights, inputs, strict=True):
+                kernels.gemm_f32(x, weight)
+
+        timings = interleaved_timings(aten, native, CALIBRATION_ROUNDS, 2)
+        ratio = statistics.median(n / a for a, n in timings)
+        figures[f"native_over_aten_{rows}"] = ratio
+        if ratio >= NATIVE_MARGIN:
+            break
+        best = rows
+    choice = str(best)
+    logger.info("native fp32 products measured against aten %s: up to %s rows", figures, choice)
+    return Measurement(choice, figures)
+
+
+def choose_native_rows(
+    model: nn.Module,
+    kernels: NativeKernels,
+    *,
+    max_rows: int,
+    cache: CalibrationCache | None,
+) -> tuple[int, CalibrationRecord | None]:
+    """Up to how many rows this model's fp32 products should run natively (0: none), measured
+    on its first layer or read from the calibration cache."""
+    linears = first_layer_linears(model.get_decoder())  # type: ignore[operator]
+    if not linears:
+        return 0, None
+    question = {
+        "rows": max_rows,
+        "threads": torch.get_num_threads(),
+        "kernels": kernels.build.path.name,  # a new kernel build is measured anew
+        "shapes": [[linear.out_features, linear.in_features] for linear in linears],
+    }
+
+    def measure() -> Measurement:
+        return measure_native_rows(kernels, linears, max_rows)
+
+    if cache is None:
+        measurement = measure()
+        record = CalibrationRecord("native_rows", measurement.choice, "measured", 0.0)
+    else:
+        record = cache.decide("native_rows", question, measure)
+    return int(record.choice), record
+
+
+def install_native_fp32(
+    model: nn.Module, kernels: NativeKernels, max_native_rows: int
+) -> NativeLinear | None:
+    """Replace the decoder's linear layers (gate/up and q/k/v fused) with fp32
+    :class:`NativeLinear` ones; returns one for the output projection (sharing its weight), or
+    None when the model has no plain one."""
+    decoder = model.get_decoder()  # type: ignore[operator]
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        return NativeLinear(kernels, weight, bias, "float32", max_native_rows)
+
+    fuse_gated_mlps(decoder)
+    fuse_qkv(decoder, make)
+    count = 0
+    for module in list(decoder.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, make(child.weight, child.bias))
+                count += 1
+    lm_head = model.get_output_embeddings()  # type: ignore[operator]
+    logger.info("%d fp32 linear layers native up to %d rows", count, max_native_rows)
+    if type(lm_head) is not nn.Linear:
+        return None
+    return NativeLinear(kernels, lm_head.weight, lm_head.bias, "float32", max_native_rows)
