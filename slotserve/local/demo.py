@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slotserve.contracts.engine_argv import DTYPES
+from slotserve.contracts.engine_argv import DTYPES, QUANTIZATIONS
 from slotserve.contracts.pool_spec import (
     BATCHING_POLICIES,
     AdmissionSpec,
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, help="gateway port (default: a free one)")
     parser.add_argument("--num-threads", type=int, help="torch threads per engine")
     parser.add_argument("--dtype", choices=DTYPES)
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, help="weight-only int8/int4 (CPU engines)"
+    )
     parser.add_argument("--redis-url", help="use this Redis (default: start redis-server if found)")
     parser.add_argument("--no-redis", action="store_true", help="in-process admission")
     parser.add_argument("--ready-timeout-seconds", type=float, default=300)
@@ -113,6 +116,7 @@ def plan_pools(
             # Phases run one after the other, so the busy pool's engines get every core.
             num_threads=args.num_threads or default_num_threads(args.engines),
             dtype=args.dtype,
+            quantization=args.quantization,
         )
         # A generous queue timeout: under static batching late arrivals wait for a whole batch.
         admission = AdmissionSpec(max_queue_size=args.max_queue_size, queue_timeout_seconds=900)

@@ -21,7 +21,7 @@ from typing import Literal
 import yaml
 from rich.console import Console
 
-from slotserve.contracts.engine_argv import DType, EngineLaunch
+from slotserve.contracts.engine_argv import DType, EngineLaunch, Quantization
 from slotserve.contracts.engine_argv import engine_argv as contract_engine_argv
 from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec
 from slotserve.local.processes import Child, ChildSpec, Supervisor, http_ready, redis_ready
@@ -40,6 +40,7 @@ class EngineOptions:
     kv_cache_tokens: int | None = None
     num_threads: int | None = None
     dtype: DType | None = None
+    quantization: Quantization | None = None
     drain_timeout_seconds: float = 5.0
 
     def launch(self, host: str, port: int) -> EngineLaunch:
@@ -55,6 +56,7 @@ class EngineOptions:
             drain_timeout_seconds=self.drain_timeout_seconds,
             kv_cache_tokens=self.kv_cache_tokens,
             num_threads=self.num_threads,
+            quantization=self.quantization,
         )
 
 

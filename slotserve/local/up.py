@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slotserve.contracts.engine_argv import DTYPES
+from slotserve.contracts.engine_argv import DTYPES, QUANTIZATIONS
 from slotserve.contracts.pool_spec import (
     BATCHING_POLICIES,
     DEFAULT_MAX_BATCH_SIZE,
@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-threads", type=int, help="torch threads per engine")
     parser.add_argument("--dtype", choices=DTYPES)
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, help="weight-only int8/int4 (CPU engines)"
+    )
     parser.add_argument("--max-queue-size", type=int, default=256, help="gateway queue limit")
     parser.add_argument("--queue-timeout-seconds", type=float, default=30)
     parser.add_argument("--redis-url", help="use this Redis (default: start redis-server if found)")
@@ -112,6 +115,7 @@ def plan_pool(args: argparse.Namespace, model_source: str) -> PoolPlan:
         kv_cache_tokens=args.kv_cache_tokens or args.max_batch_size * args.max_model_len,
         num_threads=args.num_threads or default_num_threads(args.engines),
         dtype=args.dtype,
+        quantization=args.quantization,
     )
     admission = AdmissionSpec(
         max_queue_size=args.max_queue_size, queue_timeout_seconds=args.queue_timeout_seconds

@@ -9,7 +9,7 @@ import yaml
 from PIL import Image
 
 from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec
-from slotserve.local import stack
+from slotserve.local import demo, stack, up
 from slotserve.local.enginestats import OccupancySample, parse_counters, phase_utilisation
 from slotserve.local.report import percentile, summarise, write_results
 from slotserve.local.workload import RequestResult, burst_workload, seed_workload
@@ -43,7 +43,7 @@ def test_percentile_interpolates_and_has_no_value_for_no_data():
     assert percentile([float(i) for i in range(101)], 99) == pytest.approx(99.0)
 
 
-def _pool(policy: str, ports: list[int]) -> stack.PoolPlan:
+def _pool(policy: str, ports: list[int], quantization: str | None = None) -> stack.PoolPlan:
     engine = stack.EngineOptions(
         model="/models/tiny",
         served_model_name=f"tiny-{policy}",
@@ -51,6 +51,7 @@ def _pool(policy: str, ports: list[int]) -> stack.PoolPlan:
         max_model_len=512,
         kv_cache_tokens=2048,
         num_threads=1,
+        quantization=quantization,
     )
     return stack.PoolPlan(
         engine=engine,
@@ -81,6 +82,15 @@ def test_engine_command_line_is_accepted_by_the_engine_cli():
     assert (args.policy, args.max_batch_size, args.port) == ("dynamic", 4, 9001)
     assert (args.kv_cache_tokens, args.max_model_len, args.num_threads) == (2048, 512, 1)
     assert args.served_model_name == "tiny-dynamic"
+    assert args.quantization is None  # not asked: the engine's default
+
+
+def test_up_and_demo_pass_the_quantization_to_their_engines():
+    engine_cli = pytest.importorskip("slotserve.engine.cli")
+    argv = stack.engine_argv(_pool("continuous", [9001], "int4").engine, "127.0.0.1", 9001)
+    assert engine_cli.build_parser().parse_args(argv[4:]).quantization == "int4"
+    for command in (up, demo):
+        assert command.build_parser().parse_args(["--quantization", "int8"]).quantization == "int8"
 
 
 def test_redis_plan_prefers_a_given_url_then_a_local_binary():
