@@ -113,20 +113,12 @@ def test_fields_left_out_take_the_generation_config_and_sent_fields_win(greedy_b
 
 
 @pytest.mark.slow
-def test_readme_example_without_temperature_answers_paris(smollm2_dir, tmp_path):
+def test_readme_example_without_temperature_answers_paris(smollm2_engine):
     """The README's curl body, as is (no temperature, no max_tokens), several times over."""
-    engine = EngineProcess(
-        smollm2_dir, tmp_path / "engine.log", "--max-model-len", "512", "--max-batch-size", "4",
-        name="smollm2",
-    )  # fmt: skip
-    engine.start(timeout=180)
-    try:
-        client = openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
-        for _ in range(4):
-            answer = client.chat.completions.create(
-                model="smollm2",
-                messages=[{"role": "user", "content": "What is the capital of France?"}],
-            )
-            assert "Paris" in answer.choices[0].message.content, answer
-    finally:
-        engine.stop()
+    client = openai.OpenAI(base_url=smollm2_engine.url + "/v1", api_key="x", max_retries=0)
+    for _ in range(4):
+        answer = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
+        assert "Paris" in answer.choices[0].message.content, answer

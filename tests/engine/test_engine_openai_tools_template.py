@@ -109,20 +109,12 @@ def test_required_gives_a_llama3_json_call_that_validates(client, stream):
 
 
 @pytest.mark.slow
-def test_smollm2_calls_the_weather_tool_for_paris(smollm2_dir, tmp_path):
-    engine = EngineProcess(
-        smollm2_dir, tmp_path / "engine.log", "--max-model-len", "1024", "--max-batch-size", "2",
-        name="smollm2",
+def test_smollm2_calls_the_weather_tool_for_paris(smollm2_engine):
+    client = openai.OpenAI(base_url=smollm2_engine.url + "/v1", api_key="x", max_retries=0)
+    reply = client.chat.completions.create(
+        model="smollm2", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        max_tokens=80, temperature=0,
     )  # fmt: skip
-    engine.start()
-    try:
-        client = openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
-        reply = client.chat.completions.create(
-            model="smollm2", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-            max_tokens=80, temperature=0,
-        )  # fmt: skip
-    finally:
-        engine.stop()
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     arguments = json.loads(choice.message.tool_calls[0].function.arguments)

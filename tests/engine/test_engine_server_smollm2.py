@@ -8,21 +8,13 @@ from engine_server_support import EngineProcess
 
 
 @pytest.mark.slow
-def test_smollm2_knows_the_capital_of_france(smollm2_dir, tmp_path):
-    engine = EngineProcess(
-        smollm2_dir, tmp_path / "engine.log", "--max-model-len", "512", "--max-batch-size", "2",
-        name="smollm2",
-    )  # fmt: skip
-    engine.start(timeout=180)
-    try:
-        client = openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
-        answer = client.chat.completions.create(
-            model="smollm2",
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=24,
-            temperature=0,
-        )
-        assert "Paris" in answer.choices[0].message.content, answer
-        assert answer.choices[0].finish_reason in {"stop", "length"}
-    finally:
-        engine.stop()
+def test_smollm2_knows_the_capital_of_france(smollm2_engine: EngineProcess) -> None:
+    client = openai.OpenAI(base_url=smollm2_engine.url + "/v1", api_key="x", max_retries=0)
+    answer = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert "Paris" in answer.choices[0].message.content, answer
+    assert answer.choices[0].finish_reason in {"stop", "length"}
