@@ -8,15 +8,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from slotserve.engine.core.linear import (
-    FusedGatedMLP,
-    PackedLinear,
-    QKVPart,
-    fuse_gated_mlps,
-    fuse_qkv,
-    onednn_supported,
-    pack_linears,
-)
+from slotserve.engine.core.fusion import FusedGatedMLP, QKVPart, fuse_gated_mlps, fuse_qkv
+from slotserve.engine.core.linear import PackedLinear, onednn_supported, pack_linears
 
 pytestmark = pytest.mark.skipif(
     not onednn_supported(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
@@ -76,7 +69,7 @@ def test_fused_qkv_matches_separate_projections_in_any_call_order(bias):
     originals = [attn.q_proj, attn.k_proj, attn.v_proj]
     x, y = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
     with torch.inference_mode():
-        assert fuse_qkv(attn) == 1
+        assert fuse_qkv(attn, PackedLinear) == 1
         fused = [attn.q_proj, attn.k_proj, attn.v_proj]
         # Shuffled orders, a new input, then the usual order (which releases what it held).
         for order, inp in (([2, 0, 1], x), ([1, 2, 0], y), ([0, 1, 2], x)):
@@ -122,9 +115,18 @@ def test_pack_linears_keeps_logits_and_tied_embedding(tiny_llama):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_aten_backend_packs_nothing(tiny_llama):
+def test_aten_backend_packs_nothing_and_fuses_with_the_same_result(tiny_llama):
+    ids = torch.randint(0, 200, (1, 9))
+    with torch.inference_mode():
+        expected = tiny_llama(ids).logits
     assert pack_linears(tiny_llama, "aten", max_rows=4) is None
-    assert type(tiny_llama.model.layers[0].self_attn.q_proj) is nn.Linear
+    attention = tiny_llama.model.layers[0].self_attn
+    # Stock products, fewer of them: q/k/v one product, gate/up one.
+    assert type(attention.q_proj.shared.linear) is nn.Linear
+    assert type(attention.o_proj) is nn.Linear
+    assert not any(isinstance(m, PackedLinear) for m in tiny_llama.modules())
+    with torch.inference_mode():
+        torch.testing.assert_close(tiny_llama(ids).logits, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_auto_backend_decides_by_measurement(tiny_llama):

@@ -22,13 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord, Measurement
+from slotserve.engine.core.fusion import fuse_gated_mlps, fuse_qkv
 from slotserve.engine.core.kernels import NativeKernels
-from slotserve.engine.core.linear import (
-    first_layer_linears,
-    fuse_gated_mlps,
-    fuse_qkv,
-    interleaved_timings,
-)
+from slotserve.engine.core.linear import first_layer_linears, interleaved_timings
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from slotserve.engine.core.errors import UnsupportedSettingError
+from slotserve.engine.core.fusion import fuse_gated_mlps, fuse_qkv
 from slotserve.engine.core.kernels import GROUP_SIZE, KernelUnavailable, NativeKernels, load_kernels
-from slotserve.engine.core.linear import fuse_gated_mlps, fuse_qkv
 from slotserve.engine.core.native_linear import NativeLinear
 from slotserve.settings import CommonSettings
 
