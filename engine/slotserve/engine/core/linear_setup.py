@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -63,7 +63,7 @@ def set_up_linears(
     calibration: CalibrationCache | None,
 ) -> LinearLayers:
     """Replace ``model``'s linear layers as decided here (in place); see the module doc."""
-    if quantization != "none":
+    if quantization == "int8" or quantization == "int4":
         return _quantized(model, quantization)
     if linear_backend == "native" and native is None:
         raise UnsupportedSettingError(
@@ -80,8 +80,10 @@ def set_up_linears(
             )
             calibrations += [record] if record is not None else []
         if native_rows > 0:
-            logits = install_native_fp32(model, native, native_rows)
-            return LinearLayers(logits or aten_logits(model.get_output_embeddings()), calibrations)
+            native_logits = install_native_fp32(model, native, native_rows)
+            return LinearLayers(
+                native_logits or aten_logits(model.get_output_embeddings()), calibrations
+            )
     backend, record = choose_linear_backend(
         model,
         "auto" if linear_backend == "native" else linear_backend,
@@ -95,7 +97,7 @@ def set_up_linears(
     return LinearLayers(logits, calibrations)
 
 
-def _quantized(model: Any, quantization: Quantization) -> LinearLayers:
+def _quantized(model: Any, quantization: Literal["int8", "int4"]) -> LinearLayers:
     kernels = load_kernels(CommonSettings().home)
     report = quantize_model(model, quantization, kernels)
     records = [
