@@ -341,7 +341,9 @@ static void gemm(const float *x, int64_t m, int64_t k, struct weights w, int64_t
     {
         float *buffer = NULL;
         if (w.kind != F32) buffer = aligned_alloc(64, sizeof(float) * PANEL * (size_t)k);
-#pragma omp for schedule(static)
+        /* Dynamic chunks: a thread the OS has descheduled (another process on the core) leaves
+         * its share to the others instead of holding the whole call at the barrier. */
+#pragma omp for schedule(dynamic, 8)
         for (int64_t p = 0; p < panels; p++) {
             const int64_t n0 = p * PANEL;
             const int64_t rows = n - n0 < PANEL ? n - n0 : PANEL;
