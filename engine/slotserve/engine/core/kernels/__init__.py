@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
-ABI = 3
+ABI = 4
 GROUP_SIZE = 32  # int4 weights per (scale, minimum) pair: fixed by the C source
 
 

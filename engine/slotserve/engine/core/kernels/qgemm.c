@@ -35,7 +35,7 @@
 #define PANEL 4
 #define GROUP 32
 
-int slotserve_kernel_abi(void) { return 3; }
+int slotserve_kernel_abi(void) { return 4; }
 
 static int use_avx2 = -1;
 
@@ -212,6 +212,55 @@ static void unpack_q4_avx2(const uint8_t *q, const float *scale, const float *mi
 }
 #endif
 
+
+/* ---- one row (batch-1 decode): dequantize into registers, no panel buffer ------------------ */
+/* With one row there is nothing to amortise a panel over: per 8 weights a panel costs a convert,
+ * a scale, a store, a load and an FMA; here a convert and an FMA, the group's scale applied once
+ * to its partial sum, and (int4) its minimum through the group's sum of x. */
+
+#if HAVE_AVX2_CODE
+__attribute__((target("avx2,fma"))) static float row_q8_avx2(const float *x, const int8_t *q,
+                                                             const float *scale, int64_t k) {
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const int8_t *qg = q + g * GROUP;
+        const float *xg = x + g * GROUP;
+        __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+        for (int j = 0; j < GROUP; j += 16) {
+            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qg + j))));
+            __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qg + j + 8))));
+            acc = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg + j), acc);
+            acc2 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + j + 8), acc2);
+        }
+        total = _mm256_fmadd_ps(_mm256_add_ps(acc, acc2), _mm256_set1_ps(scale[g]), total);
+    }
+    return hsum(total);
+}
+
+__attribute__((target("avx2,fma"))) static float row_q4_avx2(const float *x, const float *xsum,
+                                                             const uint8_t *q, const float *scale,
+                                                             const float *minimum, int64_t k) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m256 total = _mm256_setzero_ps();
+    float offset = 0.0f;
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const float *xg = x + g * GROUP;
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(q + g * (GROUP / 2)));
+        __m128i lo = _mm_and_si128(bytes, low);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+        __m256 acc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(xg));
+        __m256 acc2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                                    _mm256_loadu_ps(xg + 8));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(xg + 16), acc);
+        acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))),
+                               _mm256_loadu_ps(xg + 24), acc2);
+        total = _mm256_fmadd_ps(_mm256_add_ps(acc, acc2), _mm256_set1_ps(scale[g]), total);
+        offset += minimum[g] * xsum[g];
+    }
+    return hsum(total) + offset;
+}
+#endif
+
 /* ---- quantizing (at load) ----------------------------------------------------------------- */
 /* Rounding is to nearest, ties to even (as torch.round), in both versions, so the two give the
  * same bytes. A group's quantized values pass through int32[32] before packing: simple, and
@@ -333,10 +382,42 @@ struct weights {
     const float *minimum;/* Q4: [N, K/32] */
 };
 
+#if HAVE_AVX2_CODE
+/* One row against quantized weights (k a multiple of 32), channels in dynamic chunks. */
+static void gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n, float *y,
+                           int threads) {
+    const int64_t groups = k / GROUP;
+    float *xsum = NULL;
+    if (w.kind == Q4) {
+        xsum = malloc(sizeof(float) * (size_t)groups);
+        for (int64_t g = 0; g < groups; g++) {
+            float total = 0.0f;
+            for (int j = 0; j < GROUP; j++) total += x[g * GROUP + j];
+            xsum[g] = total;
+        }
+    }
+#pragma omp parallel for schedule(dynamic, 32) num_threads(threads)
+    for (int64_t c = 0; c < n; c++) {
+        if (w.kind == Q8)
+            y[c] = row_q8_avx2(x, (const int8_t *)w.data + c * k, w.scale + c * groups, k);
+        else
+            y[c] = row_q4_avx2(x, xsum, (const uint8_t *)w.data + c * (k / 2),
+                               w.scale + c * groups, w.minimum + c * groups, k);
+    }
+    free(xsum);
+}
+#endif
+
 static void gemm(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
                  int threads) {
     const int avx2 = slotserve_kernel_isa() && k % 8 == 0;
     const int64_t panels = (n + PANEL - 1) / PANEL;
+#if HAVE_AVX2_CODE
+    if (avx2 && m == 1 && w.kind != F32) {
+        gemv_quantized(x, k, w, n, y, threads);
+        return;
+    }
+#endif
 #pragma omp parallel num_threads(threads)
     {
         float *buffer = NULL;
