@@ -332,15 +332,24 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]✗[/] {error}")
         return 1
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # the server's log goes there too
+    cpu = cpu_info(read_cpuinfo())
+    load = [os.getloadavg()[0]]  # the machine may be shared: say how busy it was
     worker = run_worker(python, args.gguf, args)
+    # Written now and again after the server: a server that fails keeps the decode figures.
+    write_result(args.out, {**build_result(worker, None, cpu, args), "load_average": load})
     server = (
         measure_server(python, args.gguf, worker["server_prompts"], args) if args.server else None
     )
-    result = build_result(worker, server, cpu_info(read_cpuinfo()), args)
+    load.append(os.getloadavg()[0])
+    result = {**build_result(worker, server, cpu, args), "load_average": load}
     print_table(result)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     console.print(f"wrote {args.out}")
     return 0
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
