@@ -100,10 +100,11 @@ def weight_bytes(model) -> int:
 def read_llama_cpp(path: Path) -> dict[int, float]:
     """Tokens/s per batch size from a llama.cpp peer result (``tokens_per_s.batch_N``)."""
     rates = json.loads(path.read_text()).get("tokens_per_s", {})
+    # Other figures share the prefix (batch_1_batch_api: batch 1 through the batch API).
     return {
         int(key.removeprefix("batch_")): float(value)
         for key, value in rates.items()
-        if key.startswith("batch_") and value is not None
+        if key.removeprefix("batch_").isdigit() and value is not None
     }
 
 

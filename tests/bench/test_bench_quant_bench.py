@@ -59,3 +59,10 @@ def test_quantized_runs_report_quality_and_the_issues_targets(
         report["decode"][0]["int4_tok_s"] >= 50.0
     )
     assert {"int8 quality", "int4 quality"} <= set(targets)
+
+
+def test_the_llama_cpp_reader_takes_batch_sizes_only(tmp_path):
+    peer = tmp_path / "peer.json"
+    rates = {"batch_1": 77.3, "batch_1_batch_api": 54.6, "batch_8": 86.5, "batch_32": None}
+    peer.write_text(json.dumps({"tokens_per_s": rates}))
+    assert quant_bench.read_llama_cpp(peer) == {1: 77.3, 8: 86.5}
