@@ -27,12 +27,12 @@ async def load_report(tiny_model_dir) -> tuple[dict, dict[tuple[str, str], float
         text = await (await client.get("/metrics")).text()
     finally:
         await client.close()
-    metrics = {
-        (sample.name, sample.labels["source"]): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name.startswith("slotserve_load_calibration")
-    }
+    metrics: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("slotserve_load_calibration"):
+                key = (sample.name, sample.labels["source"])
+                metrics[key] = metrics.get(key, 0.0) + sample.value  # summed over names
     return load, metrics
 
 
@@ -44,20 +44,27 @@ async def test_calibrations_are_counted_and_the_second_start_reads_them(
     first, first_metrics = await load_report(tiny_model_dir)
     second, second_metrics = await load_report(tiny_model_dir)
 
-    (measured,) = first["calibrations"]
-    (cached,) = second["calibrations"]
-    assert measured["name"] == cached["name"] == "linear_backend"
-    assert (measured["source"], cached["source"]) == ("measured", "cached")
-    assert cached["choice"] == measured["choice"] in ("onednn", "aten")
-    assert cached["figures"] == measured["figures"]  # the first start's measurement
-    assert first_metrics[("slotserve_load_calibrations_total", "measured")] == 1
-    assert second_metrics[("slotserve_load_calibrations_total", "cached")] == 1
+    measured, cached = first["calibrations"], second["calibrations"]
+    names = [c["name"] for c in measured]
+    # Up to how many rows the native kernels run; when that is none, oneDNN or aten.
+    assert names in (["native_rows"], ["native_rows", "linear_backend"])
+    assert [c["name"] for c in cached] == names
+    assert {c["source"] for c in measured} == {"measured"}
+    assert {c["source"] for c in cached} == {"cached"}
+    for first_choice, second_choice in zip(measured, cached, strict=True):
+        assert second_choice["choice"] == first_choice["choice"]
+        assert second_choice["figures"] == first_choice["figures"]  # the first start's
+    if len(names) == 2:
+        assert measured[1]["choice"] in ("onednn", "aten")
+    count = len(names)
+    assert first_metrics[("slotserve_load_calibrations_total", "measured")] == count
+    assert second_metrics[("slotserve_load_calibrations_total", "cached")] == count
     assert ("slotserve_load_calibrations_total", "measured") not in second_metrics
     assert second_metrics[("slotserve_load_calibration_seconds", "cached")] >= 0
-    assert list((tmp_path / "calibration").glob("linear_backend-*.json"))
+    for name in names:
+        assert list((tmp_path / "calibration").glob(f"{name}-*.json"))
     lines = [r.getMessage() for r in caplog.records if "calibrated at load" in r.getMessage()]
     assert [("(measured," in line, "(cached," in line) for line in lines] == [
-        (True, False),
-        (False, True),
-    ]
-    assert any("1 calibrations" in r.getMessage() for r in caplog.records)
+        (True, False)
+    ] * count + [(False, True)] * count
+    assert any(f"{count} calibrations" in r.getMessage() for r in caplog.records)
