@@ -156,3 +156,17 @@ def fuse_qkv(decoder: nn.Module, make: MakeLinear) -> int:
             setattr(module, name, QKVPart(shared, index))
         count += 1
     return count
+
+
+def replace_linears(decoder: nn.Module, make: MakeLinear) -> int:
+    """Fuse q/k/v and gate/up, then run every plain ``nn.Linear`` under ``decoder`` through
+    ``make(weight, bias)``; returns how many linears were replaced (fused ones not counted)."""
+    fuse_gated_mlps(decoder)
+    fuse_qkv(decoder, make)
+    count = 0
+    for module in list(decoder.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, make(child.weight, child.bias))
+                count += 1
+    return count

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord, Measurement
-from slotserve.engine.core.fusion import dense_linear, fuse_gated_mlps, fuse_qkv
+from slotserve.engine.core.fusion import dense_linear, fuse_gated_mlps, fuse_qkv, replace_linears
 from slotserve.engine.settings import LinearBackend
 
 logger = logging.getLogger(__name__)
@@ -227,14 +227,7 @@ def pack_linears(
     linears = first_layer_linears(decoder)
     if not linears and not any(isinstance(m, PackedLinear) for m in decoder.modules()):
         return None
-    fuse_gated_mlps(decoder)
-    fuse_qkv(decoder, PackedLinear)
-    count = 0
-    for module in list(decoder.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, name, PackedLinear.from_linear(child))
-                count += 1
+    count = replace_linears(decoder, PackedLinear)
     lm_head = model.get_output_embeddings()
     logits = PackedLinear.from_linear(lm_head) if type(lm_head) is nn.Linear else None
     logger.info("packed %d linear layers%s for oneDNN", count, " and lm_head" if logits else "")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord, Measurement
-from slotserve.engine.core.fusion import fuse_gated_mlps, fuse_qkv
+from slotserve.engine.core.fusion import replace_linears
 from slotserve.engine.core.kernels import NativeKernels
 from slotserve.engine.core.linear import first_layer_linears, interleaved_timings
 
@@ -203,14 +203,7 @@ def install_native_fp32(
     def make(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         return NativeLinear(kernels, weight, bias, "float32", max_native_rows)
 
-    fuse_gated_mlps(decoder)
-    fuse_qkv(decoder, make)
-    count = 0
-    for module in list(decoder.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, name, make(child.weight, child.bias))
-                count += 1
+    count = replace_linears(decoder, make)
     lm_head = model.get_output_embeddings()  # type: ignore[operator]
     logger.info("%d fp32 linear layers native up to %d rows", count, max_native_rows)
     if type(lm_head) is not nn.Linear:

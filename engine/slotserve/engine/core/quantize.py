@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from slotserve.engine.core.errors import UnsupportedSettingError
-from slotserve.engine.core.fusion import fuse_gated_mlps, fuse_qkv
+from slotserve.engine.core.fusion import replace_linears
 from slotserve.engine.core.kernels import GROUP_SIZE, KernelUnavailable, NativeKernels, load_kernels
 from slotserve.engine.core.native_linear import NativeLinear
 from slotserve.settings import CommonSettings
@@ -137,12 +137,7 @@ def quantize_model(
     def make(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         return NativeLinear(kernels, weight, bias, mode)
 
-    fuse_gated_mlps(decoder)
-    fuse_qkv(decoder, make)
-    for module in list(decoder.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, name, make(child.weight, child.bias))
+    replace_linears(decoder, make)
     if type(lm_head) is nn.Linear:
         model.set_output_embeddings(  # type: ignore[operator]
             NativeLinear(kernels, lm_head.weight, lm_head.bias, "int8")
