@@ -27,7 +27,7 @@ from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.kernels import KernelUnavailable, NativeKernels, load_kernels
 from slotserve.engine.core.linear import aten_logits, choose_linear_backend, pack_linears
 from slotserve.engine.core.native_linear import choose_native_rows, install_native_fp32
-from slotserve.engine.core.quantize import QuantizationReport, quantize_model
+from slotserve.engine.core.quantize import quantize_model
 from slotserve.engine.settings import LinearBackend
 from slotserve.settings import CommonSettings
 
@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 class LinearLayers:
     logits: Callable[[torch.Tensor], torch.Tensor]
     calibrations: list[CalibrationRecord] = field(default_factory=list)
-    quantization: QuantizationReport | None = None
 
 
 def native_kernels(device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
@@ -64,7 +63,7 @@ def set_up_linears(
 ) -> LinearLayers:
     """Replace ``model``'s linear layers as decided here (in place); see the module doc."""
     if quantization == "int8" or quantization == "int4":
-        return _quantized(model, quantization)
+        return _quantized(model, quantization, native or load_kernels(CommonSettings().home))
     if linear_backend == "native" and native is None:
         raise UnsupportedSettingError(
             "linear_backend native needs the native kernels: a CPU, float32 weights and a C "
@@ -97,8 +96,9 @@ def set_up_linears(
     return LinearLayers(logits, calibrations)
 
 
-def _quantized(model: Any, quantization: Literal["int8", "int4"]) -> LinearLayers:
-    kernels = load_kernels(CommonSettings().home)
+def _quantized(
+    model: Any, quantization: Literal["int8", "int4"], kernels: NativeKernels
+) -> LinearLayers:
     report = quantize_model(model, quantization, kernels)
     records = [
         CalibrationRecord(
@@ -119,4 +119,4 @@ def _quantized(model: Any, quantization: Literal["int8", "int4"]) -> LinearLayer
             },
         ),
     ]
-    return LinearLayers(model.get_output_embeddings(), records, report)
+    return LinearLayers(model.get_output_embeddings(), records)

@@ -27,7 +27,7 @@ from torch import nn
 
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.fusion import replace_linears
-from slotserve.engine.core.kernels import GROUP_SIZE, KernelUnavailable, NativeKernels, load_kernels
+from slotserve.engine.core.kernels import GROUP_SIZE, NativeKernels, load_kernels
 from slotserve.engine.core.native_linear import NativeLinear
 from slotserve.settings import CommonSettings
 
@@ -58,11 +58,7 @@ def native_layers(model: nn.Module) -> list[NativeLinear]:
     return list(found.values())
 
 
-def preflight(mode: str, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
-    """Before the model loads: refuse a quantization this device or dtype cannot run, and build
-    (or find) the kernels, so a bad setting fails in milliseconds, not after the load."""
-    if mode == "none":
-        return None
+def _check_device(mode: str, device: torch.device, dtype: torch.dtype) -> None:
     if device.type != "cpu":
         raise QuantizationUnsupported(
             f"quantization {mode} runs on CPU only (native kernels); this engine is on "
@@ -73,6 +69,14 @@ def preflight(mode: str, device: torch.device, dtype: torch.dtype) -> NativeKern
             f"quantization {mode} quantizes from float32 weights; got --dtype {str(dtype)[6:]} "
             "(use auto or float32)"
         )
+
+
+def preflight(mode: str, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
+    """Before the model loads: refuse a quantization this device or dtype cannot run, and build
+    (or find) the kernels, so a bad setting fails in milliseconds, not after the load."""
+    if mode == "none":
+        return None
+    _check_device(mode, device, dtype)
     kernels = load_kernels(CommonSettings().home)
     if not kernels.avx2:
         logger.warning(
@@ -86,16 +90,7 @@ def preflight(mode: str, device: torch.device, dtype: torch.dtype) -> NativeKern
 def check_quantizable(model: nn.Module, mode: str) -> None:
     """Raise :class:`QuantizationUnsupported` if ``model`` cannot run ``mode`` here."""
     param = next(model.parameters())
-    if param.device.type != "cpu":
-        raise QuantizationUnsupported(
-            f"quantization {mode} runs on CPU only (native kernels); this engine is on "
-            f"{param.device.type}: use --quantization none there"
-        )
-    if param.dtype != torch.float32:
-        raise QuantizationUnsupported(
-            f"quantization {mode} needs float32 weights to quantize from; got {param.dtype} "
-            "(use --dtype auto or float32)"
-        )
+    _check_device(mode, param.device, param.dtype)
     decoder = model.get_decoder()  # type: ignore[operator]
     linears = [m for m in decoder.modules() if type(m) is nn.Linear]
     if not linears:
@@ -159,13 +154,3 @@ def quantize_model(
         report.seconds,
     )
     return report
-
-
-__all__ = [
-    "KernelUnavailable",
-    "NativeLinear",
-    "QuantizationReport",
-    "QuantizationUnsupported",
-    "check_quantizable",
-    "quantize_model",
-]

@@ -25,7 +25,7 @@ from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
 from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.core.prefix_cache import SlotCopy
 from slotserve.engine.core.protocols import Tokenizer
-from slotserve.engine.core.quantize import QuantizationReport, preflight
+from slotserve.engine.core.quantize import preflight
 from slotserve.engine.core.sampling import Sampler
 from slotserve.engine.core.scheduler import ScheduledChunk
 from slotserve.engine.core.sequence import SequenceError
@@ -136,7 +136,6 @@ class ModelRunner:
         )
         self.logits = layers.logits
         self.calibrations: list[CalibrationRecord] = layers.calibrations
-        self.quantization: QuantizationReport | None = layers.quantization
         cache_shape = (num_slots, self.shape.num_kv_heads, max_model_len, self.shape.head_dim)
         # torch.empty: on a CPU, pages are only committed as positions get written.
         self.k_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
@@ -245,16 +244,15 @@ class ModelRunner:
         positions_t = torch.tensor(positions, device=device)
         decode_mask = native_lens = None
         num_rows = kv_len = 0
-        if decode_slots and self.native is not None:
+        if decode_slots:
             num_rows = max(decode_slots) + 1
             kv_len = max(decode_lens)
+        if decode_slots and self.native is not None:
             row_lens = [0] * num_rows  # idle rows: no positions, zeros out, never read back
             for slot, length in zip(decode_slots, decode_lens, strict=True):
                 row_lens[slot] = length
             native_lens = torch.tensor(row_lens, dtype=torch.long)
         elif decode_slots:
-            num_rows = max(decode_slots) + 1
-            kv_len = max(decode_lens)
             lens = torch.zeros(num_rows, dtype=torch.long, device=device)
             # Rows of idle slots attend to position 0 only: finite garbage, never read back.
             lens.fill_(1)

@@ -17,7 +17,6 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -100,6 +99,8 @@ def build(home: Path) -> Build:
             return Build(folder / name, True, time.perf_counter() - start)
         except OSError as exc:
             errors.append(f"{folder}: {exc}")
+        except subprocess.TimeoutExpired as exc:
+            raise KernelUnavailable(f"compiling {SOURCE.name} took over {exc.timeout} s") from exc
     raise KernelUnavailable("no folder to build the native kernels in: " + "; ".join(errors))
 
 
@@ -311,8 +312,3 @@ def load_kernels(home: Path) -> NativeKernels:
         "AVX2/FMA" if kernels.avx2 else "plain C (no AVX2/FMA on this CPU)",
     )
     return kernels
-
-
-def compiler_available() -> bool:
-    """Whether a C compiler is on the path (the native kernels can be built here)."""
-    return shutil.which(_compiler()) is not None
