@@ -23,6 +23,7 @@ from slotserve.engine.core.linear_setup import native_kernels, set_up_linears
 from slotserve.engine.core.logprobs import SampledLogprobs
 from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
 from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
+from slotserve.engine.core.native_decode import native_step
 from slotserve.engine.core.prefix_cache import SlotCopy
 from slotserve.engine.core.protocols import Tokenizer
 from slotserve.engine.core.quantize import preflight
@@ -113,6 +114,7 @@ class ModelRunner:
         calibration: CalibrationCache | None = None,
         quantization: Quantization = "none",
         use_native_kernels: bool = True,
+        native_decode: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -140,6 +142,10 @@ class ModelRunner:
         # torch.empty: on a CPU, pages are only committed as positions get written.
         self.k_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
         self.v_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
+        # Decode-only steps in one native call where the model's layers allow it.
+        self.native_step = (
+            native_step(model, self.native, self.k_cache, self.v_cache) if native_decode else None
+        )
         self._arange = torch.arange(max_model_len, device=self.device)
         # Attention reads cache rows up to the longest decode of the step, past what each row
         # holds; masked positions still enter ``0 * value``, so they must hold finite numbers.
@@ -187,13 +193,16 @@ class ModelRunner:
         self.last_logprobs = []
         if not chunks:
             return []
-        step, input_ids, positions, sample_index = self._prepare(chunks)
-        hidden = self.decoder(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            use_cache=False,
-            slot_step=step,
-        ).last_hidden_state[0]
+        if self._natively(chunks):
+            hidden, sample_index = self._native_decode(chunks)
+        else:
+            step, input_ids, positions, sample_index = self._prepare(chunks)
+            hidden = self.decoder(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                use_cache=False,
+                slot_step=step,
+            ).last_hidden_state[0]
         if not sample_index:
             return []
         index = torch.tensor(sample_index, device=self.device)
@@ -207,6 +216,28 @@ class ModelRunner:
                 # (0 * NaN): zero the row again before the slot's next owner reads it.
                 self._num_finite[chunk.seq.slot] = 0
         return samples
+
+    def _natively(self, chunks: Seq[ScheduledChunk]) -> bool:
+        return (
+            self.native_step is not None
+            and len(chunks) <= self.native_step.max_rows
+            and all(chunk.num_tokens == 1 for chunk in chunks)
+        )
+
+    def _native_decode(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
+        assert self.native_step is not None
+        token_ids, positions, slots, sample_index = [], [], [], []
+        for index, chunk in enumerate(chunks):
+            if chunk.seq.slot is None:
+                raise RuntimeError(f"sequence {chunk.seq.request_id} is scheduled without a slot")
+            token_ids.append(chunk.seq.token_ids[chunk.start])
+            positions.append(chunk.start)
+            slots.append(chunk.seq.slot)
+            if chunk.samples:
+                sample_index.append(index)
+        # The torch path of a later step may read these rows up to its longest decode.
+        self._ensure_finite(max(slots) + 1, max(positions) + 1)
+        return self.native_step(token_ids, positions, slots), sample_index
 
     def _prepare(
         self, chunks: Seq[ScheduledChunk]

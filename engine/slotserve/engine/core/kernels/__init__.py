@@ -1,6 +1,7 @@
-"""The engine's own CPU matrix products (``qgemm.c``), compiled on first use and cached.
+"""The engine's own CPU kernels, compiled on first use and cached: the matrix products and
+decode attention (``qgemm.c``) and a whole Llama decode step built on them (``llama_step.c``).
 
-The C source is compiled with the machine's C compiler (``$CC``, else ``gcc``) into
+The C sources are compiled with the machine's C compiler (``$CC``, else ``gcc``) into
 ``$SLOTSERVE_HOME/kernels/qgemm-<hash>.so``, the hash covering the source, the compiler's
 version and the flags, so an upgrade rebuilds and engines sharing a home reuse one build (about
 a second). A home that cannot be written (a read-only image) falls back to a temporary folder.
@@ -29,9 +30,11 @@ from slotserve.engine.core.errors import UnsupportedSettingError
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("qgemm.c")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "qgemm.c", HERE / "llama_step.c")
+HEADERS = (HERE / "qgemm.h",)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
-ABI = 4
+ABI = 5
 GROUP_SIZE = 32  # int4 weights per (scale, minimum) pair: fixed by the C source
 
 
@@ -71,7 +74,7 @@ def build(home: Path) -> Build:
     """The compiled library for this source and compiler: from the cache, or compiled now."""
     start = time.perf_counter()
     compiler = _compiler()
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(
         source + _compiler_version(compiler).encode() + " ".join(FLAGS).encode()
     ).hexdigest()[:16]
@@ -88,19 +91,19 @@ def build(home: Path) -> Build:
             with tempfile.TemporaryDirectory(dir=folder) as scratch:
                 output = Path(scratch) / name
                 done = subprocess.run(
-                    [compiler, *FLAGS, "-o", str(output), str(SOURCE), "-lm"],
+                    [compiler, *FLAGS, "-o", str(output), *map(str, SOURCES), "-lm"],
                     capture_output=True,
                     text=True,
                     timeout=300,
                 )
                 if done.returncode != 0:
-                    raise KernelUnavailable(f"compiling {SOURCE.name} failed:\n{done.stderr}")
+                    raise KernelUnavailable(f"compiling the kernels failed:\n{done.stderr}")
                 os.replace(output, folder / name)
             return Build(folder / name, True, time.perf_counter() - start)
         except OSError as exc:
             errors.append(f"{folder}: {exc}")
         except subprocess.TimeoutExpired as exc:
-            raise KernelUnavailable(f"compiling {SOURCE.name} took over {exc.timeout} s") from exc
+            raise KernelUnavailable(f"compiling the kernels took over {exc.timeout} s") from exc
     raise KernelUnavailable("no folder to build the native kernels in: " + "; ".join(errors))
 
 
@@ -117,7 +120,7 @@ class NativeKernels:
         lib.slotserve_gemm_q8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, c_int]
         lib.slotserve_gemm_q4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, c_int]
         for fn in (lib.slotserve_gemm_f32, lib.slotserve_gemm_q8, lib.slotserve_gemm_q4):
-            fn.restype = None
+            fn.restype = c_int
         lib.slotserve_dequantize.argtypes = [c_int, ptr, ptr, ptr, i64, i64, ptr, c_int]
         lib.slotserve_dequantize.restype = None
         lib.slotserve_quantize_q8.argtypes = [ptr, i64, i64, ptr, ptr, c_int]
@@ -136,7 +139,9 @@ class NativeKernels:
             ptr,
             c_int,
         ]
-        lib.slotserve_decode_attention.restype = None
+        lib.slotserve_decode_attention.restype = c_int
+        lib.slotserve_llama_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, c_int]
+        lib.slotserve_llama_step.restype = c_int
         lib.slotserve_kernel_set_isa.argtypes = [c_int]
         self._lib = lib
 
@@ -151,22 +156,26 @@ class NativeKernels:
 
     def gemm_f32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         m, k, out = self._begin(x, weight.shape[0])
-        self._lib.slotserve_gemm_f32(
-            x.data_ptr(), m, k, weight.data_ptr(), weight.shape[0], out.data_ptr(), _threads()
+        _check(
+            self._lib.slotserve_gemm_f32(
+                x.data_ptr(), m, k, weight.data_ptr(), weight.shape[0], out.data_ptr(), _threads()
+            )
         )
         return out
 
     def gemm_q8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         m, k, out = self._begin(x, q.shape[0])
-        self._lib.slotserve_gemm_q8(
-            x.data_ptr(),
-            m,
-            k,
-            q.data_ptr(),
-            scale.data_ptr(),
-            q.shape[0],
-            out.data_ptr(),
-            _threads(),
+        _check(
+            self._lib.slotserve_gemm_q8(
+                x.data_ptr(),
+                m,
+                k,
+                q.data_ptr(),
+                scale.data_ptr(),
+                q.shape[0],
+                out.data_ptr(),
+                _threads(),
+            )
         )
         return out
 
@@ -174,16 +183,18 @@ class NativeKernels:
         self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
     ) -> torch.Tensor:
         m, k, out = self._begin(x, q.shape[0])
-        self._lib.slotserve_gemm_q4(
-            x.data_ptr(),
-            m,
-            k,
-            q.data_ptr(),
-            scale.data_ptr(),
-            minimum.data_ptr(),
-            q.shape[0],
-            out.data_ptr(),
-            _threads(),
+        _check(
+            self._lib.slotserve_gemm_q4(
+                x.data_ptr(),
+                m,
+                k,
+                q.data_ptr(),
+                scale.data_ptr(),
+                minimum.data_ptr(),
+                q.shape[0],
+                out.data_ptr(),
+                _threads(),
+            )
         )
         return out
 
@@ -262,21 +273,48 @@ class NativeKernels:
         ):
             raise ValueError("decode_attention: tensors of the wrong shape, layout or dtype")
         out = torch.empty_like(q)
-        self._lib.slotserve_decode_attention(
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            rows,
-            kv_heads,
-            group,
-            d,
-            max_len,
-            lens.data_ptr(),
-            scale,
-            out.data_ptr(),
-            _threads(),
+        _check(
+            self._lib.slotserve_decode_attention(
+                q.data_ptr(),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                rows,
+                kv_heads,
+                group,
+                d,
+                max_len,
+                lens.data_ptr(),
+                scale,
+                out.data_ptr(),
+                _threads(),
+            )
         )
         return out
+
+    def llama_step(
+        self,
+        model: ctypes.Structure,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """One decode step of every layer of ``model`` (a ``StepModel`` from
+        :mod:`slotserve.engine.core.native_decode`, which checks the shapes) on ``hidden``
+        [rows, hidden] in place: embeddings in, final-normed hidden states out."""
+        _check(
+            self._lib.slotserve_llama_step(
+                ctypes.byref(model),
+                hidden.shape[0],
+                hidden.data_ptr(),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                slots.data_ptr(),
+                positions.data_ptr(),
+                _threads(),
+            )
+        )
 
     @staticmethod
     def _begin(x: torch.Tensor, n: int) -> tuple[int, int, torch.Tensor]:
@@ -293,6 +331,11 @@ def _weight(weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     if k % GROUP_SIZE:
         raise ValueError(f"quantized weights need K a multiple of {GROUP_SIZE}, got {k}")
     return w, n, k
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise MemoryError("the native kernels could not allocate their buffers")
 
 
 def _threads() -> int:

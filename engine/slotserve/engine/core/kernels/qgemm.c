@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "qgemm.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #define HAVE_AVX2_CODE 1
 #include <immintrin.h>
@@ -35,7 +37,7 @@
 #define PANEL 4
 #define GROUP 32
 
-int slotserve_kernel_abi(void) { return 4; }
+int slotserve_kernel_abi(void) { return 5; }
 
 static int use_avx2 = -1;
 
@@ -373,23 +375,15 @@ void slotserve_quantize_q4(const float *w, int64_t n, int64_t k, uint8_t *q, flo
 
 /* ---- drivers ------------------------------------------------------------------------------ */
 
-enum kind { F32, Q8, Q4 };
-
-struct weights {
-    enum kind kind;
-    const void *data;    /* float[N,K], int8[N,K] or uint8[N,K/2] */
-    const float *scale;  /* Q8: [N]; Q4: [N, K/32] */
-    const float *minimum;/* Q4: [N, K/32] */
-};
-
 #if HAVE_AVX2_CODE
 /* One row against quantized weights (k a multiple of 32), channels in dynamic chunks. */
-static void gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n, float *y,
-                           int threads) {
+static int gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n, float *y,
+                          int threads) {
     const int64_t groups = k / GROUP;
     float *xsum = NULL;
     if (w.kind == Q4) {
         xsum = malloc(sizeof(float) * (size_t)groups);
+        if (xsum == NULL) return -1;
         for (int64_t g = 0; g < groups; g++) {
             float total = 0.0f;
             for (int j = 0; j < GROUP; j++) total += x[g * GROUP + j];
@@ -405,23 +399,27 @@ static void gemv_quantized(const float *x, int64_t k, struct weights w, int64_t 
                                w.scale + c * groups, w.minimum + c * groups, k);
     }
     free(xsum);
+    return 0;
 }
 #endif
 
-static void gemm(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
-                 int threads) {
+int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights w, int64_t n,
+                           float *y, int threads) {
     const int avx2 = slotserve_kernel_isa() && k % 8 == 0;
     const int64_t panels = (n + PANEL - 1) / PANEL;
 #if HAVE_AVX2_CODE
-    if (avx2 && m == 1 && w.kind != F32) {
-        gemv_quantized(x, k, w, n, y, threads);
-        return;
-    }
+    if (avx2 && m == 1 && w.kind != F32) return gemv_quantized(x, k, w, n, y, threads);
 #endif
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         float *buffer = NULL;
+        /* aligned_alloc wants a multiple of the alignment: PANEL * k floats with k % 32 == 0. */
         if (w.kind != F32) buffer = aligned_alloc(64, sizeof(float) * PANEL * (size_t)k);
+        if (w.kind != F32 && buffer == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
         /* Dynamic chunks: a thread the OS has descheduled (another process on the core) leaves
          * its share to the others instead of holding the whole call at the barrier. */
 #pragma omp for schedule(dynamic, 8)
@@ -429,6 +427,7 @@ static void gemm(const float *x, int64_t m, int64_t k, struct weights w, int64_t
             const int64_t n0 = p * PANEL;
             const int64_t rows = n - n0 < PANEL ? n - n0 : PANEL;
             const float *panel;
+            if (w.kind != F32 && buffer == NULL) continue;
             if (w.kind == F32) {
                 panel = (const float *)w.data + n0 * k;
             } else if (w.kind == Q8) {
@@ -453,18 +452,19 @@ static void gemm(const float *x, int64_t m, int64_t k, struct weights w, int64_t
         }
         free(buffer);
     }
+    return failed ? -1 : 0;
 }
 
-void slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
-                        float *y, int threads) {
+int slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
+                       float *y, int threads) {
     struct weights weights = {F32, w, NULL, NULL};
-    gemm(x, m, k, weights, n, y, threads);
+    return slotserve_gemm_weights(x, m, k, weights, n, y, threads);
 }
 
-void slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w,
-                       const float *scale, int64_t n, float *y, int threads) {
+int slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w,
+                      const float *scale, int64_t n, float *y, int threads) {
     struct weights weights = {Q8, w, scale, NULL};
-    gemm(x, m, k, weights, n, y, threads);
+    return slotserve_gemm_weights(x, m, k, weights, n, y, threads);
 }
 
 /* Whole weights back to fp32 (out: [N,K]), for products with many rows (prefill), where a
@@ -495,11 +495,11 @@ void slotserve_dequantize(int kind, const void *data, const float *scale, const 
 }
 
 /* k must be a multiple of 32 (both quantized formats). */
-void slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w,
-                       const float *scale, const float *minimum, int64_t n, float *y,
-                       int threads) {
+int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w,
+                      const float *scale, const float *minimum, int64_t n, float *y,
+                      int threads) {
     struct weights weights = {Q4, w, scale, minimum};
-    gemm(x, m, k, weights, n, y, threads);
+    return slotserve_gemm_weights(x, m, k, weights, n, y, threads);
 }
 
 /* ---- decode attention over the slot cache ------------------------------------------------- */
@@ -544,10 +544,14 @@ static float dot_avx2(const float *a, const float *b, int64_t d) { return dot_c(
 static void axpy_avx2(float alpha, const float *x, float *y, int64_t d) { axpy_c(alpha, x, y, d); }
 #endif
 
-void slotserve_decode_attention(const float *q, const float *k, const float *v, int64_t rows,
-                                int64_t kv_heads, int64_t group, int64_t d, int64_t max_len,
-                                const int64_t *lens, float scale, float *out, int threads) {
+int slotserve_attend(const float *q, const float *k, const float *v, int64_t rows,
+                     const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
+                     int64_t max_len, const int64_t *lens, float scale, float *out, int threads) {
     const int avx2 = slotserve_kernel_isa();
+    int64_t longest = 1;
+    for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
+    longest = longest < max_len ? longest : max_len;
+    int failed = 0;
     int64_t work = 0;
     for (int64_t r = 0; r < rows; r++) work += lens[r];
     work *= kv_heads * group * d;
@@ -556,10 +560,16 @@ void slotserve_decode_attention(const float *q, const float *k, const float *v, 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
     for (int64_t task = 0; task < rows * kv_heads; task++) {
         const int64_t r = task / kv_heads, h = task % kv_heads;
+        const int64_t slot = slots == NULL ? r : slots[r];
         const int64_t len = lens[r] < max_len ? lens[r] : max_len;
-        const float *keys = k + (r * kv_heads + h) * max_len * d;
-        const float *values = v + (r * kv_heads + h) * max_len * d;
-        float *scores = malloc(sizeof(float) * (size_t)(len > 0 ? len : 1));
+        const float *keys = k + (slot * kv_heads + h) * max_len * d;
+        const float *values = v + (slot * kv_heads + h) * max_len * d;
+        float *scores = malloc(sizeof(float) * (size_t)longest);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
         for (int64_t g = 0; g < group; g++) {
             const float *query = q + ((r * kv_heads + h) * group + g) * d;
             float *dst = out + ((r * kv_heads + h) * group + g) * d;
@@ -582,4 +592,12 @@ void slotserve_decode_attention(const float *q, const float *k, const float *v, 
         }
         free(scores);
     }
+    return failed ? -1 : 0;
+}
+
+int slotserve_decode_attention(const float *q, const float *k, const float *v, int64_t rows,
+                               int64_t kv_heads, int64_t group, int64_t d, int64_t max_len,
+                               const int64_t *lens, float scale, float *out, int threads) {
+    return slotserve_attend(q, k, v, rows, NULL, kv_heads, group, d, max_len, lens, scale, out,
+                            threads);
 }
