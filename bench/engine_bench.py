@@ -42,6 +42,10 @@ class Bench:
     hf_model: object
     prompt_ids: list[int]
     device: torch.device
+    # Slots of every runner built on ``model``: the first runner replaces the model's linear
+    # layers once, calibrated for this many rows, and later runners (other batch sizes) keep
+    # them; a real engine sizes them for its max_batch_size. 0: each batch's own size.
+    slots: int = 0
 
 
 def make_engine(bench: Bench, **settings) -> LLMEngine:
@@ -53,7 +57,7 @@ def make_engine(bench: Bench, **settings) -> LLMEngine:
     engine_settings = EngineSettings(model="bench", **settings)
     runner = ModelRunner(
         bench.model,
-        num_slots=engine_settings.max_batch_size,
+        num_slots=max(bench.slots, engine_settings.max_batch_size),
         max_model_len=engine_settings.max_model_len,
     )
     return LLMEngine(
@@ -357,7 +361,7 @@ def main() -> None:
     chat = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
-    bench = Bench(model, tokenizer, hf_model, prompt_ids, device)
+    bench = Bench(model, tokenizer, hf_model, prompt_ids, device, slots=max(args.decode_batches))
     sections = set(args.only or ["seed", "poisson", "decode"])
     report: dict = {
         "model": args.model,

@@ -292,7 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"1. load, quantize, quality on {len(token_ids)} tokens (windows {window}, step {STEP})")
     models, runs = load_modes(source, args.quantization, reference, token_ids, window)
     device = torch.device("cpu")
-    benches = {m: Bench(model, tokenizer, reference, [], device) for m, model in models.items()}
+    benches = {
+        m: Bench(model, tokenizer, reference, [], device, slots=max(batches))
+        for m, model in models.items()
+    }
     hf = Bench(reference, tokenizer, reference, [], device)
     print(f"2. decode: 128-token prompts, {new_tokens} new tokens, best of {repeats}")
     rows = decode_rows(benches, hf, batches, new_tokens, repeats)
