@@ -91,6 +91,29 @@ def test_products_equal_dequantized_matmuls(kernels, isa, n, k, m):
     torch.testing.assert_close(kernels.dequantize_q4(q4, s4, m4), dequantize_q4(q4, s4, m4))
 
 
+@pytest.mark.parametrize("distance", [0, 256, 4096])
+@pytest.mark.parametrize("m", [1, 4])
+def test_prefetching_changes_no_result(kernels, distance, m):
+    """Every prefetch distance (0: none) gives the same bits, up to the last panel and channel
+    (1,030 channels: a partial last panel)."""
+    generator = torch.Generator().manual_seed(m)
+    weight = torch.randn(1030, 192, generator=generator)
+    x = torch.randn(m, 192, generator=generator)
+    q8, q4 = kernels.quantize_q8(weight), kernels.quantize_q4(weight)
+
+    def products() -> list[torch.Tensor]:
+        return [kernels.gemm_f32(x, weight), kernels.gemm_q8(x, *q8), kernels.gemm_q4(x, *q4)]
+
+    kernels.set_prefetch(None)
+    default = products()
+    kernels.set_prefetch(distance)
+    try:
+        for got, want in zip(products(), default, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        kernels.set_prefetch(None)
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_quantizers_equal_the_torch_reference_and_bound_the_error(kernels, isa, n, k):
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.05

@@ -143,6 +143,8 @@ class NativeKernels:
         lib.slotserve_llama_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, c_int]
         lib.slotserve_llama_step.restype = c_int
         lib.slotserve_kernel_set_isa.argtypes = [c_int]
+        lib.slotserve_kernel_set_prefetch.argtypes = [i64]
+        lib.slotserve_kernel_set_prefetch.restype = None
         self._lib = lib
 
     @property
@@ -153,6 +155,11 @@ class NativeKernels:
     def set_avx2(self, enabled: bool) -> bool:
         """Use the AVX2 code if ``enabled`` and the CPU has it (tests); returns what is used."""
         return bool(self._lib.slotserve_kernel_set_isa(int(enabled)))
+
+    def set_prefetch(self, distance: int | None) -> None:
+        """Prefetch weights ``distance`` bytes ahead of the products (0: off; None: the
+        default), for benchmarks and tests."""
+        self._lib.slotserve_kernel_set_prefetch(-1 if distance is None else distance)
 
     def gemm_f32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         m, k, out = self._begin(x, weight.shape[0])
