@@ -175,7 +175,9 @@ def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
         build(tmp_path / "home")
 
 
-@pytest.mark.parametrize("rows,lens", [(1, [7]), (3, [5, 0, 40]), (4, [64, 1, 33, 2])])
+@pytest.mark.parametrize(
+    "rows,lens", [(1, [7]), (3, [5, 0, 40]), (4, [64, 1, 33, 2]), (2, [50, 3])]
+)
 def test_decode_attention_equals_masked_softmax_attention(kernels, isa, rows, lens):
     generator = torch.Generator().manual_seed(rows)
     slots, kv_heads, group, max_len, d = 5, 2, 3, 64, 16

@@ -31,7 +31,7 @@ from slotserve.engine.core.errors import UnsupportedSettingError
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "qgemm.c", HERE / "llama_step.c")
+SOURCES = (HERE / "qgemm.c", HERE / "attention.c", HERE / "llama_step.c")
 HEADERS = (HERE / "qgemm.h",)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 ABI = 5
