@@ -68,7 +68,16 @@ def installed_version(venv_dir: Path) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def setup(venv_dir: Path, jobs: int) -> int:
+# --avx2-only: llama.cpp's kernels limited to the CI kind of machine's instruction set (AVX2,
+# FMA, F16C; no AVX-512, VNNI or AMX) on a machine that has more, as ours are everywhere.
+AVX2_ONLY_CMAKE = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+    "-DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF "
+    "-DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+)
+
+
+def setup(venv_dir: Path, jobs: int, avx2_only: bool = False) -> int:
     """Create the venv and build llama-cpp-python there; a no-op when already built."""
     if installed_version(venv_dir) == LLAMA_CPP_PYTHON:
         console.print(f"[green]✓[/] llama-cpp-python {LLAMA_CPP_PYTHON} already in {venv_dir}")
@@ -81,6 +90,8 @@ def setup(venv_dir: Path, jobs: int) -> int:
     cmd = [str(venv_dir / "bin" / "python"), "-m", "pip", "install", "-v", "--no-binary"]
     cmd += ["llama-cpp-python", "--no-cache-dir", REQUIREMENT]
     env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
+    if avx2_only:
+        env["CMAKE_ARGS"] = f"{env.get('CMAKE_ARGS', '')} {AVX2_ONLY_CMAKE}".strip()
     started = time.monotonic()
     console.print(
         f"building {escape(REQUIREMENT)} from its sdist with {jobs} jobs (~10 min); log: {log_path}"
@@ -282,6 +293,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--jobs", type=int, default=2, help="compile jobs for --setup")
     parser.add_argument(
+        "--avx2-only",
+        action="store_true",
+        help="--setup: build for AVX2/FMA only (the CI kind's instructions; use its own --venv)",
+    )
+    parser.add_argument(
         "--gguf", type=Path, default=None, help="default: smollm2's GGUF (fetched once)"
     )
     parser.add_argument("--threads", type=int, default=2)
@@ -320,7 +336,7 @@ def read_cpuinfo() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.setup:
-        return setup(args.venv, args.jobs)
+        return setup(args.venv, args.jobs, args.avx2_only)
     python = args.venv / "bin" / "python"
     version = installed_version(args.venv)
     if version is None:
