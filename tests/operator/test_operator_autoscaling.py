@@ -133,6 +133,7 @@ def test_builtin_scaler_wakes_from_zero_follows_the_backlog_and_returns_to_zero(
     down_s = time.monotonic() - stopped
     print(f"0->1 {woke_s:.2f} s after the first request; 1->3 {up_s:.2f} s; 3->0 {down_s:.2f} s")
     assert down_s >= window_s - 0.5  # never before the scale-down window
+
     def scaled() -> list[str]:
         return [e["message"] for e in kube.events() if e["reason"] == "Scaled"]
 
