@@ -97,14 +97,8 @@ def test_hidden_states_equal_the_transformers_path(sharp_dir, isa, quantization)
     assert len(live) == 4 and all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in live)
     chunks = [ScheduledChunk(seq, seq.num_computed_tokens, 1, True) for seq in live]
     native, sample_index = runner._native_decode(chunks)
-    step, input_ids, positions, torch_index = runner._prepare(chunks)
     with torch.inference_mode():
-        hidden = runner.decoder(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            use_cache=False,
-            slot_step=step,
-        ).last_hidden_state[0]
+        hidden, torch_index = runner._transformers_forward(chunks)
     assert sample_index == torch_index == [0, 1, 2, 3]
     torch.testing.assert_close(native, hidden, rtol=1e-4, atol=1e-4)
 

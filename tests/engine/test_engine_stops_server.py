@@ -13,7 +13,9 @@ from engine_server_support import EngineProcess
 
 from slotserve.engine.core.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
-NEIGHBOUR_TOKENS = 300
+# The neighbour must outlast the measured stream whatever the engine's speed: it starts first and
+# both advance one token a step, so it only has to be longer (the prompt is ~64 tokens of 1024).
+NEIGHBOUR_TOKENS = 700
 STREAM_TOKENS = 150
 
 
@@ -76,7 +78,10 @@ def tokens_per_second(url: str, neighbour: dict) -> float:
 
     thread = threading.Thread(target=run_neighbour, daemon=True)
     thread.start()
-    time.sleep(0.3)  # the neighbour is decoding
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/load", timeout=10).json()["running"] < 1:  # the neighbour decodes
+        assert time.monotonic() < deadline and not done.is_set(), "the neighbour did not run"
+        time.sleep(0.01)
     stream = body("b", STREAM_TOKENS, stream=True, stream_options={"include_usage": True})
     with (
         httpx.Client(timeout=120) as client,

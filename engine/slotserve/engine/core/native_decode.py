@@ -170,7 +170,9 @@ class NativeDecodeStep:
     ) -> torch.Tensor:
         """The final-normed hidden states [rows, hidden] of one token per row, each at its
         position in its slot's cache row (distinct slots, positions below max_len)."""
-        if max(slots) >= self.num_slots or max(positions) >= self.struct.max_len:
+        if not (0 <= min(slots) <= max(slots) < self.num_slots) or not (
+            0 <= min(positions) <= max(positions) < self.struct.max_len
+        ):
             raise ValueError("a slot or position outside the cache")
         if len(set(slots)) != len(slots):
             raise ValueError("two rows of one step in the same slot")

@@ -196,13 +196,7 @@ class ModelRunner:
         if self._natively(chunks):
             hidden, sample_index = self._native_decode(chunks)
         else:
-            step, input_ids, positions, sample_index = self._prepare(chunks)
-            hidden = self.decoder(
-                input_ids=input_ids.unsqueeze(0),
-                position_ids=positions.unsqueeze(0),
-                use_cache=False,
-                slot_step=step,
-            ).last_hidden_state[0]
+            hidden, sample_index = self._transformers_forward(chunks)
         if not sample_index:
             return []
         index = torch.tensor(sample_index, device=self.device)
@@ -223,6 +217,16 @@ class ModelRunner:
             and len(chunks) <= self.native_step.max_rows
             and all(chunk.num_tokens == 1 for chunk in chunks)
         )
+
+    def _transformers_forward(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
+        step, input_ids, positions, sample_index = self._prepare(chunks)
+        hidden = self.decoder(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            slot_step=step,
+        ).last_hidden_state[0]
+        return hidden, sample_index
 
     def _native_decode(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         assert self.native_step is not None

@@ -136,17 +136,10 @@ static void unpack_q4_c(const uint8_t *q, const float *scale, const float *minim
 
 #if HAVE_AVX2_CODE
 
-__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* A full panel (PANEL rows of w) against every row of x; k is a multiple of 8. `next` (or NULL)
- * is the panel this thread multiplies next: its lines are prefetched while this one computes, so
+ * is a panel further on (see ahead_bytes): its lines are prefetched while this one computes, so
  * that with several rows, where the products take as long as the weights take to arrive, the
- * two overlap (4 rows: 21 -> 15 ms for a SmolLM2 step's fp32 products, 1 row: 13.3). */
+ * two overlap. */
 __attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, int64_t m,
                                                                int64_t k, const float *w,
                                                                float *y, int64_t n,

@@ -24,4 +24,16 @@ int slotserve_attend(const float *q, const float *k, const float *v, int64_t row
                      int64_t max_len, const int64_t *lens, float scale, float *out, int threads);
 
 int slotserve_kernel_isa(void);
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+/* The sum of a vector's 8 lanes. */
+__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
 #endif
