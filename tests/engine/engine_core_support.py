@@ -26,7 +26,12 @@ ARCHITECTURES = {
 
 
 def build_sharp_tiny_model(
-    dest: Path, tokenizer_dir: Path, *, seed: int = 0, arch: str = "llama"
+    dest: Path,
+    tokenizer_dir: Path,
+    *,
+    seed: int = 0,
+    arch: str = "llama",
+    config: dict[str, object] | None = None,
 ) -> Path:
     """A 2-layer Llama (hidden 64, 4 heads, 2 kv heads) with weights scaled for sharp choices.
 
@@ -42,7 +47,8 @@ def build_sharp_tiny_model(
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config_name, extra = ARCHITECTURES[arch]
-    config = getattr(transformers, config_name)(
+    extra = {**extra, **(config or {})}
+    model_config = getattr(transformers, config_name)(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -57,7 +63,7 @@ def build_sharp_tiny_model(
         **extra,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(model_config)
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):

@@ -14,6 +14,7 @@ from test_engine_core_equivalence import hf_greedy, make_prompts
 from transformers import AutoModelForCausalLM
 
 from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.kernels import load_kernels
 from slotserve.engine.core.native_decode import NativeDecodeStep
 from slotserve.engine.core.params import SamplingParams
@@ -122,12 +123,39 @@ def test_smollm2_native_steps_give_the_tokens_of_the_transformers_path(smollm2_d
     assert native == plain
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_mistral_and_qwen2_steps_run_natively_with_generates_tokens(tmp_path, smollm2_dir, arch):
+    """Their layers compute what Llama's do (Qwen2 with a q/k/v bias)."""
+    model_dir = build_sharp_tiny_model(tmp_path / arch, smollm2_dir, arch=arch)
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id = None
+    engine = make_engine(model_dir, max_batch_size=3, linear_backend="native")
+    counter = counting(engine)
+    prompts = make_prompts(5, seed=2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    seqs = run_staggered(engine, prompts, params, every=3, per=2)
+    assert max(counter.rows) > 1
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.generated_token_ids == hf_greedy(reference, prompt, 12), seq.request_id
+
+
+def test_a_context_past_the_sliding_window_is_refused_at_load(tmp_path, smollm2_dir):
+    """The slot attention reads the whole row: past the window it would answer differently."""
+    model_dir = build_sharp_tiny_model(
+        tmp_path / "window", smollm2_dir, arch="mistral", config={"sliding_window": 32}
+    )
+    with pytest.raises(UnsupportedSettingError, match=r"sliding attention window \(32\)"):
+        make_engine(model_dir, max_batch_size=1, max_model_len=64)
+    engine = make_engine(model_dir, max_batch_size=1, max_model_len=32, linear_backend="native")
+    assert engine.runner.native_step is not None
+
+
 @pytest.mark.parametrize(
-    ("arch", "backend"), [("mistral", "native"), ("qwen3", "native"), ("llama", "aten")]
+    ("arch", "backend"), [("qwen3", "native"), ("gemma", "native"), ("llama", "aten")]
 )
 def test_no_native_step_where_the_model_or_layers_differ(tmp_path, smollm2_dir, arch, backend):
-    """Other architectures (Qwen3's q/k norms, Mistral's own classes) and stock layers run
-    through transformers, with the same answers as generate()."""
+    """Other architectures (Qwen3's q/k norms, Gemma's GELU and scaled norms) and stock layers
+    run through transformers, with the same answers as generate()."""
     model_dir = build_sharp_tiny_model(tmp_path / arch, smollm2_dir, arch=arch)
     engine = make_engine(model_dir, max_batch_size=2, linear_backend=backend)
     assert engine.runner.native_step is None

@@ -8,8 +8,9 @@ runs every layer in C on the weights the linear setup already prepared (fp32, in
 the final-normed hidden states; the runner's output layer and sampler take it from there.
 
 Only models whose layers are exactly what the C code computes get it (:func:`native_step`):
-``LlamaForCausalLM`` with SiLU, RMSNorm, fused q/k/v and gate/up on native layers. Anything
-else, and every step with a prefill chunk, runs through transformers as before.
+Llama, Mistral and Qwen2 decoder layers with SiLU, RMSNorm, fused q/k/v and gate/up on native
+layers. Anything else (Qwen3's q/k norms, Gemma's scaled norms, ...), and every step with a
+prefill chunk, runs through transformers as before.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ logger = logging.getLogger(__name__)
 
 PRODUCTS = 4  # q/k/v, o, gate/up, down: the order of struct step_layer's arrays
 KINDS = {"float32": 0, "int8": 1, "int4": 2}  # enum kind in qgemm.h
-LAYER_CLASSES = frozenset({"LlamaDecoderLayer"})
-NORM_CLASSES = frozenset({"LlamaRMSNorm"})
+# Decoder layers and norms whose forward is exactly Llama's (transformers 5.x; Qwen2 adds a
+# q/k/v bias, which the native layers carry; sliding windows are refused by the runner).
+LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
+NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 
 _Pointers = ctypes.c_void_p * PRODUCTS
 

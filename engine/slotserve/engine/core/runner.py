@@ -19,6 +19,7 @@ import torch
 from slotserve.contracts.engine_argv import Quantization
 from slotserve.engine.core.attention import PrefillChunkInput, SlotStep, register_slot_attention
 from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
+from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.linear_setup import native_kernels, set_up_linears
 from slotserve.engine.core.logprobs import SampledLogprobs
 from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
@@ -77,6 +78,18 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
+def sliding_window(config: Any) -> int | None:
+    """The window of the model's sliding-window attention layers, or None when every layer
+    attends to the whole context (the window unset, switched off, or no layer of that type)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and all(kind == "full_attention" for kind in layer_types):
+        return None
+    return int(window)
+
+
 def load_model(source: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
     """Load model and tokenizer from a local folder or hub id (already resolved)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -120,6 +133,14 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.shape = ModelShape.from_config(model.config)
+        window = sliding_window(model.config)
+        if window is not None and max_model_len > window:
+            # The slot attention attends to the whole row: past the window it would answer
+            # differently from the model.
+            raise UnsupportedSettingError(
+                f"max_model_len {max_model_len} exceeds the model's sliding attention window "
+                f"({window}); set max_model_len to {window} or less"
+            )
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         model.set_attn_implementation(register_slot_attention())
