@@ -1,4 +1,4 @@
-"""Decode steps of Llama models in one native call (``kernels/llama_step.c``).
+"""Decode steps of Llama-style models in one native call (``kernels/llama_step.c``).
 
 A step whose chunks are all single tokens (the steady state of continuous batching) spends most
 of its time outside the products when it runs through the transformers modules: at batch 1 on
@@ -109,7 +109,8 @@ class NativeDecodeStep:
         self.kernels = kernels
         self.embed: nn.Module = decoder.embed_tokens
         self.rotary: nn.Module = decoder.rotary_emb
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         norms: list[Any] = [decoder.norm]  # transformers' RMSNorm classes, not typed here
         layers = (StepLayer * len(decoder.layers))()
