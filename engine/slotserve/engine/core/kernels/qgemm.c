@@ -61,14 +61,13 @@ int slotserve_kernel_set_isa(int avx2) {
     return 0;
 }
 
-/* How far ahead of the weights being multiplied their successors are prefetched, in bytes. The
- * hardware prefetchers alone kept a SmolLM2 step's int4 products at ~14 GB/s (three interleaved
- * streams: nibbles, scales, minimums) where fp32 streamed at ~39: measured on 2 cores, int4 at
- * one row took 5.9 ms with none, 4.8 with the next 4 channels' bytes (~1.7 KB ahead), 3.9 at
- * ~14 KB; int8 6.4 -> 3.9 ms. Far enough to cover the memory's latency at full bandwidth. */
-static int64_t ahead_bytes = 16384;
+/* How far ahead of the weights being multiplied their successors are prefetched, in bytes.
+ * Measured on a SmolLM2 step's products, 2 threads: fp32 at 4 rows 15.2 ms with none, 8.1 at
+ * 4-8 KB, 8.6 at 16 KB (1 row: 8.1 -> 7.0); int4 and int8 gained 10-25% in one process and
+ * nothing measurable in another. Far enough to cover the memory's latency at full bandwidth. */
+static int64_t ahead_bytes = 8192;
 
-void slotserve_kernel_set_prefetch(int64_t bytes) { ahead_bytes = bytes < 0 ? 16384 : bytes; }
+void slotserve_kernel_set_prefetch(int64_t bytes) { ahead_bytes = bytes < 0 ? 8192 : bytes; }
 
 /* Bytes of one output channel's weights (and scales, minimums). */
 static inline int64_t channel_bytes(enum kind kind, int64_t k) {
