@@ -250,3 +250,27 @@ def test_the_native_row_count_is_measured_once_and_followed(tmp_path, monkeypatc
         else:  # native never won: the oneDNN-or-aten choice follows
             assert not isinstance(o_proj, NativeLinear)
             assert r.calibrations[1].name == "linear_backend"
+
+
+@pytest.mark.parametrize(("native_decode", "margin"), [(True, 1.10), (False, 0.95)])
+def test_native_rows_allow_slower_products_where_the_whole_step_runs_natively(
+    tmp_path, monkeypatch, native_decode, margin
+):
+    """With the native decode step, native products up to 10% slower than aten's still win
+    (the step drops the work around them); without it, native must be 5% faster."""
+    asked: list[float] = []
+
+    def measure(kernels, linears, max_rows, given_margin):
+        asked.append(given_margin)
+        return Measurement("4")
+
+    monkeypatch.setattr(native_linear, "measure_native_rows", measure)
+    r = ModelRunner(
+        tiny_llama(),
+        num_slots=4,
+        max_model_len=64,
+        calibration=CalibrationCache(tmp_path, CPU_A),
+        native_decode=native_decode,
+    )
+    assert asked == [margin]
+    assert (r.native_step is not None) == native_decode

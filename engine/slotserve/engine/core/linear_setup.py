@@ -26,7 +26,12 @@ from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecor
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.kernels import KernelUnavailable, NativeKernels, load_kernels
 from slotserve.engine.core.linear import aten_logits, choose_linear_backend, pack_linears
-from slotserve.engine.core.native_linear import choose_native_rows, install_native_fp32
+from slotserve.engine.core.native_linear import (
+    NATIVE_MARGIN,
+    NATIVE_STEP_MARGIN,
+    choose_native_rows,
+    install_native_fp32,
+)
 from slotserve.engine.core.quantize import quantize_model
 from slotserve.engine.settings import LinearBackend
 from slotserve.settings import CommonSettings
@@ -60,8 +65,11 @@ def set_up_linears(
     quantization: Quantization,
     num_slots: int,
     calibration: CalibrationCache | None,
+    native_step: bool = False,
 ) -> LinearLayers:
-    """Replace ``model``'s linear layers as decided here (in place); see the module doc."""
+    """Replace ``model``'s linear layers as decided here (in place); see the module doc.
+    ``native_step``: decode steps will run as one native call where the layers are native, so
+    native products are taken up to :data:`NATIVE_STEP_MARGIN` of aten's time."""
     if quantization == "int8" or quantization == "int4":
         return _quantized(model, quantization, native or load_kernels(CommonSettings().home))
     if linear_backend == "native" and native is None:
@@ -74,8 +82,9 @@ def set_up_linears(
         if linear_backend == "native":
             native_rows = num_slots
         else:
+            margin = NATIVE_STEP_MARGIN if native_step else NATIVE_MARGIN
             native_rows, record = choose_native_rows(
-                model, native, max_rows=num_slots, cache=calibration
+                model, native, max_rows=num_slots, cache=calibration, margin=margin
             )
             calibrations += [record] if record is not None else []
         if native_rows > 0:

@@ -88,6 +88,18 @@ def _native(module: object, what: str) -> NativeLinear:
     return module
 
 
+def step_eligible(model: Any) -> bool:
+    """Whether ``model``'s layers are of the kinds the native step computes (before the linear
+    setup: whether its linears end up native is decided there)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    return (
+        getattr(model.config, "hidden_act", None) == "silu"
+        and layers is not None
+        and len(layers) > 0
+        and all(type(layer).__name__ in LAYER_CLASSES for layer in layers)
+    )
+
+
 class NativeDecodeStep:
     """Runs decode-only steps of one model through ``slotserve_llama_step``."""
 

@@ -24,7 +24,7 @@ from slotserve.engine.core.linear_setup import native_kernels, set_up_linears
 from slotserve.engine.core.logprobs import SampledLogprobs
 from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
 from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
-from slotserve.engine.core.native_decode import native_step
+from slotserve.engine.core.native_decode import native_step, step_eligible
 from slotserve.engine.core.prefix_cache import SlotCopy
 from slotserve.engine.core.protocols import Tokenizer
 from slotserve.engine.core.quantize import preflight
@@ -156,6 +156,7 @@ class ModelRunner:
             quantization=quantization,
             num_slots=num_slots,
             calibration=calibration,
+            native_step=native_decode and self.native is not None and step_eligible(model),
         )
         self.logits = layers.logits
         self.calibrations: list[CalibrationRecord] = layers.calibrations
