@@ -50,7 +50,9 @@ async def test_health_during_load_then_sigterm_drains_in_flight_stream(tiny_mode
         assert seen_loading, engine.logs()
         engine.wait_ready(timeout=60)
 
-        num_tokens = 1000
+        # Long enough to outlast the checks below at any speed: 1,000 tokens of the tiny model
+        # stream in ~0.8 s with native decode steps (the model allows 2,048 positions).
+        num_tokens = 2000
         async with aiohttp.ClientSession() as session:
             resp = await session.post(engine.url + "/v1/completions", json=stream_body(num_tokens))
             assert resp.status == 200
@@ -81,8 +83,9 @@ async def test_health_during_load_then_sigterm_drains_in_flight_stream(tiny_mode
 
 
 async def test_drain_timeout_aborts_what_is_still_running(tiny_model_dir, tmp_path):
+    # 0.2 s: with native decode steps the tiny model streams 2,000 tokens in about a second.
     engine = EngineProcess(
-        tiny_model_dir, tmp_path / "engine.log", "--drain-timeout-seconds", "1",
+        tiny_model_dir, tmp_path / "engine.log", "--drain-timeout-seconds", "0.2",
     )  # fmt: skip
     engine.start()
     try:
