@@ -88,16 +88,25 @@ def _native(module: object, what: str) -> NativeLinear:
     return module
 
 
+def _unsupported_kind(model: Any) -> str | None:
+    """Why ``model``'s layers are not of the kinds the native step computes, or None."""
+    act = getattr(model.config, "hidden_act", None)
+    if act != "silu":
+        return f"activation {act!r} is not silu"
+    decoder = model.get_decoder()
+    for name in ("embed_tokens", "rotary_emb", "norm", "layers"):
+        if not hasattr(decoder, name):
+            return f"the decoder has no {name}"
+    for index, layer in enumerate(decoder.layers):
+        if type(layer).__name__ not in LAYER_CLASSES:
+            return f"layer {index} is {type(layer).__name__}"
+    return None if len(decoder.layers) else "the decoder has no layers"
+
+
 def step_eligible(model: Any) -> bool:
     """Whether ``model``'s layers are of the kinds the native step computes (before the linear
     setup: whether its linears end up native is decided there)."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    return (
-        getattr(model.config, "hidden_act", None) == "silu"
-        and layers is not None
-        and len(layers) > 0
-        and all(type(layer).__name__ in LAYER_CLASSES for layer in layers)
-    )
+    return _unsupported_kind(model) is None
 
 
 class NativeDecodeStep:
@@ -113,11 +122,9 @@ class NativeDecodeStep:
         """Raises :class:`NotSupported` when the model's layers are not what the C code does."""
         config = model.config
         decoder = model.get_decoder()
-        if getattr(config, "hidden_act", None) != "silu":
-            raise NotSupported(f"activation {getattr(config, 'hidden_act', None)!r} is not silu")
-        for name in ("embed_tokens", "rotary_emb", "norm", "layers"):
-            if not hasattr(decoder, name):
-                raise NotSupported(f"the decoder has no {name}")
+        reason = _unsupported_kind(model)
+        if reason is not None:
+            raise NotSupported(reason)
         self.kernels = kernels
         self.embed: nn.Module = decoder.embed_tokens
         self.rotary: nn.Module = decoder.rotary_emb
@@ -129,8 +136,6 @@ class NativeDecodeStep:
         self.max_rows = 1 << 30
         scales = set()
         for index, layer in enumerate(decoder.layers):
-            if type(layer).__name__ not in LAYER_CLASSES:
-                raise NotSupported(f"layer {index} is {type(layer).__name__}")
             attention, mlp = layer.self_attn, layer.mlp
             if not isinstance(attention.q_proj, QKVPart) or not isinstance(mlp, FusedGatedMLP):
                 raise NotSupported("q/k/v or gate/up are not fused")
