@@ -144,3 +144,23 @@ def test_auto_backend_falls_back_when_onednn_fails(tiny_llama, monkeypatch, capl
     assert pack_linears(tiny_llama, "auto", max_rows=8) is None
     assert type(tiny_llama.model.layers[0].self_attn.o_proj) is nn.Linear
     assert "oneDNN linear failed in calibration" in caplog.text
+
+
+def test_a_second_setup_on_a_native_model_keeps_native_logits(tiny_llama):
+    # Benchmarks build one runner per batch size on one model: the later runners must compute
+    # logits as the first did, not fall back to aten because no plain linear is left to time.
+    from slotserve.engine.core.kernels import load_kernels
+    from slotserve.engine.core.linear_setup import set_up_linears
+    from slotserve.engine.core.native_linear import NativeLinear
+    from slotserve.settings import CommonSettings
+
+    kernels = load_kernels(CommonSettings().home)
+    setup = dict(quantization="none", num_slots=6, calibration=None)
+    first = set_up_linears(tiny_llama, kernels, linear_backend="native", **setup)
+    second = set_up_linears(tiny_llama, kernels, linear_backend="auto", **setup)
+    assert isinstance(first.logits, NativeLinear) and isinstance(second.logits, NativeLinear)
+    assert second.logits.max_native_rows == first.logits.max_native_rows == 6
+    assert second.calibrations == []
+    hidden = torch.randn(3, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(second.logits(hidden), hidden @ tiny_llama.lm_head.weight.T)

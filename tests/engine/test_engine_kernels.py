@@ -68,12 +68,13 @@ def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -
 
 
 # Panels are 4 output channels: 6 and 10 leave a partial last panel; K 96 is not a multiple of
-# 16 (the one-row loop's unrolled step); rows 1-5 cover both row loops and their leftovers.
+# 16 (the one-row loop's unrolled step). Rows: 4 and 8 take the four-row loop, 3 and 33 the
+# three-row one, 2 and 5 the two-row one (5 after three rows), 1 the one-row loop.
 SHAPES = [(64, 64), (6, 96), (10, 32), (132, 160)]
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 33])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 33])
 def test_products_equal_dequantized_matmuls(kernels, isa, n, k, m):
     generator = torch.Generator().manual_seed(n * 1000 + k + m)
     weight = torch.randn(n, k, generator=generator)

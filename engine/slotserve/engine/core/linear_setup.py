@@ -29,6 +29,7 @@ from slotserve.engine.core.linear import aten_logits, choose_linear_backend, pac
 from slotserve.engine.core.native_linear import (
     NATIVE_MARGIN,
     NATIVE_STEP_MARGIN,
+    NativeLinear,
     choose_native_rows,
     install_native_fp32,
 )
@@ -78,6 +79,12 @@ def set_up_linears(
             "compiler (gcc) to build them"
         )
     calibrations: list[CalibrationRecord] = []
+    installed = _installed_native_rows(model)
+    if native is not None and installed is not None:
+        # A runner built earlier on this model (benchmarks build one per batch size) made its
+        # decoder native: the logits follow that decision, as they did for that runner.
+        native_logits = install_native_fp32(model, native, installed)
+        return LinearLayers(native_logits or aten_logits(model.get_output_embeddings()))
     if native is not None and linear_backend in ("auto", "native"):
         if linear_backend == "native":
             native_rows = num_slots
@@ -103,6 +110,14 @@ def set_up_linears(
         model.get_output_embeddings()
     )
     return LinearLayers(logits, calibrations)
+
+
+def _installed_native_rows(model: Any) -> int | None:
+    """The row limit of the fp32 native layers already in ``model``'s decoder, if any."""
+    for module in model.get_decoder().modules():
+        if isinstance(module, NativeLinear) and module.format == "float32":
+            return module.max_native_rows
+    return None
 
 
 def _quantized(

@@ -41,14 +41,6 @@ static void head_c(const float *query, const float *keys, const float *values, i
 #include <immintrin.h>
 #define HAVE_AVX2_CODE 1
 
-/* The four horizontal sums of a, b, c, e as one vector. */
-__attribute__((target("avx2,fma"))) static inline __m128 hsum4(__m256 a, __m256 b, __m256 c,
-                                                               __m256 e) {
-    const __m256 ab = _mm256_hadd_ps(a, b), ce = _mm256_hadd_ps(c, e);
-    const __m256 abce = _mm256_hadd_ps(ab, ce);
-    return _mm_add_ps(_mm256_castps256_ps128(abce), _mm256_extractf128_ps(abce, 1));
-}
-
 /* Softmax of sc[0, len) in place. */
 __attribute__((target("avx2,fma"))) static void softmax_avx2(float *sc, int64_t len) {
     __m256 top8 = _mm256_set1_ps(-INFINITY);

@@ -8,9 +8,9 @@
  *
  * How: the output channels are cut into panels of PANEL rows; each thread takes whole panels
  * (OpenMP, the runtime torch already loaded). A quantized panel is dequantized once into a small
- * fp32 buffer that stays in L1/L2, then every input row is multiplied against it, two rows at a
- * time, each row of the panel with its own accumulator: the weights are read from memory once
- * per call whatever M is. Both quantized formats keep their scales per group of 32 weights along
+ * fp32 buffer that stays in L1/L2, then every input row is multiplied against it (four, three,
+ * two or one rows at a time, each (row, panel row) pair with its own accumulator): the weights
+ * are read from memory once per call whatever M is. Both quantized formats keep their scales per group of 32 weights along
  * the input. int8: one scale a group (w = scale * q, q in -127..127: llama.cpp's Q8_0). int4: a
  * scale and a minimum (w = scale * q + min, q in 0..15: Q4_1), byte j of a group holding weight
  * j in its low nibble and weight j + 16 in its high nibble, so one 16-byte load unpacks into
@@ -64,7 +64,14 @@ int slotserve_kernel_set_isa(int avx2) {
 /* How far ahead of the weights being multiplied their successors are prefetched, in bytes.
  * Measured on a SmolLM2 step's products, 2 threads: fp32 at 4 rows 15.2 ms with none, 8.1 at
  * 4-8 KB, 8.6 at 16 KB (1 row: 8.1 -> 7.0); int4 and int8 gained 10-25% in one process and
- * nothing measurable in another. Far enough to cover the memory's latency at full bandwidth. */
+ * nothing measurable in another. Far enough to cover the memory's latency at full bandwidth.
+ *
+ * The prefetches go to L2 (T1), not L1 (T0): on a 2-core EPYC, fp32 products of a whole
+ * SmolLM2 step at 4 / 8 / 32 rows took 16.8 / 22.6 / 58.0 ms against 24.5 / 34.4 / 69.7 with
+ * T0 (1 row: 17.8 vs 18.5), interleaved in one process; int8 and int4 did not move. With T0 a
+ * panel's worth of prefetches holds the few L1 miss buffers that the loads of the panel being
+ * multiplied also need, so the memory waits while the rows are multiplied; with T1 the stream
+ * keeps coming and a step with 4 rows costs what a step with 1 does. */
 static int64_t ahead_bytes = 8192;
 
 void slotserve_kernel_set_prefetch(int64_t bytes) { ahead_bytes = bytes < 0 ? 8192 : bytes; }
@@ -97,7 +104,7 @@ static inline int64_t channels_ahead(enum kind kind, int64_t k) {
 }
 
 static inline void prefetch_span(const void *start, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)start + at);
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)start + at, 0, 2);
 }
 
 /* ---- plain C ------------------------------------------------------------------------------ */
@@ -145,6 +152,78 @@ __attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, i
                                                                const float *next) {
     const float *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k;
     int64_t i = 0;
+    /* Four rows, two panel rows at a time (8 accumulators): every weight loaded from memory is
+     * used by all four rows in the same pass, so the multiplies are spread evenly over the
+     * stream. */
+    for (; m - i == 4 || m - i == 8; i += 4) {
+        const float *xs[4] = {x + i * k, x + (i + 1) * k, x + (i + 2) * k, x + (i + 3) * k};
+        __m256 pairs[4];
+        for (int half = 0; half < 2; half++) {
+            const float *wa = w + 2 * half * k, *wb = wa + k;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int64_t j = 0; j < k; j += 8) {
+                if (next != NULL && i == 0) {
+                    _mm_prefetch((const char *)(next + 4 * j + 32 * half), _MM_HINT_T1);
+                    _mm_prefetch((const char *)(next + 4 * j + 32 * half + 16), _MM_HINT_T1);
+                }
+                const __m256 va = _mm256_loadu_ps(wa + j), vb = _mm256_loadu_ps(wb + j);
+                __m256 v = _mm256_loadu_ps(xs[0] + j);
+                a0 = _mm256_fmadd_ps(v, va, a0), b0 = _mm256_fmadd_ps(v, vb, b0);
+                v = _mm256_loadu_ps(xs[1] + j);
+                a1 = _mm256_fmadd_ps(v, va, a1), b1 = _mm256_fmadd_ps(v, vb, b1);
+                v = _mm256_loadu_ps(xs[2] + j);
+                a2 = _mm256_fmadd_ps(v, va, a2), b2 = _mm256_fmadd_ps(v, vb, b2);
+                v = _mm256_loadu_ps(xs[3] + j);
+                a3 = _mm256_fmadd_ps(v, va, a3), b3 = _mm256_fmadd_ps(v, vb, b3);
+            }
+            if (half == 0) {
+                pairs[0] = _mm256_hadd_ps(a0, b0), pairs[1] = _mm256_hadd_ps(a1, b1);
+                pairs[2] = _mm256_hadd_ps(a2, b2), pairs[3] = _mm256_hadd_ps(a3, b3);
+            } else {
+                const __m256 q[4] = {_mm256_hadd_ps(a0, b0), _mm256_hadd_ps(a1, b1),
+                                     _mm256_hadd_ps(a2, b2), _mm256_hadd_ps(a3, b3)};
+                for (int r = 0; r < 4; r++) {
+                    const __m256 all = _mm256_hadd_ps(pairs[r], q[r]);
+                    _mm_storeu_ps(y + (i + r) * n,
+                                  _mm_add_ps(_mm256_castps256_ps128(all),
+                                             _mm256_extractf128_ps(all, 1)));
+                }
+            }
+        }
+    }
+    /* Three rows at a time: 12 accumulators (all 16 registers with the three x vectors and one
+     * weight vector), 7 loads per 12 multiply-adds, where two rows do 6 per 8. */
+    for (; i + 3 <= m; i += 3) {
+        const float *xa = x + i * k, *xb = xa + k, *xc = xb + k;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+        for (int64_t j = 0; j < k; j += 8) {
+            if (next != NULL && i == 0) {
+                _mm_prefetch((const char *)(next + 4 * j), _MM_HINT_T1);
+                _mm_prefetch((const char *)(next + 4 * j + 16), _MM_HINT_T1);
+            }
+            const __m256 va = _mm256_loadu_ps(xa + j), vb = _mm256_loadu_ps(xb + j);
+            const __m256 vc = _mm256_loadu_ps(xc + j);
+            __m256 v = _mm256_loadu_ps(w0 + j);
+            a0 = _mm256_fmadd_ps(va, v, a0), b0 = _mm256_fmadd_ps(vb, v, b0);
+            c0 = _mm256_fmadd_ps(vc, v, c0);
+            v = _mm256_loadu_ps(w1 + j);
+            a1 = _mm256_fmadd_ps(va, v, a1), b1 = _mm256_fmadd_ps(vb, v, b1);
+            c1 = _mm256_fmadd_ps(vc, v, c1);
+            v = _mm256_loadu_ps(w2 + j);
+            a2 = _mm256_fmadd_ps(va, v, a2), b2 = _mm256_fmadd_ps(vb, v, b2);
+            c2 = _mm256_fmadd_ps(vc, v, c2);
+            v = _mm256_loadu_ps(w3 + j);
+            a3 = _mm256_fmadd_ps(va, v, a3), b3 = _mm256_fmadd_ps(vb, v, b3);
+            c3 = _mm256_fmadd_ps(vc, v, c3);
+        }
+        /* A row's four sums are four adjacent outputs: one store. */
+        _mm_storeu_ps(y + i * n, hsum4(a0, a1, a2, a3));
+        _mm_storeu_ps(y + (i + 1) * n, hsum4(b0, b1, b2, b3));
+        _mm_storeu_ps(y + (i + 2) * n, hsum4(c0, c1, c2, c3));
+    }
     for (; i + 2 <= m; i += 2) {
         const float *xa = x + i * k, *xb = xa + k;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -152,8 +231,8 @@ __attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, i
         for (int64_t j = 0; j < k; j += 8) {
             /* PANEL * k floats ahead in k / 8 steps: 32 floats (two lines) a step. */
             if (next != NULL && i == 0) {
-                _mm_prefetch((const char *)(next + 4 * j), _MM_HINT_T0);
-                _mm_prefetch((const char *)(next + 4 * j + 16), _MM_HINT_T0);
+                _mm_prefetch((const char *)(next + 4 * j), _MM_HINT_T1);
+                _mm_prefetch((const char *)(next + 4 * j + 16), _MM_HINT_T1);
             }
             __m256 va = _mm256_loadu_ps(xa + j), vb = _mm256_loadu_ps(xb + j);
             __m256 v0 = _mm256_loadu_ps(w0 + j), v1 = _mm256_loadu_ps(w1 + j);
@@ -167,9 +246,8 @@ __attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, i
             b2 = _mm256_fmadd_ps(vb, v2, b2);
             b3 = _mm256_fmadd_ps(vb, v3, b3);
         }
-        float *ya = y + i * n, *yb = ya + n;
-        ya[0] = hsum(a0), ya[1] = hsum(a1), ya[2] = hsum(a2), ya[3] = hsum(a3);
-        yb[0] = hsum(b0), yb[1] = hsum(b1), yb[2] = hsum(b2), yb[3] = hsum(b3);
+        _mm_storeu_ps(y + i * n, hsum4(a0, a1, a2, a3));
+        _mm_storeu_ps(y + (i + 1) * n, hsum4(b0, b1, b2, b3));
     }
     if (i < m) {
         /* One row left (always, at batch 1): two accumulators per panel row keep the FMA
@@ -181,7 +259,7 @@ __attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, i
         for (; j + 16 <= k; j += 16) {
             if (next != NULL) {
                 for (int line = 0; line < 64; line += 16)
-                    _mm_prefetch((const char *)(next + 4 * j + line), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(next + 4 * j + line), _MM_HINT_T1);
             }
             __m256 va = _mm256_loadu_ps(xa + j), vc = _mm256_loadu_ps(xa + j + 8);
             a0 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w0 + j), a0);

@@ -36,6 +36,14 @@ __attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The four horizontal sums of a, b, c, e as one vector. */
+__attribute__((target("avx2,fma"))) static inline __m128 hsum4(__m256 a, __m256 b, __m256 c,
+                                                               __m256 e) {
+    const __m256 ab = _mm256_hadd_ps(a, b), ce = _mm256_hadd_ps(c, e);
+    const __m256 abce = _mm256_hadd_ps(ab, ce);
+    return _mm_add_ps(_mm256_castps256_ps128(abce), _mm256_extractf128_ps(abce, 1));
+}
+
 /* e^x for x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2],
  * p of degree 6 (relative error ~2e-7); below -87 the result is 0, as expf's underflow. */
 __attribute__((target("avx2,fma"))) static inline __m256 exp_nonpositive(__m256 x) {
