@@ -72,7 +72,28 @@ __attribute__((target("avx2,fma"))) static void head_avx2(const float *query, co
     int64_t t = 0;
     for (; t + 4 <= len; t += 4) {
         const float *k0 = keys + t * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
-        for (int64_t g = 0; g < group; g++) {
+        int64_t g = 0;
+        /* Two query heads at a time: each key vector loaded once serves both (8 accumulators,
+         * 6 loads per 8 multiply-adds; one head alone does 5 per 4). */
+        for (; g + 2 <= group; g += 2) {
+            const float *qa = query + g * d, *qb = qa + d;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int64_t j = 0; j < d; j += 8) {
+                const __m256 va = _mm256_loadu_ps(qa + j), vb = _mm256_loadu_ps(qb + j);
+                __m256 kv = _mm256_loadu_ps(k0 + j);
+                a0 = _mm256_fmadd_ps(va, kv, a0), b0 = _mm256_fmadd_ps(vb, kv, b0);
+                kv = _mm256_loadu_ps(k1 + j);
+                a1 = _mm256_fmadd_ps(va, kv, a1), b1 = _mm256_fmadd_ps(vb, kv, b1);
+                kv = _mm256_loadu_ps(k2 + j);
+                a2 = _mm256_fmadd_ps(va, kv, a2), b2 = _mm256_fmadd_ps(vb, kv, b2);
+                kv = _mm256_loadu_ps(k3 + j);
+                a3 = _mm256_fmadd_ps(va, kv, a3), b3 = _mm256_fmadd_ps(vb, kv, b3);
+            }
+            _mm_storeu_ps(scores + g * len + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), vscale));
+            _mm_storeu_ps(scores + (g + 1) * len + t, _mm_mul_ps(hsum4(b0, b1, b2, b3), vscale));
+        }
+        for (; g < group; g++) {
             const float *qg = query + g * d;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t j = 0; j < d; j += 8) {
@@ -95,23 +116,36 @@ __attribute__((target("avx2,fma"))) static void head_avx2(const float *query, co
         }
     }
     for (int64_t g = 0; g < group; g++) softmax_avx2(scores + g * len, len);
-    /* Values: 8 dimensions at a time over every position, four accumulators in flight. */
+    /* Values: up to 64 dimensions at a time in registers (8 accumulators), every position
+     * once per block: one broadcast of its weight serves 8 loads and multiply-adds (a block of 8
+     * dimensions at a time paid a broadcast per multiply-add). */
     for (int64_t g = 0; g < group; g++) {
         const float *p = scores + g * len;
-        for (int64_t j = 0; j < d; j += 8) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        float *out = dst + g * d;
+        int64_t j = 0;
+        for (; j + 64 <= d; j += 64) {
+            __m256 acc[8];
+            for (int b = 0; b < 8; b++) acc[b] = _mm256_setzero_ps();
+            const float *vj = values + j;
+            for (int64_t s = 0; s < len; s++) {
+                const __m256 weight = _mm256_set1_ps(p[s]);
+                const float *row = vj + s * d;
+                for (int b = 0; b < 8; b++)
+                    acc[b] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * b), acc[b]);
+            }
+            for (int b = 0; b < 8; b++) _mm256_storeu_ps(out + j + 8 * b, acc[b]);
+        }
+        for (; j < d; j += 8) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
             const float *vj = values + j;
             int64_t s = 0;
-            for (; s + 4 <= len; s += 4) {
+            for (; s + 2 <= len; s += 2) {
                 a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), _mm256_loadu_ps(vj + s * d), a0);
                 a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[s + 1]), _mm256_loadu_ps(vj + (s + 1) * d), a1);
-                a2 = _mm256_fmadd_ps(_mm256_set1_ps(p[s + 2]), _mm256_loadu_ps(vj + (s + 2) * d), a2);
-                a3 = _mm256_fmadd_ps(_mm256_set1_ps(p[s + 3]), _mm256_loadu_ps(vj + (s + 3) * d), a3);
             }
             for (; s < len; s++)
                 a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), _mm256_loadu_ps(vj + s * d), a0);
-            _mm256_storeu_ps(dst + g * d + j,
-                             _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+            _mm256_storeu_ps(out + j, _mm256_add_ps(a0, a1));
         }
     }
 }
