@@ -200,9 +200,16 @@ __attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, i
         __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
         for (int64_t j = 0; j < k; j += 8) {
+            /* The next panel into L2 during the first rows, then, with rows enough to hide it,
+             * into L1 during the second: by then this panel is in L1, and the next one's first
+             * rows find theirs there (fp32 products of a SmolLM2 step at 32 rows: 41 vs 45 ms;
+             * at 8 rows the same in the four-row loop cost 7%). */
             if (next != NULL && i == 0) {
                 _mm_prefetch((const char *)(next + 4 * j), _MM_HINT_T1);
                 _mm_prefetch((const char *)(next + 4 * j + 16), _MM_HINT_T1);
+            } else if (next != NULL && i == 3 && m >= 12) {
+                _mm_prefetch((const char *)(next + 4 * j), _MM_HINT_T0);
+                _mm_prefetch((const char *)(next + 4 * j + 16), _MM_HINT_T0);
             }
             const __m256 va = _mm256_loadu_ps(xa + j), vb = _mm256_loadu_ps(xb + j);
             const __m256 vc = _mm256_loadu_ps(xc + j);
