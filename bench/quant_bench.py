@@ -45,6 +45,7 @@ from quant_quality import (
 )
 from rich.console import Console
 from rich.table import Table
+from step_cost import interleaved_step_ms
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slotserve.models.resolve import resolve_model
@@ -177,8 +178,9 @@ def add_llama_cpp(rows: list[dict], llama: dict[int, float], modes: list[str]) -
             row[f"{mode}_vs_llama_cpp"] = row[f"{mode}_tok_s"] / theirs if theirs else None
 
 
-def speed_targets(rows: list[dict]) -> list[dict]:
-    """Issue 16's speed targets that this run can judge (ratio None: no baseline measured)."""
+def speed_targets(rows: list[dict], step_ms: dict[int, float] | None = None) -> list[dict]:
+    """Issue 16's speed targets that this run can judge (ratio None: no baseline measured);
+    ``step_ms``: fp32 ms per decode step by batch size, interleaved (bench/step_cost.py)."""
     by_batch = {row["batch"]: row for row in rows}
     targets = []
     for mode, batch, baseline, minimum in SPEED_TARGETS:
@@ -194,9 +196,8 @@ def speed_targets(rows: list[dict]) -> list[dict]:
                 "pass": None if ratio is None else ratio >= minimum,
             }
         )
-    if 1 in by_batch and 4 in by_batch and "none_tok_s" in by_batch[1]:
-        # ms per step = batch / tokens per second: 4 / rate(4) against 1 / rate(1).
-        ratio = 4 * by_batch[1]["none_tok_s"] / by_batch[4]["none_tok_s"]
+    if step_ms is not None and 1 in step_ms and 4 in step_ms:
+        ratio = step_ms[4] / step_ms[1]
         targets.append(
             {
                 "target": f"none step at batch 4 ≤ {STEP_RATIO_4_OVER_1:g}x the step at batch 1",
@@ -321,12 +322,19 @@ def main(argv: list[str] | None = None) -> int:
     hf = Bench(reference, tokenizer, reference, [], device)
     print(f"2. decode: 128-token prompts, {new_tokens} new tokens, best of {repeats}")
     rows = decode_rows(benches, hf, batches, new_tokens, repeats)
+    step_ms = None
+    if "none" in benches and 1 in batches and 4 in batches:
+        # Tokens/s of one batch size after another moves with the machine; the step ratio is
+        # measured with the sizes' steps interleaved.
+        step_ms = interleaved_step_ms(benches["none"], [1, 4], new_tokens)
+        report["fp32_step_ms_interleaved"] = step_ms
+        print(f"  fp32 step, interleaved: batch 1 {step_ms[1]:.1f} ms, batch 4 {step_ms[4]:.1f} ms")
     del benches, models
     gc.collect()
     if args.llama_cpp:
         report["llama_cpp"] = json.loads(args.llama_cpp.read_text())
         add_llama_cpp(rows, read_llama_cpp(args.llama_cpp), args.quantization)
-    targets = speed_targets(rows)
+    targets = speed_targets(rows, step_ms)
     quality_targets = [
         {"target": f"{r.mode} quality", "pass": r.quality.passes(r.mode)}
         for r in runs

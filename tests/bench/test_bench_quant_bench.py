@@ -8,11 +8,12 @@ from pathlib import Path
 import quant_bench
 
 
-def run_bench(model_dir: Path, tmp_path: Path, *modes: str) -> dict:
+def run_bench(model_dir: Path, tmp_path: Path, *modes: str, batches: str = "1 2") -> dict:
     peer = tmp_path / "llamacpp.json"
     peer.write_text(json.dumps({"tokens_per_s": {"batch_1": 50.0, "batch_8": None}}))
     out = tmp_path / "quant.json"
-    argv = ["--model", str(model_dir), "--quick", "--batches", "1", "2", "--decode-tokens", "3"]
+    argv = ["--model", str(model_dir), "--quick", "--batches", *batches.split()]
+    argv += ["--decode-tokens", "3"]
     argv += ["--quality-tokens", "600", "--window", "256", "--threads", "1"]
     argv += ["--llama-cpp", str(peer), "--out", str(out), "--quantization", *modes]
     assert quant_bench.main(argv) == 0
@@ -22,8 +23,8 @@ def run_bench(model_dir: Path, tmp_path: Path, *modes: str) -> dict:
 def test_unquantized_run_reports_speed_against_hf_and_llama_cpp(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    report = run_bench(tiny_model_dir, tmp_path, "none")
-    assert [row["batch"] for row in report["decode"]] == [1, 2]
+    report = run_bench(tiny_model_dir, tmp_path, "none", batches="1 4")
+    assert [row["batch"] for row in report["decode"]] == [1, 4]
     first, second = report["decode"]
     assert first["none_tok_s"] > 0 and first["hf_generate_fp32_tok_s"] > 0
     assert first["none_vs_hf"] == first["none_tok_s"] / first["hf_generate_fp32_tok_s"]
@@ -34,7 +35,16 @@ def test_unquantized_run_reports_speed_against_hf_and_llama_cpp(
     assert model["quantized_bytes_after"] is None
     assert model["weight_bytes"] > 0
     assert report["quality_tokens"] == 600
-    assert report["targets"] == []  # int8/int4 targets need those modes in the run
+    # fp32's targets at the batch sizes run (none at 32); the step ratio from interleaved steps.
+    targets = {target["target"]: target for target in report["targets"]}
+    assert set(targets) == {
+        "none batch 1 ≥ 2x HF generate() fp32",
+        "none step at batch 4 ≤ 1.15x the step at batch 1",
+    }
+    step_ms = {int(batch): ms for batch, ms in report["fp32_step_ms_interleaved"].items()}
+    assert targets["none step at batch 4 ≤ 1.15x the step at batch 1"]["ratio"] == (
+        step_ms[4] / step_ms[1]
+    )
 
 
 def test_quantized_runs_report_quality_and_the_issues_targets(

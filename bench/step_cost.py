@@ -1,0 +1,75 @@
+"""Decode step cost by batch size, the batch sizes' steps interleaved in one process.
+
+    .venv/bin/python bench/step_cost.py --model smollm2 [--batches 1 4 8 32] [--rounds 64]
+
+The argument for continuous batching is that a decode step costs about the same for 1 or 4
+sequences. Tokens/s measured one batch size after another moves with the machine (a shared
+host's memory bandwidth changed by half within minutes here), so this builds one engine per
+batch size on one model, brings each to steady decode (128-token prompts), then runs their steps
+round-robin and takes each one's median: a slow moment costs every batch size alike.
+Prints ms per step and the ratio to batch 1; ``--out`` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from slotserve.engine.core.openmp import openmp_environment
+
+os.environ.update(openmp_environment())  # libgomp reads it when torch loads
+from pathlib import Path
+
+from engine_bench import Bench, decode_prompt, greedy, make_engine
+
+from slotserve.engine.core.runner import load_model, pick_device, pick_dtype
+from slotserve.models.resolve import resolve_model
+
+
+def interleaved_step_ms(bench: Bench, batches: list[int], rounds: int) -> dict[int, float]:
+    """Median ms of a decode-only step at each batch size, the sizes' steps interleaved."""
+    prompt = decode_prompt()
+    engines = {}
+    for batch in batches:
+        engine = make_engine(bench, max_batch_size=batch, max_batched_tokens=batch * len(prompt))
+        for i in range(batch):
+            engine.add_request(f"s{i}", prompt, greedy(rounds + 8))
+        engine.step()  # every prefill
+        engine.step()  # a first decode step (warm caches)
+        engines[batch] = engine
+    times: dict[int, list[float]] = {batch: [] for batch in batches}
+    for _ in range(rounds):
+        for batch, engine in engines.items():
+            start = time.perf_counter()
+            engine.step()
+            times[batch].append(time.perf_counter() - start)
+    return {batch: statistics.median(values) * 1e3 for batch, values in times.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="name, folder or hub id")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 32])
+    parser.add_argument("--rounds", type=int, default=64, help="steps per batch size")
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args()
+    device = pick_device("auto")
+    model, tokenizer = load_model(resolve_model(args.model), device, pick_dtype("auto", device))
+    bench = Bench(model, tokenizer, None, [], device, slots=max(args.batches))
+    step_ms = interleaved_step_ms(bench, args.batches, args.rounds)
+    first = step_ms.get(1)
+    for batch, ms in step_ms.items():
+        ratio = f"  {ms / first:.2f}x batch 1" if first else ""
+        print(f"  batch {batch:>3}: {ms:6.1f} ms a step{ratio}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"model": args.model, "step_ms": step_ms}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
