@@ -34,6 +34,9 @@ def main(argv: list[str]) -> int:
         return 2
     script = BENCH_DIR / f"{name}.py"
     sys.argv = [str(script), *rest]
+    # As `python bench/NAME.py` would: the scripts import their helpers from beside them.
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:

@@ -1,0 +1,34 @@
+"""`slotserve bench NAME`: the README's benchmark commands start, helpers imported from bench/."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from slotserve import bench_cli
+
+
+def test_every_runnable_benchmark_is_listed() -> None:
+    names = bench_cli.available()
+    assert {"engine_bench", "quant_bench", "step_cost", "prefix_bench"} <= set(names)
+    assert "engine_plots" not in names  # a helper, not a benchmark
+
+
+@pytest.mark.parametrize("name", ["engine_bench", "quant_bench", "step_cost"])
+def test_a_benchmark_that_imports_its_neighbours_starts(name: str) -> None:
+    # A fresh interpreter, as the command runs: bench/ is not on its path until the CLI puts it.
+    done = subprocess.run(
+        [sys.executable, "-m", "slotserve.cli", "bench", name, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout
+
+
+def test_an_unknown_benchmark_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_cli.main(["no_such_bench"]) == 2
+    assert "unknown benchmark 'no_such_bench'" in capsys.readouterr().out
