@@ -10,11 +10,11 @@
  * (OpenMP, the runtime torch already loaded). A quantized panel is dequantized once into a small
  * fp32 buffer that stays in L1/L2, then every input row is multiplied against it (four, three,
  * two or one rows at a time, each (row, panel row) pair with its own accumulator): the weights
- * are read from memory once per call whatever M is. Both quantized formats keep their scales per group of 32 weights along
- * the input. int8: one scale a group (w = scale * q, q in -127..127: llama.cpp's Q8_0). int4: a
- * scale and a minimum (w = scale * q + min, q in 0..15: Q4_1), byte j of a group holding weight
- * j in its low nibble and weight j + 16 in its high nibble, so one 16-byte load unpacks into
- * two runs of 16 weights.
+ * are read from memory once per call whatever M is. Both quantized formats keep their scales
+ * per group of 32 weights along the input. int8: one scale a group (w = scale * q, q in
+ * -127..127: llama.cpp's Q8_0). int4: a scale and a minimum (w = scale * q + min, q in 0..15:
+ * Q4_1), byte j of a group holding weight j in its low nibble and weight j + 16 in its high
+ * nibble, so one 16-byte load unpacks into two runs of 16 weights.
  *
  * Every product has an AVX2/FMA version and a plain C one; the AVX2 one is chosen at run time
  * from the CPU's flags (never on a CPU that lacks them), and can be switched off for tests.
