@@ -16,11 +16,11 @@ def test_every_runnable_benchmark_is_listed() -> None:
     assert "engine_plots" not in names  # a helper, not a benchmark
 
 
-@pytest.mark.parametrize("name", ["engine_bench", "quant_bench", "step_cost"])
-def test_a_benchmark_that_imports_its_neighbours_starts(name: str) -> None:
+def test_a_benchmark_that_imports_its_neighbours_starts() -> None:
     # A fresh interpreter, as the command runs: bench/ is not on its path until the CLI puts it.
+    # quant_bench imports engine_bench, step_cost and quant_quality from beside it.
     done = subprocess.run(
-        [sys.executable, "-m", "slotserve.cli", "bench", name, "--help"],
+        [sys.executable, "-m", "slotserve.cli", "bench", "quant_bench", "--help"],
         capture_output=True,
         text=True,
         timeout=120,
