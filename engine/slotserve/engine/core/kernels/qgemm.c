@@ -154,7 +154,8 @@ __attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, i
     int64_t i = 0;
     /* Four rows, two panel rows at a time (8 accumulators): every weight loaded from memory is
      * used by all four rows in the same pass, so the multiplies are spread evenly over the
-     * stream. */
+     * stream. Taken at 4 and 8 rows (the steps where memory, not the multiplies, sets the
+     * pace); more rows go three at a time below. */
     for (; m - i == 4 || m - i == 8; i += 4) {
         const float *xs[4] = {x + i * k, x + (i + 1) * k, x + (i + 2) * k, x + (i + 3) * k};
         __m256 pairs[4];
