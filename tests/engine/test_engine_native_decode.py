@@ -124,7 +124,9 @@ def test_smollm2_native_steps_give_the_tokens_of_the_transformers_path(smollm2_d
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
-def test_mistral_and_qwen2_steps_run_natively_with_the_tokens_of_generate(tmp_path, smollm2_dir, arch):
+def test_mistral_and_qwen2_steps_run_natively_with_the_tokens_of_generate(
+    tmp_path, smollm2_dir, arch
+):
     """Their layers compute what Llama's do (Qwen2 with a q/k/v bias)."""
     model_dir = build_sharp_tiny_model(tmp_path / arch, smollm2_dir, arch=arch)
     reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
