@@ -67,16 +67,20 @@ def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -
     return (values * scale[..., None] + minimum[..., None]).reshape(n, -1)
 
 
-def int4_one_row_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int4_one_row_bound(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, slack: float = 1e-4
+) -> torch.Tensor:
     """How far the AVX2 one-row int4 product may be from the dequantized matmul, per output: it
-    rounds the row to 16 bits per group of 32 (step max|x| / 32767, error at most half a step),
+    rounds the row to 16 bits per group of 32 (step max|x| / 32767 but at least FLT_MIN, error
+    at most half a step),
     and each rounding error meets a weight's nibble times its group's scale."""
     n = q.shape[0]
     grouped = q.reshape(n, -1, GROUP_SIZE // 2)
     nibbles = torch.cat([grouped & 0x0F, grouped >> 4], dim=-1).float()  # [n, groups, 32]
-    step = x.reshape(-1, GROUP_SIZE).abs().amax(-1) / 32767  # [groups]
+    tiny = torch.finfo(torch.float32).tiny  # the kernel's smallest step (FLT_MIN)
+    step = (x.reshape(-1, GROUP_SIZE).abs().amax(-1) / 32767).clamp(min=tiny)  # [groups]
     rounding = (nibbles.sum(-1) * scale * step / 2).sum(-1)  # [n]
-    return rounding + 1e-4  # plus the fp32 sums' own rounding
+    return rounding + slack  # plus the fp32 sums' own rounding
 
 
 def assert_int4_close(
@@ -113,6 +117,31 @@ def test_products_equal_dequantized_matmuls(kernels, isa, n, k, m):
     assert_int4_close(kernels.gemm_q4(x, q4, s4, m4), x, q4, s4, reference)
     torch.testing.assert_close(kernels.dequantize_q8(q8, s8), dequantize_q8(q8, s8))
     torch.testing.assert_close(kernels.dequantize_q4(q4, s4, m4), dequantize_q4(q4, s4, m4))
+
+
+def test_one_row_int4_keeps_tiny_groups_and_passes_non_finite_values_on(kernels, isa):
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(12, 64, generator=generator)
+    q4, s4, m4 = kernels.quantize_q4(weight)
+    dense = dequantize_q4(q4, s4, m4)
+    # A group of values near 1e-37 with zeros among them: its step must not overflow when
+    # inverted (the zeros came back as -32767 steps, 8x past the bound), so the step is at
+    # least FLT_MIN and the error stays within half of it per value.
+    x = torch.zeros(1, 64)
+    x[0, :16] = 1e-37 * torch.rand(16, generator=generator)
+    out, ref = kernels.gemm_q4(x, q4, s4, m4), x @ dense.T
+    if isa == "avx2":
+        rounding = int4_one_row_bound(x[0], q4, s4, slack=0.0)  # the rounding part alone
+        assert bool(((out - ref).abs()[0] <= rounding * 1.01 + 1e-5 * ref.abs()[0]).all())
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=0.0)
+    x[0, 32:] = torch.randn(32, generator=generator)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        row = x.clone()
+        row[0, 40] = bad
+        out, ref = kernels.gemm_q4(row, q4, s4, m4), row @ dense.T
+        assert not torch.isfinite(ref).any()
+        assert not torch.isfinite(out).any(), bad  # never a finite answer from a bad row
 
 
 @pytest.mark.parametrize("distance", [0, 256, 4096])

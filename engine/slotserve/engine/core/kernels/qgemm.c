@@ -20,6 +20,7 @@
  * from the CPU's flags (never on a CPU that lacks them), and can be switched off for tests.
  */
 #include <omp.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -370,8 +371,8 @@ __attribute__((target("avx2,fma"))) static float row_q8_avx2(const float *x, con
     return hsum(total);
 }
 
-/* int4 against the row held as int16 (xq, one factor xs per group: |x - xs * xq| <= xs / 2,
- * a relative 1.5e-5 of the group's largest |x|): a group's 32 nibbles widen to 16-bit lanes and
+/* int4 against the row held as int16 (xq, one factor xs = max(max|x| / 32767, FLT_MIN) per
+ * group: |x - xs * xq| <= xs / 2, a relative 1.5e-5 of the group's largest |x|): a group's 32 nibbles widen to 16-bit lanes and
  * two multiply-adds of 16-bit pairs take all 32 products (exact in 32 bits), where converting
  * each nibble to a float took four widenings and four conversions. Two groups at a time, each
  * with its own accumulator, so that no chain of dependent multiply-adds sets the pace. */
@@ -544,7 +545,9 @@ static int gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n
             for (int j = 0; j < GROUP; j++) total += xg[j], amax = fmaxf(amax, fabsf(xg[j]));
             /* NaN or infinity in the row reaches the output through this sum. */
             xsum[g] = total;
-            xs[g] = amax > 0.0f ? amax / 32767.0f : 1.0f;
+            /* At least FLT_MIN: a group of values below ~4e-34 would otherwise get a step whose
+             * inverse overflows, and its zeros would become NaN, clamped to -32767. */
+            xs[g] = fmaxf(amax / 32767.0f, FLT_MIN);
             const float inverse = 1.0f / xs[g];
             for (int j = 0; j < GROUP; j++)
                 xq[g * GROUP + j] = (int16_t)lrintf(fminf(fmaxf(xg[j] * inverse, -32767.0f), 32767.0f));
