@@ -51,7 +51,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slotserve.models.resolve import resolve_model
 
 MODES = ("none", "int8", "int4")
-# Issue 16's speed targets at batch 1: (mode, baseline, minimum ratio).
 # (mode, batch, baseline, minimum ratio): issue 16's targets on decode tokens/s.
 SPEED_TARGETS = (
     ("none", 1, "hf", 2.0),
