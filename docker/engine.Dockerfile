@@ -22,12 +22,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN groupadd --gid 1000 slotserve \
  && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/slotserve slotserve
 
-# gcc compiles the native kernels of the quantized path (engine/.../core/kernels/qgemm.c) below;
-# kept in the image so that an engine which misses that build (another $CC) compiles into /tmp.
-RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev \
- && rm -rf /var/lib/apt/lists/*
-
 # torch first, from the chosen index; then the engine extra with the other pins. The repo's
 # constraints pin the CPU wheel (torch==...+cpu) used in development, so that line is dropped.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
@@ -41,11 +35,19 @@ RUN grep -v '^torch==' constraints.txt > /tmp/constraints.txt \
  && pip install -c /tmp/constraints.txt . ./engine \
  && cd / && rm -rf /src /tmp/constraints.txt
 
-# Weights and the compiled kernels, built now, stay read-only at run time under SLOTSERVE_HOME
-# (the kernels' cache key is the source, gcc's version and the flags: the same at run time).
+# The native kernels (engine/.../core/kernels/*.c), compiled now into the package's read-only
+# prebuilt/ folder with the sha256 of the library beside it: engines load them from there after
+# checking that hash, before any cache, so pods need no compiler and run none. gcc leaves the
+# image in this same layer (libgomp1 stays: the library links it).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev libgomp1 \
+ && python -m slotserve.engine.core.kernels --prebuilt \
+ && apt-get purge -y --auto-remove gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
+# Weights stay read-only at run time under SLOTSERVE_HOME.
 RUN mkdir -p /opt/slotserve \
  && if [ "${BAKE_SMOLLM2}" = "1" ]; then slotserve model pull smollm2 --quiet; fi \
- && python -m slotserve.engine.core.kernels \
  && chmod -R a+rX /opt/slotserve
 
 WORKDIR /home/slotserve

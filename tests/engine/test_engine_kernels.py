@@ -3,20 +3,12 @@ reference byte for byte, on the AVX2/FMA code and on the plain C fallback alike.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from slotserve.engine.core.kernels import (
-    GROUP_SIZE,
-    KernelUnavailable,
-    NativeKernels,
-    build,
-    load_kernels,
-)
+from slotserve.engine.core.kernels import GROUP_SIZE, NativeKernels, load_kernels
 from slotserve.settings import CommonSettings
 
 ISAS = ["avx2", "plain_c"]
@@ -201,31 +193,6 @@ def test_bad_inputs_are_refused_not_read_past(kernels):
         kernels.gemm_f32(torch.randn(4, 8).t(), torch.randn(4, 4))
     with pytest.raises(ValueError, match="contiguous 2-D float32"):
         kernels.gemm_f32(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8))
-
-
-def test_the_build_is_cached_by_source_and_compiler(tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    first = build(tmp_path / "home")
-    again = build(tmp_path / "home")
-    assert first.compiled and not again.compiled
-    assert again.path == first.path
-    assert first.path.parent == tmp_path / "home" / "kernels"
-    assert [p.name for p in first.path.parent.iterdir()] == [first.path.name]  # no leftovers
-
-
-def test_a_home_that_cannot_be_written_builds_in_the_temporary_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    home = tmp_path / "home"
-    home.write_text("")  # a file: no folder can be made under it, even by root
-    built = build(home)
-    assert built.compiled
-    assert built.path.parent == Path(tmp_path / "tmp" / "slotserve-kernels")
-
-
-def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with pytest.raises(KernelUnavailable, match="C compiler"):
-        build(tmp_path / "home")
 
 
 @pytest.mark.parametrize(

@@ -104,9 +104,23 @@ def test_preflight_refuses_what_cannot_run():
     assert preflight("none", torch.device("cuda"), torch.bfloat16) is None
 
 
-def run_engine(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+# An engine process on a machine without a trusted compiler and without a prebuilt library
+# ($CC no longer names the compiler, so the test takes the system's away in the process itself).
+NO_COMPILER = (
+    "import sys; from pathlib import Path; import slotserve.engine.core.kernels.library as lib; "
+    "lib.COMPILER_FOLDERS = (); lib.PREBUILT = Path('/nonexistent'); "
+    "from slotserve.cli import main; sys.argv[0] = 'slotserve'; sys.exit(main())"
+)
+
+
+def run_engine(
+    args: list[str], env: dict[str, str], no_compiler: bool = False
+) -> subprocess.CompletedProcess[str]:
+    command = [str(SLOTSERVE)]
+    if no_compiler:
+        command = [str(SLOTSERVE.with_name("python")), "-c", NO_COMPILER]
     return subprocess.run(
-        [str(SLOTSERVE), "engine", "--port", "0", *args],
+        [*command, "engine", "--port", "0", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -115,20 +129,21 @@ def run_engine(args: list[str], env: dict[str, str]) -> subprocess.CompletedProc
 
 
 @pytest.mark.parametrize(
-    "args,env,message",
+    "args,no_compiler,message",
     [
-        (["--dtype", "bfloat16"], {}, "quantizes from float32 weights"),
-        ([], {"CC": "/nonexistent/cc", "SLOTSERVE_HOME": "{tmp}"}, "need a C compiler"),
+        (["--dtype", "bfloat16"], False, "quantizes from float32 weights"),
+        ([], True, "need a C compiler"),
     ],
     ids=["bfloat16", "no-compiler"],
 )
 def test_an_engine_that_cannot_quantize_exits_2_with_one_line(
-    tiny_model_dir, tmp_path, args, env, message
+    tiny_model_dir, tmp_path, args, no_compiler, message
 ):
-    env = {key: value.format(tmp=tmp_path) for key, value in env.items()}
-    # A cached build in the shared temporary folder must not hide the missing compiler.
-    env["TMPDIR"] = str(tmp_path)
-    done = run_engine(["--model", str(tiny_model_dir), "--quantization", "int8", *args], env)
+    done = run_engine(
+        ["--model", str(tiny_model_dir), "--quantization", "int8", *args],
+        {"SLOTSERVE_HOME": str(tmp_path)},  # no cached library hides the missing compiler
+        no_compiler,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if "cannot start" in line]
     assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]

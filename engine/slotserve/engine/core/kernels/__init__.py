@@ -1,11 +1,11 @@
-"""The engine's own CPU kernels, compiled on first use and cached: the matrix products and
-decode attention (``qgemm.c``) and a whole Llama decode step built on them (``llama_step.c``).
+"""The engine's own CPU kernels, compiled once and loaded only after checks: the matrix
+products and decode attention (``qgemm.c``, ``attention.c``) and a whole Llama decode step
+built on them (``llama_step.c``).
 
-The C sources are compiled with the machine's C compiler (``$CC``, else ``gcc``) into
-``$SLOTSERVE_HOME/kernels/qgemm-<hash>.so``, the hash covering the source, the compiler's
-version and the flags, so an upgrade rebuilds and engines sharing a home reuse one build (about
-a second). A home that cannot be written (a read-only image) falls back to a temporary folder.
-The library links the OpenMP runtime torch has already loaded, so its threads are torch's.
+Where the library comes from (the image's prebuilt folder, a private cache under
+``SLOTSERVE_HOME``, or a fresh compile with the system's gcc) and why it is trusted before it
+is loaded: :mod:`slotserve.engine.core.kernels.library`. The library links the OpenMP runtime
+torch has already loaded, so its threads are torch's.
 
 Called through ctypes with raw pointers: about a microsecond a call, against milliseconds of
 weights streamed per call.
@@ -15,106 +15,44 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import subprocess
-import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from slotserve.engine.core.errors import UnsupportedSettingError
+from slotserve.engine.core.kernels.library import (
+    ABI,
+    Build,
+    KernelUnavailable,
+    Loaded,
+    library_name,
+    load_library,
+    prebuild,
+)
+
+__all__ = [
+    "ABI",
+    "GROUP_SIZE",
+    "Build",
+    "KernelUnavailable",
+    "NativeKernels",
+    "library_name",
+    "load_kernels",
+    "load_library",
+    "prebuild",
+]
 
 logger = logging.getLogger(__name__)
 
-HERE = Path(__file__).parent
-SOURCES = (HERE / "qgemm.c", HERE / "attention.c", HERE / "llama_step.c")
-HEADERS = (HERE / "qgemm.h",)
-FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
-ABI = 5
 GROUP_SIZE = 32  # int4 weights per (scale, minimum) pair: fixed by the C source
-
-
-class KernelUnavailable(UnsupportedSettingError):
-    """No C compiler, or the build failed: the native products cannot run here."""
-
-
-@dataclass(frozen=True)
-class Build:
-    path: Path
-    compiled: bool  # False: found in the cache
-    seconds: float
-
-
-def _compiler() -> str:
-    return os.environ.get("CC", "gcc")
-
-
-def _compiler_version(compiler: str) -> str:
-    try:
-        done = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelUnavailable(
-            f"the native kernels need a C compiler ({compiler!r} not usable: {exc}); install gcc "
-            "or set CC"
-        ) from exc
-    return done.stdout.splitlines()[0] if done.stdout else compiler
-
-
-def _cache_dirs(home: Path) -> list[Path]:
-    return [home / "kernels", Path(tempfile.gettempdir()) / "slotserve-kernels"]
-
-
-def build(home: Path) -> Build:
-    """The compiled library for this source and compiler: from the cache, or compiled now."""
-    start = time.perf_counter()
-    compiler = _compiler()
-    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(
-        source + _compiler_version(compiler).encode() + " ".join(FLAGS).encode()
-    ).hexdigest()[:16]
-    name = f"qgemm-{key}.so"
-    for folder in _cache_dirs(home):
-        if (folder / name).is_file():
-            return Build(folder / name, False, time.perf_counter() - start)
-    errors = []
-    for folder in _cache_dirs(home):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            # Compile beside the target and rename: engines starting together never load a
-            # half-written library.
-            with tempfile.TemporaryDirectory(dir=folder) as scratch:
-                output = Path(scratch) / name
-                done = subprocess.run(
-                    [compiler, *FLAGS, "-o", str(output), *map(str, SOURCES), "-lm"],
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-                if done.returncode != 0:
-                    raise KernelUnavailable(f"compiling the kernels failed:\n{done.stderr}")
-                os.replace(output, folder / name)
-            return Build(folder / name, True, time.perf_counter() - start)
-        except OSError as exc:
-            errors.append(f"{folder}: {exc}")
-        except subprocess.TimeoutExpired as exc:
-            raise KernelUnavailable(f"compiling the kernels took over {exc.timeout} s") from exc
-    raise KernelUnavailable("no folder to build the native kernels in: " + "; ".join(errors))
 
 
 class NativeKernels:
     """The loaded library: ``y = x @ W.T`` for fp32, int8 and int4 weights (CPU tensors)."""
 
-    def __init__(self, built: Build) -> None:
-        self.build = built
-        lib = ctypes.CDLL(str(built.path))
-        if lib.slotserve_kernel_abi() != ABI:
-            raise KernelUnavailable(f"{built.path} is not ABI {ABI}")
+    def __init__(self, loaded: Loaded) -> None:
+        self.build: Build = loaded.build
+        lib = loaded.library
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.slotserve_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, ptr, c_int]
         lib.slotserve_gemm_q8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, c_int]
@@ -352,12 +290,12 @@ def _threads() -> int:
 @functools.cache
 def load_kernels(home: Path) -> NativeKernels:
     """Build (or find) and load the library; raises :class:`KernelUnavailable`."""
-    built = build(home)
-    kernels = NativeKernels(built)
+    kernels = NativeKernels(load_library(home))
+    built = kernels.build
     logger.info(
         "native kernels %s (%s, %.2f s), %s",
         built.path,
-        "compiled" if built.compiled else "cached",
+        built.origin,
         built.seconds,
         "AVX2/FMA" if kernels.avx2 else "plain C (no AVX2/FMA on this CPU)",
     )

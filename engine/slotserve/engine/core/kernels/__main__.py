@@ -1,18 +1,34 @@
-"""``python -m slotserve.engine.core.kernels``: build the native kernels into the cache now.
+"""``python -m slotserve.engine.core.kernels [--prebuilt]``: build the native kernels now.
 
-Images run it at build time, so that engines on a read-only root filesystem find the library.
+``--prebuilt`` (images, at build time, as root): compile into the package's read-only
+``prebuilt/`` folder, which engines look in first, so that pods start without a compiler.
+Without it: find or compile the library as an engine would (under ``SLOTSERVE_HOME``).
+Exit status 2 with one line when no library can be had.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from slotserve.engine.core.kernels import KernelUnavailable, load_kernels
+from slotserve.engine.core.kernels import KernelUnavailable, load_kernels, load_library, prebuild
 from slotserve.settings import CommonSettings
 
+parser = argparse.ArgumentParser(prog="python -m slotserve.engine.core.kernels")
+parser.add_argument(
+    "--prebuilt", action="store_true", help="compile into the image's read-only prebuilt folder"
+)
+args = parser.parse_args()
 try:
-    kernels = load_kernels(CommonSettings().home)
+    if args.prebuilt:
+        path = prebuild()
+        # Load it as an engine would (the prebuilt folder first): proves it verifies and loads.
+        loaded = load_library(CommonSettings().home)
+        if loaded.build.origin != "prebuilt":
+            raise KernelUnavailable(f"{path} was compiled but is not what engines would load")
+    else:
+        path = load_kernels(CommonSettings().home).build.path
 except KernelUnavailable as exc:
     print(f"slotserve kernels: {exc}", file=sys.stderr)
     sys.exit(2)
-print(kernels.build.path)
+print(path)
