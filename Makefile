@@ -2,6 +2,10 @@
 # lint is ruff, then mypy over the four parts as configured in pyproject.toml).
 # Each creates .venv and installs pinned packages on first use; later runs reuse them.
 
+# Test workers: most tests wait on processes (engines, Redis, HTTP), so more workers than
+# cores shortens the run; override with `make test TEST_WORKERS=1` to run serially.
+TEST_WORKERS ?= 4
+
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/slotserve demo
 
 test: $(STAMP) redis tools lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -2,15 +2,49 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 from slotserve.local.processes import http_ready, redis_ready
-from slotserve.local.stack import RedisPlan, free_port, redis_argv
+from slotserve.local.stack import RedisPlan, redis_argv
 
 __all__ = ["RedisServer", "free_port", "http_ok", "wait_until"]
+
+
+# Each pytest-xdist worker hands out ports from its own block below the kernel's ephemeral range
+# (32768 and up on Linux): the OS's "bind port 0" choice could give two workers the same port
+# between one closing its probe socket and its server binding, and outgoing connections take
+# ephemeral ports too. Blocks of 1,000 from 20,000 leave room for 12 workers.
+_PORT_BASE = 20_000
+_PORT_BLOCK = 1_000
+
+
+def _worker_index() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    digits = worker.removeprefix("gw")
+    return int(digits) % 12 if digits.isdigit() else 0
+
+
+_next_port = itertools.count()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, from this test worker's own block of ports."""
+    start = _PORT_BASE + _worker_index() * _PORT_BLOCK
+    for _ in range(_PORT_BLOCK):
+        port = start + next(_next_port) % _PORT_BLOCK
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {start}..{start + _PORT_BLOCK - 1}")
 
 
 def wait_until(predicate: object, timeout: float, interval: float = 0.05, what: str = "") -> None:
