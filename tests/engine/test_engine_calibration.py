@@ -1,7 +1,8 @@
 """Choices calibrated at load are cached per CPU kind, so every engine on a node chooses alike.
 
 No timing is asserted: the measurement is replaced where a test needs a given answer, and the
-tests check who measured, who read, and what was chosen.
+tests check who measured, who read, and what was chosen. (What one busy start may decide:
+test_engine_calibration_noise.py.)
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def test_a_second_load_reads_the_decision(tmp_path):
     second = CalibrationCache(tmp_path, CPU_A).decide("linear_backend", QUESTION, again)
     assert (first.source, first.choice) == ("measured", "onednn")
     assert (second.source, second.choice) == ("cached", "onednn")
-    assert second.figures == {"aten_ms": 2.0, "onednn_ms": 1.0}
-    assert (measure.calls, again.calls) == (1, 0)
+    assert second.figures == {"aten_ms": 2.0, "onednn_ms": 1.0, "trials": 2.0}
+    assert (measure.calls, again.calls) == (2, 0)  # two trials that agree, then none
     (stored,) = tmp_path.glob("linear_backend-*.json")
     assert json.loads(stored.read_text())["identity"] == CPU_A
 
@@ -66,7 +67,7 @@ def test_a_different_key_measures_again(tmp_path, other):
     name, identity, question = other
     measure = CountingMeasure("aten")
     record = CalibrationCache(tmp_path, identity).decide(name, question, measure)
-    assert (record.source, record.choice, measure.calls) == ("measured", "aten", 1)
+    assert (record.source, record.choice, measure.calls) == ("measured", "aten", 2)
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
@@ -83,7 +84,7 @@ def test_engines_starting_together_measure_once_and_agree(tmp_path):
         thread.start()
     for thread in threads:
         thread.join(30)
-    assert measure.calls == 1
+    assert measure.calls == 2  # one engine's two trials
     assert sorted(r.source for r in records) == ["cached", "cached", "measured"]
     assert {r.choice for r in records} == {"onednn"}
 
@@ -108,7 +109,7 @@ def test_a_failed_measurement_is_not_cached(tmp_path):
     CalibrationCache(tmp_path, CPU_A).decide("linear_backend", QUESTION, failing)
     measure = CountingMeasure("onednn")
     record = CalibrationCache(tmp_path, CPU_A).decide("linear_backend", QUESTION, measure)
-    assert (record.source, record.choice, measure.calls) == ("measured", "onednn", 1)
+    assert (record.source, record.choice, measure.calls) == ("measured", "onednn", 2)
 
 
 def test_cpu_identity_reads_model_and_flags(tmp_path):
@@ -162,7 +163,8 @@ def is_packed(r: ModelRunner) -> bool:
 def test_runners_follow_the_cached_decision_without_timing(tmp_path, monkeypatch):
     first = runner(CalibrationCache(tmp_path, CPU_A))
     (record,) = first.calibrations
-    assert record.source == "measured" and record.name == "linear_backend"
+    # "rule": the trials waited for a CPU (other work on this machine) and oneDNN's rule held.
+    assert record.source in ("measured", "rule") and record.name == "linear_backend"
     assert is_packed(first) == (record.choice == "onednn")
     assert {"aten_ms", "onednn_ms", "onednn_over_aten"} <= set(record.figures)
 
@@ -231,7 +233,9 @@ def test_engines_in_separate_processes_starting_together_agree(tmp_path):
     finally:
         for process in processes:
             process.join(30)
-    assert [source for source, _, _ in outcomes] == ["cached", "cached", "measured"]
+    # The first decides (from trials, or the rule if they waited for a CPU), the others read.
+    assert [source for source, _, _ in outcomes][:2] == ["cached", "cached"]
+    assert outcomes[2][0] in ("measured", "rule")
     assert len({(choice, packed) for _, choice, packed in outcomes}) == 1
 
 
@@ -272,5 +276,5 @@ def test_native_rows_allow_slower_products_where_the_whole_step_runs_natively(
         calibration=CalibrationCache(tmp_path, CPU_A),
         native_decode=native_decode,
     )
-    assert asked == [margin]
+    assert asked == [margin] * 2  # two agreeing trials
     assert (r.native_step is not None) == native_decode

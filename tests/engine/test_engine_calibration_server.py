@@ -49,7 +49,8 @@ async def test_calibrations_are_counted_and_the_second_start_reads_them(
     # Up to how many rows the native kernels run; when that is none, oneDNN or aten.
     assert names in (["native_rows"], ["native_rows", "linear_backend"])
     assert [c["name"] for c in cached] == names
-    assert {c["source"] for c in measured} == {"measured"}
+    # "rule": the trials waited for a CPU (other work on this machine), the CPU-feature rule held.
+    assert {c["source"] for c in measured} <= {"measured", "rule"}
     assert {c["source"] for c in cached} == {"cached"}
     for first_choice, second_choice in zip(measured, cached, strict=True):
         assert second_choice["choice"] == first_choice["choice"]
@@ -57,14 +58,16 @@ async def test_calibrations_are_counted_and_the_second_start_reads_them(
     if len(names) == 2:
         assert measured[1]["choice"] in ("onednn", "aten")
     count = len(names)
-    assert first_metrics[("slotserve_load_calibrations_total", "measured")] == count
+    decided = ("measured", "rule")
+    total = "slotserve_load_calibrations_total"
+    assert sum(first_metrics.get((total, source), 0) for source in decided) == count
     assert second_metrics[("slotserve_load_calibrations_total", "cached")] == count
-    assert ("slotserve_load_calibrations_total", "measured") not in second_metrics
+    assert not any((total, source) in second_metrics for source in decided)
     assert second_metrics[("slotserve_load_calibration_seconds", "cached")] >= 0
     for name in names:
         assert list((tmp_path / "calibration").glob(f"{name}-*.json"))
     lines = [r.getMessage() for r in caplog.records if "calibrated at load" in r.getMessage()]
-    assert [("(measured," in line, "(cached," in line) for line in lines] == [
+    assert [("(measured," in line or "(rule," in line, "(cached," in line) for line in lines] == [
         (True, False)
     ] * count + [(False, True)] * count
     assert any(f"{count} calibrations" in r.getMessage() for r in caplog.records)

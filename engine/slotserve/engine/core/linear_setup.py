@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from slotserve.contracts.engine_argv import Quantization
-from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
+from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord, Measurement
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.kernels import KernelUnavailable, NativeKernels, load_kernels
 from slotserve.engine.core.linear import aten_logits, choose_linear_backend, pack_linears
@@ -30,9 +30,14 @@ from slotserve.engine.core.native_linear import (
     NATIVE_MARGIN,
     NATIVE_STEP_MARGIN,
     NativeLinear,
+    NativeRowsQuestion,
     choose_native_rows,
+    fp32_native_layers,
     install_native_fp32,
+    measure_native_rows,
+    streamed_native_weights,
 )
+from slotserve.engine.core.native_rows_watch import NativeRowsWatch
 from slotserve.engine.core.quantize import quantize_model
 from slotserve.engine.settings import LinearBackend
 from slotserve.settings import CommonSettings
@@ -44,6 +49,8 @@ logger = logging.getLogger(__name__)
 class LinearLayers:
     logits: Callable[[torch.Tensor], torch.Tensor]
     calibrations: list[CalibrationRecord] = field(default_factory=list)
+    # Checks the native-rows decision against the steady-state decode steps (fp32, auto).
+    watch: NativeRowsWatch | None = None
 
 
 def native_kernels(device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
@@ -85,20 +92,35 @@ def set_up_linears(
         # decoder native: the logits follow that decision, as they did for that runner.
         native_logits = install_native_fp32(model, native, installed)
         return LinearLayers(native_logits or aten_logits(model.get_output_embeddings()))
+    rows_record = question = None
+    products_bytes = sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.get_decoder().modules()
+        if type(m) is torch.nn.Linear
+    )
     if native is not None and linear_backend in ("auto", "native"):
         if linear_backend == "native":
             native_rows = num_slots
         else:
             margin = NATIVE_STEP_MARGIN if native_step else NATIVE_MARGIN
-            native_rows, record = choose_native_rows(
-                model, native, max_rows=num_slots, cache=calibration, margin=margin
+            native_rows, rows_record, question = choose_native_rows(
+                model,
+                native,
+                max_rows=num_slots,
+                cache=calibration,
+                margin=margin,
+                native_step=native_step,
             )
-            calibrations += [record] if record is not None else []
+            calibrations += [rows_record] if rows_record is not None else []
         if native_rows > 0:
             native_logits = install_native_fp32(model, native, native_rows)
-            return LinearLayers(
+            layers = LinearLayers(
                 native_logits or aten_logits(model.get_output_embeddings()), calibrations
             )
+            layers.watch = _watch(
+                model, native, layers, rows_record, question, calibration, products_bytes, 1.0
+            )
+            return layers
     backend, record = choose_linear_backend(
         model,
         "auto" if linear_backend == "native" else linear_backend,
@@ -109,7 +131,62 @@ def set_up_linears(
     logits = pack_linears(model, backend, max_rows=num_slots) or aten_logits(
         model.get_output_embeddings()
     )
-    return LinearLayers(logits, calibrations)
+    layers = LinearLayers(logits, calibrations)
+    stock_over_aten = 1.0
+    if backend == "onednn" and record is not None:
+        stock_over_aten = record.figures.get("onednn_over_aten", 1.0)
+    if native is not None:
+        layers.watch = _watch(
+            model, native, layers, rows_record, question, calibration, products_bytes,
+            stock_over_aten,
+        )  # fmt: skip
+    return layers
+
+
+def _watch(
+    model: Any,
+    kernels: NativeKernels,
+    layers: LinearLayers,
+    record: CalibrationRecord | None,
+    question: NativeRowsQuestion | None,
+    cache: CalibrationCache | None,
+    products_bytes: int,
+    stock_over_aten: float,
+) -> NativeRowsWatch | None:
+    """The steady-state check of a native-rows decision that was measured or read (a rule's
+    carries no timings to check)."""
+    if record is None or question is None or cache is None or record.source == "rule":
+        return None
+    natives = fp32_native_layers(model.get_decoder())
+    if isinstance(layers.logits, NativeLinear):
+        natives.append(layers.logits)
+    max_rows = int(question.fields["rows"])  # type: ignore[call-overload]
+    margin = float(question.fields["margin"])  # type: ignore[arg-type]
+
+    def retake() -> CalibrationRecord:
+        weights = streamed_native_weights(model.get_decoder())
+
+        def measure() -> Measurement:
+            return measure_native_rows(kernels, weights, max_rows, margin)
+
+        return cache.decide("native_rows", question.fields, measure, question.rule)
+
+    def apply(rows: int) -> bool:
+        for module in natives:
+            module.max_native_rows = rows
+        return bool(natives)
+
+    watch = NativeRowsWatch(
+        cache=cache,
+        question=question.fields,
+        record=record,
+        products_bytes=products_bytes,
+        stock_over_aten=stock_over_aten,
+        retake=retake if natives else None,
+        apply=apply,
+    )
+    watch.attach(model.get_decoder())
+    return watch
 
 
 def _installed_native_rows(model: Any) -> int | None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from torch import nn
 from slotserve.engine.core.fusion import FusedGatedMLP, QKVPart
 from slotserve.engine.core.kernels import NativeKernels
 from slotserve.engine.core.native_linear import NativeLinear
+from slotserve.engine.core.native_rows_watch import STEP_OBSERVER
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +129,8 @@ class NativeDecodeStep:
         if reason is not None:
             raise NotSupported(reason)
         self.kernels = kernels
+        # Decode-step timings for the calibration's steady-state check, if one is attached.
+        self.observe: Callable[[int, float], None] | None = getattr(decoder, STEP_OBSERVER, None)
         self.embed: nn.Module = decoder.embed_tokens
         self.rotary: nn.Module = decoder.rotary_emb
         heads = config.num_attention_heads
@@ -133,7 +138,7 @@ class NativeDecodeStep:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         norms: list[Any] = [decoder.norm]  # transformers' RMSNorm classes, not typed here
         layers = (StepLayer * len(decoder.layers))()
-        self.max_rows = 1 << 30
+        self._linears: list[NativeLinear] = []
         scales = set()
         for index, layer in enumerate(decoder.layers):
             attention, mlp = layer.self_attn, layer.mlp
@@ -146,8 +151,8 @@ class NativeDecodeStep:
                 _native(mlp.down_proj, "down_proj"),
             ]
             entry = layers[index]
+            self._linears += linears
             for slot, linear in enumerate(linears):
-                self.max_rows = min(self.max_rows, linear.max_native_rows)
                 entry.kind[slot] = KINDS[linear.format]
                 weight = linear.weight_fp32 if linear.format == "float32" else linear.q
                 entry.data[slot] = _pointer(weight)
@@ -186,6 +191,12 @@ class NativeDecodeStep:
         if tuple(k_cache[0].shape[1:]) != (kv_heads, self.struct.max_len, head_dim):
             raise NotSupported("the cache is not laid out [slots, kv_heads, max_len, head_dim]")
 
+    @property
+    def max_rows(self) -> int:
+        """The widest step run natively: the native layers' row limit (which a re-taken
+        calibration may change while the engine runs)."""
+        return min(linear.max_native_rows for linear in self._linears)
+
     def __call__(
         self, token_ids: list[int], positions: list[int], slots: list[int]
     ) -> torch.Tensor:
@@ -197,6 +208,7 @@ class NativeDecodeStep:
             raise ValueError("a slot or position outside the cache")
         if len(set(slots)) != len(slots):
             raise ValueError("two rows of one step in the same slot")
+        started = time.perf_counter()
         ids = torch.tensor(token_ids)
         positions_t = torch.tensor(positions)
         hidden = self.embed(ids).contiguous()  # a fresh tensor: the step overwrites it
@@ -209,6 +221,8 @@ class NativeDecodeStep:
             torch.tensor(slots),
             positions_t,
         )
+        if self.observe is not None:
+            self.observe(len(token_ids), time.perf_counter() - started)
         return hidden
 
 

@@ -16,14 +16,21 @@ from __future__ import annotations
 
 import logging
 import statistics
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord, Measurement
-from slotserve.engine.core.fusion import replace_linears
+from slotserve.engine.core.calibration import (
+    CalibrationCache,
+    CalibrationRecord,
+    Measurement,
+    Rule,
+    RunQueueWait,
+)
+from slotserve.engine.core.fusion import QKVPart, replace_linears
 from slotserve.engine.core.kernels import NativeKernels
 from slotserve.engine.core.linear import first_layer_linears, interleaved_timings
 
@@ -111,38 +118,69 @@ class NativeLinear(nn.Module):
         )
 
 
+Weights = list[tuple[torch.Tensor, torch.Tensor | None]]  # (fp32 weight [N, K], bias)
+
+
 @torch.inference_mode()
 def measure_native_rows(
-    kernels: NativeKernels, linears: list[nn.Linear], max_rows: int, margin: float = NATIVE_MARGIN
+    kernels: NativeKernels, weights: Weights, max_rows: int, margin: float = NATIVE_MARGIN
 ) -> Measurement:
-    """Up to how many rows the native fp32 products beat aten on these layers (0: never).
+    """One trial: up to how many rows the native fp32 products beat aten on these weights
+    (0: never).
 
     Row counts are tried from 1 upwards, interleaved round by round against aten and decided on
-    the median ratio; the first count where native/aten reaches ``margin`` ends the search.
+    the median ratio; the first count where native/aten reaches ``margin`` ends the search. The
+    figures hold each count's ratio and median milliseconds (``native_ms_<rows>``,
+    ``aten_ms_<rows>``) and the bytes timed, which the steady-state watch compares steps with.
     """
-    figures: dict[str, float] = {}
+    figures: dict[str, float] = {
+        "subset_mb": sum(w.numel() * w.element_size() for w, _ in weights) / 1e6
+    }
     best = 0
-    weights = [linear.weight.detach().contiguous() for linear in linears]
-    for rows in [r for r in ROW_STEPS if r <= max(1, max_rows)]:
-        inputs = [torch.randn(rows, linear.in_features) for linear in linears]
+    with RunQueueWait() as wait:
+        for rows in [r for r in ROW_STEPS if r <= max(1, max_rows)]:
+            inputs = [torch.randn(rows, weight.shape[1]) for weight, _ in weights]
 
-        def aten(inputs: list[torch.Tensor] = inputs) -> None:
-            for linear, x in zip(linears, inputs, strict=True):
-                linear(x)
+            def aten(inputs: list[torch.Tensor] = inputs) -> None:
+                for (weight, bias), x in zip(weights, inputs, strict=True):
+                    F.linear(x, weight, bias)
 
-        def native(inputs: list[torch.Tensor] = inputs) -> None:
-            for weight, x in zip(weights, inputs, strict=True):
-                kernels.gemm_f32(x, weight)
+            def native(inputs: list[torch.Tensor] = inputs) -> None:
+                for (weight, _), x in zip(weights, inputs, strict=True):
+                    kernels.gemm_f32(x, weight)
 
-        timings = interleaved_timings(aten, native, CALIBRATION_ROUNDS, 1)
-        ratio = statistics.median(n / a for a, n in timings)
-        figures[f"native_over_aten_{rows}"] = ratio
-        if ratio >= margin:
-            break
-        best = rows
+            timings = interleaved_timings(aten, native, CALIBRATION_ROUNDS, 1)
+            ratio = statistics.median(n / a for a, n in timings)
+            figures[f"native_over_aten_{rows}"] = ratio
+            figures[f"aten_ms_{rows}"] = statistics.median(a for a, _ in timings) * 1e3
+            figures[f"native_ms_{rows}"] = statistics.median(n for _, n in timings) * 1e3
+            if ratio >= margin:
+                break
+            best = rows
     choice = str(best)
-    logger.info("native fp32 products measured against aten %s: up to %s rows", figures, choice)
-    return Measurement(choice, figures)
+    logger.info(
+        "native fp32 products against aten (waited for a CPU %s of the time): up to %s rows %s",
+        "?" if wait.fraction is None else f"{wait.fraction:.0%}",
+        choice,
+        {name: round(value, 3) for name, value in figures.items()},
+    )
+    return Measurement(choice, figures, busy=wait.fraction)
+
+
+def native_rows_rule(kernels: NativeKernels, max_rows: int, native_step: bool) -> Rule:
+    """What the CPU's features say: with the SIMD kernels, native wins at decode sizes (on every
+    AVX2 machine measured: 0.3-0.6x aten's time at 1 row; with the whole step native, still
+    ahead at 32 rows), up to 32 rows with the native step and 8 without; the plain C products
+    never win. A measured count under a quarter of the rule's (or any, against a rule of none)
+    contradicts it widely."""
+    if not kernels.avx2:
+        return Rule("0", "no AVX2/FMA: the plain C products", lambda choice: int(choice) > 0)
+    rows = min(max_rows, 32 if native_step else 8)
+    return Rule(
+        str(rows),
+        "the SIMD kernels at decode sizes" + (", whole steps native" if native_step else ""),
+        lambda choice: int(choice) * 4 < rows,
+    )
 
 
 # Decode streams every layer's weights from memory; one layer's fit in cache, where a product
@@ -168,6 +206,34 @@ def streamed_linears(decoder: nn.Module) -> list[nn.Linear]:
     return found
 
 
+def fp32_native_layers(module: nn.Module) -> list[NativeLinear]:
+    """The fp32 :class:`NativeLinear` layers under ``module``, the fused q/k/v ones included
+    (their shared product is not a registered submodule)."""
+    found: dict[int, NativeLinear] = {}
+    for child in module.modules():
+        if isinstance(child, QKVPart):
+            child = child.shared.linear
+        if isinstance(child, NativeLinear) and child.weight_fp32 is not None:
+            found.setdefault(id(child), child)
+    return list(found.values())
+
+
+def streamed_native_weights(decoder: nn.Module) -> Weights:
+    """The fp32 native layers of the first layers (after :func:`install_native_fp32`), up to
+    :data:`CALIBRATION_BYTES`: what a decision taken again at run time is timed on."""
+    found: Weights = []
+    total = 0
+    for layer in getattr(decoder, "layers", []):
+        for native in fp32_native_layers(layer):
+            weight = native.weight_fp32
+            if weight is not None:
+                found.append((weight, native.bias))
+                total += weight.numel() * 4
+        if total >= CALIBRATION_BYTES:
+            break
+    return found
+
+
 def choose_native_rows(
     model: nn.Module,
     kernels: NativeKernels,
@@ -175,30 +241,42 @@ def choose_native_rows(
     max_rows: int,
     cache: CalibrationCache | None,
     margin: float = NATIVE_MARGIN,
-) -> tuple[int, CalibrationRecord | None]:
-    """Up to how many rows this model's fp32 products should run natively (0: none), measured
-    on its first layers (:func:`streamed_linears`) or read from the calibration cache; native
-    takes a row count where native/aten stays below ``margin``."""
+    native_step: bool = False,
+) -> tuple[int, CalibrationRecord | None, NativeRowsQuestion | None]:
+    """Up to how many rows this model's fp32 products should run natively (0: none), from
+    trials on its first layers (:func:`streamed_linears`) and the CPU-feature rule, or read
+    from the calibration cache; native takes a row count where native/aten stays below
+    ``margin``. Returns the question too, for the steady-state watch."""
     linears = streamed_linears(model.get_decoder())  # type: ignore[operator]
     if not linears:
-        return 0, None
-    question = {
-        "rows": max_rows,
-        "threads": torch.get_num_threads(),
-        "kernels": kernels.build.path.name,  # a new kernel build is measured anew
-        "shapes": [[linear.out_features, linear.in_features] for linear in linears],
-        "margin": margin,
-    }
+        return 0, None, None
+    question = NativeRowsQuestion(
+        {
+            "rows": max_rows,
+            "threads": torch.get_num_threads(),
+            "kernels": kernels.build.path.name,  # a new kernel build is measured anew
+            "shapes": [[linear.out_features, linear.in_features] for linear in linears],
+            "margin": margin,
+        },
+        native_rows_rule(kernels, max_rows, native_step),
+    )
+    weights: Weights = [(linear.weight.detach().contiguous(), linear.bias) for linear in linears]
 
     def measure() -> Measurement:
-        return measure_native_rows(kernels, linears, max_rows, margin)
+        return measure_native_rows(kernels, weights, max_rows, margin)
 
     if cache is None:
         measurement = measure()
         record = CalibrationRecord("native_rows", measurement.choice, "measured", 0.0)
     else:
-        record = cache.decide("native_rows", question, measure)
-    return int(record.choice), record
+        record = cache.decide("native_rows", question.fields, measure, question.rule)
+    return int(record.choice), record, question
+
+
+@dataclass(frozen=True)
+class NativeRowsQuestion:
+    fields: dict[str, object]
+    rule: Rule
 
 
 def install_native_fp32(
