@@ -35,7 +35,7 @@ __attribute__((constructor)) static void planted(void) {
     FILE *f = fopen("%s", "w");
     if (f) { fputs("ran", f); fclose(f); }
 }
-int slotserve_kernel_abi(void) { return 5; }
+int slotserve_kernel_abi(void) { return %d; }
 """
 
 
@@ -60,7 +60,7 @@ def marker(tmp_path: Path) -> Path:
 def planted(tmp_path: Path, marker: Path) -> Path:
     """A real shared library whose constructor writes ``marker`` when it is loaded."""
     source = tmp_path / "planted.c"
-    source.write_text(PLANTED_C % marker)
+    source.write_text(PLANTED_C % (marker, library.ABI))  # as the real one answers
     output = tmp_path / "planted.so"
     subprocess.run(
         [str(find_compiler()), "-shared", "-fPIC", "-o", str(output), str(source)], check=True

@@ -16,7 +16,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +49,46 @@ logger = logging.getLogger(__name__)
 GROUP_SIZE = 32  # int4 weights per (scale, minimum) pair: fixed by the C source
 
 
+class Scratch(ctypes.Structure):
+    """``struct scratch`` of qgemm.h: the workspace the C code carves its buffers from."""
+
+    _fields_ = [
+        ("base", ctypes.c_void_p),
+        ("size", ctypes.c_size_t),
+        ("used", ctypes.c_size_t),
+        ("needed", ctypes.c_size_t),
+    ]
+
+
+class Workspace(threading.local):
+    """The buffers of the kernels' calls on one thread (a runner steps on one thread, so this
+    is the runner's): one block, grown to what the largest call so far wanted and then reused,
+    so a steady-state step allocates nothing (the step's six activation buffers, the products'
+    per-thread panels, the one-row int4 product's quantized row, attention's scores)."""
+
+    def __init__(self) -> None:
+        self.scratch = Scratch()
+        self.pointer = ctypes.byref(self.scratch)
+        self.buffer: torch.Tensor | None = None
+
+    def begin(self) -> ctypes._CArgObject:
+        self.scratch.used = self.scratch.needed = 0
+        return self.pointer
+
+    def end(self) -> None:
+        """After a call: grow to what it wanted if the block was short (it used malloc)."""
+        needed = self.scratch.needed
+        if needed > self.scratch.size:
+            size = -(-needed * 5 // 4 // 65536) * 65536  # room to spare: fewer regrowths
+            self.buffer = torch.empty(size, dtype=torch.uint8)
+            self.scratch.base = self.buffer.data_ptr()
+            self.scratch.size = size
+
+    @property
+    def bytes(self) -> int:
+        return int(self.scratch.size)
+
+
 class NativeKernels:
     """The loaded library: ``y = x @ W.T`` for fp32, int8 and int4 weights (CPU tensors)."""
 
@@ -54,9 +96,9 @@ class NativeKernels:
         self.build: Build = loaded.build
         lib = loaded.library
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.slotserve_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, ptr, c_int]
-        lib.slotserve_gemm_q8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, c_int]
-        lib.slotserve_gemm_q4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, c_int]
+        lib.slotserve_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, ptr, c_int, ptr]
+        lib.slotserve_gemm_q8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, c_int, ptr]
+        lib.slotserve_gemm_q4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, c_int, ptr]
         for fn in (lib.slotserve_gemm_f32, lib.slotserve_gemm_q8, lib.slotserve_gemm_q4):
             fn.restype = c_int
         lib.slotserve_dequantize.argtypes = [c_int, ptr, ptr, ptr, i64, i64, ptr, c_int]
@@ -76,14 +118,21 @@ class NativeKernels:
             ctypes.c_float,
             ptr,
             c_int,
+            ptr,
         ]
         lib.slotserve_decode_attention.restype = c_int
-        lib.slotserve_llama_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, c_int]
+        lib.slotserve_llama_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, c_int, ptr]
         lib.slotserve_llama_step.restype = c_int
         lib.slotserve_kernel_set_isa.argtypes = [c_int]
         lib.slotserve_kernel_set_prefetch.argtypes = [i64]
         lib.slotserve_kernel_set_prefetch.restype = None
+        lib.slotserve_kernel_fallback_allocations.restype = ctypes.c_uint64
         self._lib = lib
+        self.workspace = Workspace()
+
+    def fallback_allocations(self) -> int:
+        """Buffers the C code took from malloc because a workspace was short (process-wide)."""
+        return int(self._lib.slotserve_kernel_fallback_allocations())
 
     @property
     def avx2(self) -> bool:
@@ -101,26 +150,30 @@ class NativeKernels:
 
     def gemm_f32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         m, k, out = self._begin(x, weight.shape[0])
-        _check(
-            self._lib.slotserve_gemm_f32(
-                x.data_ptr(), m, k, weight.data_ptr(), weight.shape[0], out.data_ptr(), _threads()
-            )
+        self._run(
+            self._lib.slotserve_gemm_f32,
+            x.data_ptr(),
+            m,
+            k,
+            weight.data_ptr(),
+            weight.shape[0],
+            out.data_ptr(),
+            _threads(),
         )
         return out
 
     def gemm_q8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         m, k, out = self._begin(x, q.shape[0])
-        _check(
-            self._lib.slotserve_gemm_q8(
-                x.data_ptr(),
-                m,
-                k,
-                q.data_ptr(),
-                scale.data_ptr(),
-                q.shape[0],
-                out.data_ptr(),
-                _threads(),
-            )
+        self._run(
+            self._lib.slotserve_gemm_q8,
+            x.data_ptr(),
+            m,
+            k,
+            q.data_ptr(),
+            scale.data_ptr(),
+            q.shape[0],
+            out.data_ptr(),
+            _threads(),
         )
         return out
 
@@ -128,18 +181,17 @@ class NativeKernels:
         self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
     ) -> torch.Tensor:
         m, k, out = self._begin(x, q.shape[0])
-        _check(
-            self._lib.slotserve_gemm_q4(
-                x.data_ptr(),
-                m,
-                k,
-                q.data_ptr(),
-                scale.data_ptr(),
-                minimum.data_ptr(),
-                q.shape[0],
-                out.data_ptr(),
-                _threads(),
-            )
+        self._run(
+            self._lib.slotserve_gemm_q4,
+            x.data_ptr(),
+            m,
+            k,
+            q.data_ptr(),
+            scale.data_ptr(),
+            minimum.data_ptr(),
+            q.shape[0],
+            out.data_ptr(),
+            _threads(),
         )
         return out
 
@@ -218,21 +270,20 @@ class NativeKernels:
         ):
             raise ValueError("decode_attention: tensors of the wrong shape, layout or dtype")
         out = torch.empty_like(q)
-        _check(
-            self._lib.slotserve_decode_attention(
-                q.data_ptr(),
-                k_cache.data_ptr(),
-                v_cache.data_ptr(),
-                rows,
-                kv_heads,
-                group,
-                d,
-                max_len,
-                lens.data_ptr(),
-                scale,
-                out.data_ptr(),
-                _threads(),
-            )
+        self._run(
+            self._lib.slotserve_decode_attention,
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            rows,
+            kv_heads,
+            group,
+            d,
+            max_len,
+            lens.data_ptr(),
+            scale,
+            out.data_ptr(),
+            _threads(),
         )
         return out
 
@@ -248,18 +299,25 @@ class NativeKernels:
         """One decode step of every layer of ``model`` (a ``StepModel`` from
         :mod:`slotserve.engine.core.native_decode`, which checks the shapes) on ``hidden``
         [rows, hidden] in place: embeddings in, final-normed hidden states out."""
-        _check(
-            self._lib.slotserve_llama_step(
-                ctypes.byref(model),
-                hidden.shape[0],
-                hidden.data_ptr(),
-                cos.data_ptr(),
-                sin.data_ptr(),
-                slots.data_ptr(),
-                positions.data_ptr(),
-                _threads(),
-            )
+        self._run(
+            self._lib.slotserve_llama_step,
+            ctypes.byref(model),
+            hidden.shape[0],
+            hidden.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            positions.data_ptr(),
+            _threads(),
         )
+
+    def _run(self, function: Any, *args: object) -> None:
+        """Call ``function(*args, workspace)``: the C code's buffers come from this thread's
+        workspace, grown after a call that found it short."""
+        workspace = self.workspace
+        status = function(*args, workspace.begin())
+        workspace.end()
+        _check(status)
 
     @staticmethod
     def _begin(x: torch.Tensor, n: int) -> tuple[int, int, torch.Tensor]:

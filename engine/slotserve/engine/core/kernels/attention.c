@@ -9,6 +9,7 @@
  * dimensions at a time with the accumulators in registers.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -159,7 +160,8 @@ static void head_avx2(const float *query, const float *keys, const float *values
 
 int slotserve_attend(const float *q, const float *k, const float *v, int64_t rows,
                      const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
-                     int64_t max_len, const int64_t *lens, float scale, float *out, int threads) {
+                     int64_t max_len, const int64_t *lens, float scale, float *out, int threads,
+                     struct scratch *s) {
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && d % 8 == 0;
     int64_t longest = 1, work = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -172,14 +174,18 @@ int slotserve_attend(const float *q, const float *k, const float *v, int64_t row
      * engine's spinning OpenMP workers; the first version's 1M kept a 4-row step at 128
      * positions on one thread). */
     const int team = work < (1 << 17) ? 1 : threads;
-    int failed = 0;
+    /* Each thread's scores for one (row, kv head): group * longest floats, 64-byte aligned. */
+    const size_t per_thread = (sizeof(float) * (size_t)(group * longest) + 63) & ~(size_t)63;
+    const size_t mark = scratch_mark(s);
+    void *owned = NULL;
+    char *all_scores = scratch_take(s, per_thread * (size_t)team, &owned);
+    if (all_scores == NULL) {
+        scratch_release(s, mark);
+        return -1;
+    }
 #pragma omp parallel num_threads(team)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * longest));
-        if (scores == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *scores = (float *)(all_scores + per_thread * (size_t)omp_get_thread_num());
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < rows * kv_heads; task++) {
             const int64_t r = task / kv_heads, h = task % kv_heads;
@@ -187,7 +193,7 @@ int slotserve_attend(const float *q, const float *k, const float *v, int64_t row
             const int64_t len = lens[r] < max_len ? lens[r] : max_len;
             const float *query = q + (r * kv_heads + h) * group * d;
             float *dst = out + (r * kv_heads + h) * group * d;
-            if (len <= 0 || scores == NULL) {
+            if (len <= 0) {
                 memset(dst, 0, sizeof(float) * (size_t)(group * d));
                 continue;
             }
@@ -196,14 +202,16 @@ int slotserve_attend(const float *q, const float *k, const float *v, int64_t row
             if (avx2) head_avx2(query, keys, values, len, d, group, scale, scores, dst);
             else head_c(query, keys, values, len, d, group, scale, scores, dst);
         }
-        free(scores);
     }
-    return failed ? -1 : 0;
+    free(owned);
+    scratch_release(s, mark);
+    return 0;
 }
 
 int slotserve_decode_attention(const float *q, const float *k, const float *v, int64_t rows,
                                int64_t kv_heads, int64_t group, int64_t d, int64_t max_len,
-                               const int64_t *lens, float scale, float *out, int threads) {
+                               const int64_t *lens, float scale, float *out, int threads,
+                               struct scratch *s) {
     return slotserve_attend(q, k, v, rows, NULL, kv_heads, group, d, max_len, lens, scale, out,
-                            threads);
+                            threads, s);
 }

@@ -58,7 +58,7 @@ HEADERS = (HERE / "qgemm.h",)
 # No -march: the library runs on any CPU of its machine type; wider instructions live in
 # functions of their own (target attributes), chosen at run time from cpuid.
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
-ABI = 5
+ABI = 6
 # The instruction sets the library has code for (besides plain C), part of its key.
 TARGETS = ("avx2,fma",)
 PREBUILT = HERE / "prebuilt"

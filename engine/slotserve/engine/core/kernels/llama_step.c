@@ -110,10 +110,10 @@ static void rope(float *head, const float *cos, const float *sin, int64_t d) {
 }
 
 static int product(const struct step_layer *layer, int which, const float *x, int64_t m,
-                   int64_t k, int64_t n, float *y, int threads) {
+                   int64_t k, int64_t n, float *y, int threads, struct scratch *s) {
     struct weights w = {(enum kind)layer->kind[which], layer->data[which], layer->scale[which],
                         layer->minimum[which]};
-    if (slotserve_gemm_weights(x, m, k, w, n, y, threads) != 0) return -1;
+    if (slotserve_gemm_weights(x, m, k, w, n, y, threads, s) != 0) return -1;
     const float *bias = layer->bias[which];
     if (bias != NULL)
         for (int64_t i = 0; i < m; i++)
@@ -124,20 +124,24 @@ static int product(const struct step_layer *layer, int which, const float *x, in
 /* x [m, hidden]: the rows' embeddings in, their final-normed hidden states out. Row i is the
  * token at positions[i] of the sequence in cache row slots[i]; its keys and values are written
  * there and it attends to positions [0, positions[i]]. cos, sin: [m, head_dim].
- * Returns 0, or -1 when a buffer could not be allocated (x then holds no result). */
+ * Buffers come from the caller's workspace `s` (see qgemm.h): a step allocates nothing once it
+ * is large enough. Returns 0, or -1 when a buffer could not be allocated (x then holds no result). */
 int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, const float *cos,
                          const float *sin, const int64_t *slots, const int64_t *positions,
-                         int threads) {
+                         int threads, struct scratch *s) {
     const int64_t hidden = model->hidden, d = model->head_dim;
     const int64_t nq = model->heads * d, nkv = model->kv_heads * d, inter = model->intermediate;
     const int64_t nqkv = nq + 2 * nkv, group = model->heads / model->kv_heads;
     const size_t widest = (size_t)(nqkv > 2 * inter ? nqkv : 2 * inter);
-    float *normed = malloc(sizeof(float) * (size_t)(m * hidden));
-    float *wide = malloc(sizeof(float) * (size_t)m * widest);
-    float *query = malloc(sizeof(float) * (size_t)(m * nq));
-    float *attended = malloc(sizeof(float) * (size_t)(m * nq));
-    float *narrow = malloc(sizeof(float) * (size_t)(m * (hidden > inter ? hidden : inter)));
-    int64_t *lens = malloc(sizeof(int64_t) * (size_t)m);
+    const size_t mark = scratch_mark(s);
+    void *owned[6] = {NULL};
+    float *normed = scratch_take(s, sizeof(float) * (size_t)(m * hidden), &owned[0]);
+    float *wide = scratch_take(s, sizeof(float) * (size_t)m * widest, &owned[1]);
+    float *query = scratch_take(s, sizeof(float) * (size_t)(m * nq), &owned[2]);
+    float *attended = scratch_take(s, sizeof(float) * (size_t)(m * nq), &owned[3]);
+    float *narrow = scratch_take(
+        s, sizeof(float) * (size_t)(m * (hidden > inter ? hidden : inter)), &owned[4]);
+    int64_t *lens = scratch_take(s, sizeof(int64_t) * (size_t)m, &owned[5]);
     int status = -1;
     if (!normed || !wide || !query || !attended || !narrow || !lens) goto done;
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && hidden % 8 == 0 && inter % 8 == 0;
@@ -148,7 +152,7 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
         for (int64_t i = 0; i < m; i++)
             rms_norm(x + i * hidden, layer->input_norm, hidden, model->eps, normed + i * hidden,
                      avx2);
-        if (product(layer, QKV, normed, m, hidden, nqkv, wide, threads)) goto done;
+        if (product(layer, QKV, normed, m, hidden, nqkv, wide, threads, s)) goto done;
         for (int64_t i = 0; i < m; i++) {
             float *row = wide + i * nqkv;
             const float *c = cos + i * d, *s = sin + i * d;
@@ -164,22 +168,22 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
             memcpy(query + i * nq, row, sizeof(float) * (size_t)nq);
         }
         if (slotserve_attend(query, layer->k_cache, layer->v_cache, m, slots, model->kv_heads,
-                             group, d, model->max_len, lens, model->scale, attended, threads))
+                             group, d, model->max_len, lens, model->scale, attended, threads, s))
             goto done;
-        if (product(layer, O, attended, m, nq, hidden, narrow, threads)) goto done;
+        if (product(layer, O, attended, m, nq, hidden, narrow, threads, s)) goto done;
         for (int64_t j = 0; j < m * hidden; j++) x[j] += narrow[j];
 
         for (int64_t i = 0; i < m; i++)
             rms_norm(x + i * hidden, layer->post_attention_norm, hidden, model->eps,
                      normed + i * hidden, avx2);
-        if (product(layer, GATE_UP, normed, m, hidden, 2 * inter, wide, threads)) goto done;
+        if (product(layer, GATE_UP, normed, m, hidden, 2 * inter, wide, threads, s)) goto done;
         for (int64_t i = 0; i < m; i++) {
             const float *gate = wide + i * 2 * inter, *up = gate + inter;
             float *act = narrow + i * inter;
             if (avx2) silu_mul_avx2(gate, up, inter, act);
             else silu_mul_c(gate, up, inter, act);
         }
-        if (product(layer, DOWN, narrow, m, inter, hidden, normed, threads)) goto done;
+        if (product(layer, DOWN, narrow, m, inter, hidden, normed, threads, s)) goto done;
         for (int64_t j = 0; j < m * hidden; j++) x[j] += normed[j];
     }
     for (int64_t i = 0; i < m; i++) {
@@ -188,6 +192,7 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
     memcpy(x, normed, sizeof(float) * (size_t)(m * hidden));
     status = 0;
 done:
-    free(normed), free(wide), free(query), free(attended), free(lens), free(narrow);
+    for (int i = 0; i < 6; i++) free(owned[i]);
+    scratch_release(s, mark);
     return status;
 }

@@ -38,7 +38,7 @@
 #define PANEL 4
 #define GROUP 32
 
-int slotserve_kernel_abi(void) { return 5; }
+int slotserve_kernel_abi(void) { return 6; }
 
 static int use_avx2 = -1;
 
@@ -60,6 +60,40 @@ int slotserve_kernel_set_isa(int avx2) {
     if (avx2 && slotserve_kernel_isa()) return 1;
     use_avx2 = 0;
     return 0;
+}
+
+/* ---- the workspace ------------------------------------------------------------------------ */
+
+/* Buffers that came from malloc because a workspace was missing or short (tests read it: a
+ * steady-state step must add none). */
+static uint64_t fallback_allocations = 0;
+
+uint64_t slotserve_kernel_fallback_allocations(void) {
+    return __atomic_load_n(&fallback_allocations, __ATOMIC_RELAXED);
+}
+
+void *scratch_take(struct scratch *s, size_t bytes, void **owned) {
+    bytes = (bytes + 63) & ~(size_t)63;
+    *owned = NULL;
+    if (s != NULL && s->base != NULL && s->used + bytes <= s->size) {
+        void *at = s->base + s->used;
+        s->used += bytes;
+        return at;
+    }
+    if (s != NULL) {
+        /* Counted on, so that `needed` becomes what the whole call wanted. */
+        s->used += bytes;
+        if (s->used > s->needed) s->needed = s->used;
+    }
+    __atomic_add_fetch(&fallback_allocations, 1, __ATOMIC_RELAXED);
+    *owned = aligned_alloc(64, bytes);
+    return *owned;
+}
+
+size_t scratch_mark(const struct scratch *s) { return s == NULL ? 0 : s->used; }
+
+void scratch_release(struct scratch *s, size_t mark) {
+    if (s != NULL) s->used = mark;
 }
 
 /* How far ahead of the weights being multiplied their successors are prefetched, in bytes.
@@ -527,18 +561,23 @@ void slotserve_quantize_q4(const float *w, int64_t n, int64_t k, uint8_t *q, flo
 #if HAVE_AVX2_CODE
 /* One row against quantized weights (k a multiple of 32), channels in dynamic chunks. */
 static int gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n, float *y,
-                          int threads) {
+                          int threads, struct scratch *s) {
     const int64_t groups = k / GROUP;
     float *xsum = NULL, *xs = NULL;
     int16_t *xq = NULL;
+    void *owned = NULL;
+    const size_t mark = scratch_mark(s);
     if (w.kind == Q4) {
-        xsum = malloc(sizeof(float) * (size_t)groups);
-        xs = malloc(sizeof(float) * (size_t)groups);
-        xq = malloc(sizeof(int16_t) * (size_t)k);
-        if (xsum == NULL || xs == NULL || xq == NULL) {
-            free(xsum), free(xs), free(xq);
+        /* One buffer: the row as int16 [k], its steps and sums [groups] each. */
+        const size_t xq_bytes = ((sizeof(int16_t) * (size_t)k + 63) & ~(size_t)63);
+        char *buffer = scratch_take(s, xq_bytes + 2 * sizeof(float) * (size_t)groups, &owned);
+        if (buffer == NULL) {
+            scratch_release(s, mark);
             return -1;
         }
+        xq = (int16_t *)buffer;
+        xs = (float *)(buffer + xq_bytes);
+        xsum = xs + groups;
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = x + g * GROUP;
             float total = 0.0f, amax = 0.0f;
@@ -565,29 +604,37 @@ static int gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n
             y[c] = row_q4_avx2(xq, xs, xsum, (const uint8_t *)w.data + c * (k / 2),
                                w.scale + c * groups, w.minimum + c * groups, k);
     }
-    free(xsum), free(xs), free(xq);
+    free(owned);
+    scratch_release(s, mark);
     return 0;
 }
 #endif
 
 int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights w, int64_t n,
-                           float *y, int threads) {
+                           float *y, int threads, struct scratch *s) {
     const int avx2 = slotserve_kernel_isa() && k % 8 == 0;
     const int64_t panels = (n + PANEL - 1) / PANEL;
     const int64_t panels_ahead = (channels_ahead(w.kind, k) + PANEL - 1) / PANEL;
 #if HAVE_AVX2_CODE
-    if (avx2 && m == 1 && w.kind != F32) return gemv_quantized(x, k, w, n, y, threads);
+    if (avx2 && m == 1 && w.kind != F32) return gemv_quantized(x, k, w, n, y, threads, s);
 #endif
-    int failed = 0;
+    /* A quantized panel is unpacked into a buffer of each thread's own: PANEL * k floats (a
+     * multiple of 64 bytes, as k % 32 == 0). */
+    const size_t panel_bytes = sizeof(float) * PANEL * (size_t)k;
+    const size_t mark = scratch_mark(s);
+    void *owned = NULL;
+    char *buffers = NULL;
+    if (w.kind != F32) {
+        buffers = scratch_take(s, panel_bytes * (size_t)threads, &owned);
+        if (buffers == NULL) {
+            scratch_release(s, mark);
+            return -1;
+        }
+    }
 #pragma omp parallel num_threads(threads)
     {
         float *buffer = NULL;
-        /* aligned_alloc wants a multiple of the alignment: PANEL * k floats with k % 32 == 0. */
-        if (w.kind != F32) buffer = aligned_alloc(64, sizeof(float) * PANEL * (size_t)k);
-        if (w.kind != F32 && buffer == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        if (buffers != NULL) buffer = (float *)(buffers + panel_bytes * (size_t)omp_get_thread_num());
         /* Guided chunks: large ones first (few grabs of the shared counter), then smaller, so
          * that a thread the OS has descheduled (another process on the core) leaves the tail to
          * the others instead of holding the whole call at the barrier. Dynamic chunks of 8
@@ -598,7 +645,6 @@ int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights 
             const int64_t n0 = p * PANEL;
             const int64_t rows = n - n0 < PANEL ? n - n0 : PANEL;
             const float *panel;
-            if (w.kind != F32 && buffer == NULL) continue;
             /* A panel some way ahead (see ahead_bytes): its bytes arrive while this one is
              * unpacked and multiplied. fp32 panels are prefetched inside dot_panel_avx2. */
             if (w.kind != F32 && panels_ahead > 0 && p + panels_ahead + 1 < panels)
@@ -629,21 +675,22 @@ int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights 
                 dot_panel_c(x, m, k, panel, rows, y + n0, n);
             }
         }
-        free(buffer);
     }
-    return failed ? -1 : 0;
+    free(owned);
+    scratch_release(s, mark);
+    return 0;
 }
 
 int slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
-                       float *y, int threads) {
+                       float *y, int threads, struct scratch *s) {
     struct weights weights = {F32, w, NULL, NULL};
-    return slotserve_gemm_weights(x, m, k, weights, n, y, threads);
+    return slotserve_gemm_weights(x, m, k, weights, n, y, threads, s);
 }
 
 int slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w,
-                      const float *scale, int64_t n, float *y, int threads) {
+                      const float *scale, int64_t n, float *y, int threads, struct scratch *s) {
     struct weights weights = {Q8, w, scale, NULL};
-    return slotserve_gemm_weights(x, m, k, weights, n, y, threads);
+    return slotserve_gemm_weights(x, m, k, weights, n, y, threads, s);
 }
 
 /* Whole weights back to fp32 (out: [N,K]), for products with many rows (prefill), where a
@@ -676,8 +723,8 @@ void slotserve_dequantize(int kind, const void *data, const float *scale, const 
 /* k must be a multiple of 32 (both quantized formats). */
 int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w,
                       const float *scale, const float *minimum, int64_t n, float *y,
-                      int threads) {
+                      int threads, struct scratch *s) {
     struct weights weights = {Q4, w, scale, minimum};
-    return slotserve_gemm_weights(x, m, k, weights, n, y, threads);
+    return slotserve_gemm_weights(x, m, k, weights, n, y, threads, s);
 }
 

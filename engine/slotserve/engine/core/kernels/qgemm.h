@@ -12,16 +12,32 @@ struct weights {
     const float *minimum;/* Q4: [N, K/32] */
 };
 
+/* A caller's workspace (one per runner, owned by Python): buffers are carved from it front to
+ * back and given back in reverse, so a step allocates nothing. When it is too small (the first
+ * call of a larger shape), a buffer comes from malloc instead, `needed` records the size the
+ * whole call wanted, and the caller grows the workspace for the next call. */
+struct scratch {
+    char *base;
+    size_t size, used, needed;
+};
+
+/* `bytes` (rounded up to 64) from `s` (which may be NULL), else from aligned_alloc; *owned is
+ * what to free() afterwards (NULL when it came from the workspace). NULL: out of memory. */
+void *scratch_take(struct scratch *s, size_t bytes, void **owned);
+size_t scratch_mark(const struct scratch *s);
+void scratch_release(struct scratch *s, size_t mark);
+
 /* y[m,n] = x[m,k] . W[n,k]^T; returns 0, or -1 when a buffer could not be allocated. */
 int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights w, int64_t n,
-                           float *y, int threads);
+                           float *y, int threads, struct scratch *s);
 
 /* Softmax attention of one query token per row over cache row slots[r] (r itself when slots is
  * NULL), positions [0, lens[r]); q and out [rows, kv_heads, group, d]; caches [slots, kv_heads,
  * max_len, d]. Returns 0, or -1 when a buffer could not be allocated. */
 int slotserve_attend(const float *q, const float *k, const float *v, int64_t rows,
                      const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
-                     int64_t max_len, const int64_t *lens, float scale, float *out, int threads);
+                     int64_t max_len, const int64_t *lens, float scale, float *out, int threads,
+                     struct scratch *s);
 
 int slotserve_kernel_isa(void);
 
