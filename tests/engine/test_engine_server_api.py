@@ -40,20 +40,19 @@ def test_completion_defaults_match_openai():
     [("hi", "hi"), (["hi"], "hi"), ([1, 2, 3], [1, 2, 3]), ([[4, 5]], [4, 5])],
 )
 def test_one_prompt_in_any_openai_shape(prompt, expected):
-    assert parse(CompletionRequest, model="m", prompt=prompt).single_prompt == expected
+    assert parse(CompletionRequest, model="m", prompt=prompt).prompts == [expected]
 
 
-def test_batched_prompts_are_refused():
-    message, param, _ = refusal(CompletionRequest, '{"model":"m","prompt":["a","b"]}')
-    assert param == "prompt"
-    assert "one request per prompt" in message
+def test_batched_prompts_are_read_as_a_batch():
+    # Served since issue 28 (lm-eval batches prompts): tests/engine/test_engine_echo_logprobs.py
+    assert parse(CompletionRequest, model="m", prompt=["a", "b"]).prompts == ["a", "b"]
+    assert parse(CompletionRequest, model="m", prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
 
 
 # logprobs, penalties, logit_bias and n are supported now: tests/engine/test_engine_openai_*.py
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"echo": True}, "echo"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "x"}, "suffix"),
     ],
@@ -100,7 +99,7 @@ def test_harmless_fields_are_accepted():
         ('{"model":"m","prompt":"x","temperature":"hot"}', "temperature", "invalid_value"),
         ('{"model":"m","prompt":"x","temperature":2.5}', "temperature", "invalid_value"),
         ('{"model":"m","prompt":"x","top_p":0}', "top_p", "invalid_value"),
-        ('{"model":"m","prompt":"x","max_tokens":0}', "max_tokens", "invalid_value"),
+        ('{"model":"m","prompt":"x","max_tokens":-1}', "max_tokens", "invalid_value"),
         ('{"model":"m","prompt":"x","max_tokens":"5"}', "max_tokens", "invalid_value"),
         ('{"model":"m","prompt":"x","max_tokens":true}', "max_tokens", "invalid_value"),
         ('{"model":"m","prompt":"x","stream":"yes"}', "stream", "invalid_value"),

@@ -225,8 +225,20 @@ class LLMEngine:
                 # A stop token adds no text, so it has no logprobs entry either (as OpenAI).
                 if sampled is not None and output.token_ids and not self._is_stop_token(chunk.seq):
                     output.logprobs = [self._token_texts.decode(sampled)]
+                if isinstance(sample, int) and chunk.seq.num_generated_tokens == 1:
+                    self._attach_prompt_logprobs(chunk.seq, output)
                 outputs.append(output)
         return outputs
+
+    def _attach_prompt_logprobs(self, seq: Sequence, output: RequestOutput) -> None:
+        """The prompt's logprobs ride on the first token's output (all computed by then)."""
+        if seq.prompt_logprobs is None:
+            return
+        decode = self._token_texts.decode_prompt
+        output.prompt_logprobs = [
+            None if entry is None else decode(entry) for entry in seq.prompt_logprobs
+        ]
+        output.prompt_tokens = [self._token_texts(token_id) for token_id in seq.prompt_token_ids]
 
     def _is_stop_token(self, seq: Sequence) -> bool:
         params = seq.params

@@ -30,12 +30,34 @@ class SampledLogprobs:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's logprob under the model's raw distribution (the prefill's logits at
+    the position before it; no sampling settings apply), its rank (1: the most likely) and the
+    ``prompt_logprobs`` most likely (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
 class TokenLogprobs:
     """One output token's logprobs with texts, as the engine hands them to the HTTP layer."""
 
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
+class PromptTokenLogprobs(TokenLogprobs):
+    """A prompt token's logprobs with texts, and the ids and rank vLLM's ``prompt_logprobs``
+    shape carries."""
+
+    token_id: int = 0
+    rank: int = 1
+    top_ids: tuple[int, ...] = ()
 
 
 def finite(logprob: float) -> float:
@@ -61,6 +83,16 @@ class TokenTexts:
             token=self(sampled.token_id),
             logprob=finite(sampled.logprob),
             top=tuple((self(token_id), finite(lp)) for token_id, lp in sampled.top),
+        )
+
+    def decode_prompt(self, entry: PromptLogprob) -> PromptTokenLogprobs:
+        return PromptTokenLogprobs(
+            token=self(entry.token_id),
+            logprob=finite(entry.logprob),
+            top=tuple((self(token_id), finite(lp)) for token_id, lp in entry.top),
+            token_id=entry.token_id,
+            rank=entry.rank,
+            top_ids=tuple(token_id for token_id, _ in entry.top),
         )
 
 

@@ -68,6 +68,15 @@ class SamplingParams(BaseModel):
         le=MAX_LOGPROBS,
         description="Return the token's logprob and this many top.",
     )
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description=(
+            "Return each prompt token's logprob (the first: none) and this many top, from the "
+            "prefill's logits; the prompt is then computed whole (no prefix-cache reuse)."
+        ),
+    )
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = Field(default=1.0, description="HF/vLLM; 1 = off.")

@@ -98,10 +98,10 @@ class SlotPrefixCache:
         """The slot for ``seq`` among ``free_slots`` (not empty), and what it can reuse.
 
         At most all tokens but the last are reused: the step must compute the last one to
-        sample from its logits.
+        sample from its logits (fewer with prompt logprobs: ``Sequence.max_reusable_tokens``).
         """
         token_ids = seq.token_ids
-        limit = len(token_ids) - 1
+        limit = seq.max_reusable_tokens
         matches = {slot: self._match(slot, token_ids, limit) for slot in range(len(self._owners))}
         best_free = max(free_slots, key=lambda slot: (matches[slot], -slot))
         best_any = max(matches, key=lambda slot: (matches[slot], slot in free_slots, -slot))
@@ -125,7 +125,7 @@ class SlotPrefixCache:
         is served before anyone is admitted), so the wait ends.
         """
         token_ids = seq.token_ids
-        limit = len(token_ids) - 1
+        limit = seq.max_reusable_tokens
         owners = [owner for owner in self._owners if owner is not None]
         if not owners:
             return False

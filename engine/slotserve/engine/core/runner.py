@@ -26,6 +26,7 @@ from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
 from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.core.native_decode import native_step, step_eligible
 from slotserve.engine.core.prefix_cache import SlotCopy
+from slotserve.engine.core.prompt_logprobs import record_prompt_logprobs
 from slotserve.engine.core.protocols import Tokenizer
 from slotserve.engine.core.quantize import preflight
 from slotserve.engine.core.sampling import Sampler
@@ -219,6 +220,8 @@ class ModelRunner:
             hidden, sample_index = self._native_decode(chunks)
         else:
             hidden, sample_index = self._transformers_forward(chunks)
+        if any(chunk.seq.prompt_logprobs is not None for chunk in chunks):
+            record_prompt_logprobs(chunks, hidden, self.logits)  # from this forward's rows
         if not sample_index:
             return []
         index = torch.tensor(sample_index, device=self.device)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from slotserve.engine.core.logprobs import PromptLogprob
 from slotserve.engine.core.params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -72,10 +73,34 @@ class Sequence:
     # Step number (1-based) at which the sequence was last admitted to a slot; for tests/plots.
     admitted_step: int | None = None
     finished_step: int | None = None
+    # With ``params.prompt_logprobs``: one entry per prompt token, filled by the runner from the
+    # prefill's logits (entry 0 stays None: nothing predicts the first token).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    # The first prompt token whose logprob is still missing (== num_prompt_tokens: all there).
+    num_prompt_logprobs_done: int = 1
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+        else:
+            self.num_prompt_logprobs_done = self.num_prompt_tokens
+
+    @property
+    def max_reusable_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache instead of being computed.
+
+        At most all but the last (the step computes it to sample from its logits); with prompt
+        logprobs still missing, none past the first of them: the logprob of token ``i`` comes
+        from the logits at position ``i - 1``, and a cached row holds keys and values, not
+        logits. So a request with prompt logprobs computes its prompt whole (its row is then
+        cached for the next requests as usual), and once they are all in (after a preemption)
+        it reuses like any other.
+        """
+        if self.num_prompt_logprobs_done >= self.num_prompt_tokens:
+            return len(self.token_ids) - 1
+        return self.num_prompt_logprobs_done - 1
 
     @property
     def num_tokens(self) -> int:

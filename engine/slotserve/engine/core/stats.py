@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from slotserve.contracts.pool_spec import BatchingPolicy
 from slotserve.engine.core.calibration import CalibrationRecord
-from slotserve.engine.core.logprobs import TokenLogprobs
+from slotserve.engine.core.logprobs import PromptTokenLogprobs, TokenLogprobs
 from slotserve.engine.core.sequence import FinishReason, Sequence, SequenceError
 
 
@@ -51,6 +51,10 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: SequenceError | None = None  # with finish_reason "error": why, for the client
     logprobs: list[TokenLogprobs] | None = None  # one per token of ``text``, when asked for
+    # With ``prompt_logprobs``, on the request's first token's output: one entry per prompt
+    # token (the first None) and each prompt token's text.
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
+    prompt_tokens: list[str] | None = None
 
 
 @dataclass(frozen=True)

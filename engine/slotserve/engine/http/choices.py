@@ -34,8 +34,10 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 class Choices:
     """The streams of one request's choices, merged into ``(index, output)`` pairs."""
 
-    def __init__(self, streams: list[RequestStream]) -> None:
+    def __init__(self, streams: list[RequestStream], per_prompt: int | None = None) -> None:
         self.streams = streams
+        # Choices per prompt: a batch of prompts has its choices prompt by prompt.
+        self.per_prompt = per_prompt or len(streams)
         self.finished = [False] * len(streams)
         # Each choice's last output (its metrics place it in the request's trace).
         self.final_outputs: list[RequestOutput | None] = [None] * len(streams)
@@ -50,16 +52,36 @@ class Choices:
         n: int,
     ) -> Choices:
         """Add all ``n`` or none: if one add raises, the ones added are aborted at once."""
-        ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        return cls.add_batch(engine, request_id, [(prompt, params)], n)
+
+    @classmethod
+    def add_batch(
+        cls,
+        engine: AsyncEngine,
+        request_id: str,
+        prompts: list[tuple[str | list[int], SamplingParams]],
+        n: int,
+    ) -> Choices:
+        """``n`` choices for each prompt, prompt by prompt (choice ``i`` of prompt ``p`` is at
+        index ``p * n + i``, as OpenAI numbers a batch). All or none are added."""
+        one = len(prompts) == 1
         streams: list[RequestStream] = []
         try:
-            for choice_id, choice in zip(ids, choice_params(params, n), strict=True):
-                streams.append(engine.add_request(choice_id, prompt, choice))
+            for p, (prompt, params) in enumerate(prompts):
+                base = request_id if one else f"{request_id}-{p}"
+                ids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+                for choice_id, choice in zip(ids, choice_params(params, n), strict=True):
+                    streams.append(engine.add_request(choice_id, prompt, choice))
         except BaseException:
             for stream in streams:
                 engine.abort(stream.request_id)
             raise
-        return cls(streams)
+        return cls(streams, n)
+
+    def num_prompt_tokens(self, outputs: list[RequestOutput]) -> int:
+        """The prompt tokens of a request whose choices' outputs are ``outputs`` (by index): each
+        prompt counted once, as OpenAI does."""
+        return sum(output.num_prompt_tokens for output in outputs[:: self.per_prompt])
 
     def record(self, state: ServerState, index: int, output: RequestOutput) -> None:
         self.finished[index] = True

@@ -149,17 +149,29 @@ class SamplingRequest(RequestModel):
         raise NotImplementedError
 
 
+# A batch of prompts in one completion request: OpenAI's bound on the list.
+MAX_PROMPTS = 2048
+
+
 class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``: one prompt (text or token ids) per request."""
+    """``POST /v1/completions``: one prompt (text or token ids) or a batch of them.
+
+    A batch is answered as OpenAI does: ``n`` choices per prompt, choice ``i`` of prompt ``p``
+    at index ``p * n + i``. ``echo`` puts the prompt before each choice's text; with
+    ``logprobs`` the prompt tokens get theirs too (the first one ``null``). ``max_tokens: 0``
+    with ``echo`` scores the prompt without generating (what lm-evaluation-harness sends).
+    ``prompt_logprobs`` is vLLM's field: each choice carries the prompt's logprobs in vLLM's
+    shape (token id -> logprob, rank, decoded token).
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: MaxTokens | None = 16
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's legacy limit
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     best_of: int | None = None
     suffix: str | None = None
 
-    _check_echo = field_validator("echo")(_reject_unless(lambda v: not v, "is not supported"))
     _check_best_of = field_validator("best_of")(
         _reject_unless(lambda v: v in (None, 1), "must be 1 (best_of is not supported)")
     )
@@ -169,23 +181,23 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(
+    def _prompt_shape(
         cls, value: str | list[int] | list[str] | list[list[int]]
-    ) -> str | list[int]:
-        if isinstance(value, str):
-            return value
-        if value and isinstance(value[0], str | list):
-            if len(value) != 1:
-                raise ValueError(
-                    "'prompt' must be one prompt: batches of prompts are not supported; "
-                    "send one request per prompt"
-                )
-            return value[0]
-        return value  # type: ignore[return-value]
+    ) -> str | list[int] | list[str] | list[list[int]]:
+        batch = isinstance(value, list) and value and isinstance(value[0], str | list)
+        if batch and len(value) > MAX_PROMPTS:
+            raise ValueError(f"'prompt' allows at most {MAX_PROMPTS} prompts in one request")
+        return value
 
     @property
-    def single_prompt(self) -> str | list[int]:
-        return self.prompt  # type: ignore[return-value]  # normalised by _single_prompt
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or the batch."""
+        value = self.prompt
+        if isinstance(value, str):
+            return [value]
+        if value and isinstance(value[0], str | list):
+            return list(value)
+        return [value]  # type: ignore[list-item]  # list[int]: one prompt of token ids
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -193,6 +205,15 @@ class CompletionRequest(SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """How many top alternatives the prompt tokens need (echo + logprobs, or vLLM's
+        ``prompt_logprobs``; the larger of the two), or None: the prompt is not scored."""
+        wanted = [
+            k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None
+        ]
+        return max(wanted) if wanted else None
 
 
 class TextPart(RequestModel):

@@ -10,11 +10,13 @@ from pydantic import BaseModel
 
 from slotserve.engine.core.logprobs import (
     CompletionLogprobs,
+    PromptTokenLogprobs,
     TokenLogprobs,
     chat_logprobs,
     completion_logprobs,
 )
 from slotserve.engine.core.sequence import FinishReason
+from slotserve.engine.core.stats import RequestOutput
 from slotserve.engine.http.openai_responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -24,6 +26,7 @@ from slotserve.engine.http.openai_responses import (
     ChatMessageOut,
     CompletionChoice,
     CompletionResponse,
+    PromptLogprobEntry,
     Usage,
 )
 
@@ -57,6 +60,14 @@ class OutputFormat:
         """Bytes sent as soon as the stream opens (chat announces the assistant role)."""
         return b""
 
+    def observe(self, index: int, output: RequestOutput) -> None:
+        """Sees every output of choice ``index`` before it is written (echo keeps the prompt's
+        logprobs from the first one)."""
+
+    def has_pending(self, index: int) -> bool:
+        """Whether choice ``index`` has something to send even with no new text (the echo)."""
+        return False
+
     def chunk(
         self,
         text: str,
@@ -75,7 +86,45 @@ class OutputFormat:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """A prompt as ``echo`` writes it before each of its choices: its text, and where each of
+    its tokens starts in that text (for ``text_offset``; None when no logprobs are asked)."""
+
+    text: str
+    offsets: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class CompletionOptions:
+    """What a completion request asks beyond plain text: see ``CompletionRequest``."""
+
+    echo: list[EchoedPrompt] | None = None  # one per prompt
+    per_prompt: int = 1  # choices per prompt (n)
+    score_only: bool = False  # max_tokens 0: the prompt alone, its generated token dropped
+    num_logprobs: int | None = None  # ``logprobs``
+    num_prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs``
+
+
 class CompletionFormat(OutputFormat):
+    def __init__(
+        self, request_id: str, model: str, options: CompletionOptions | None = None
+    ) -> None:
+        super().__init__(request_id, model)
+        self.options = options or CompletionOptions()
+        # Per choice: the prompt's tokens and logprobs (from its first output), and whether the
+        # prompt part (echo, vLLM's prompt_logprobs) has been written.
+        self._prompt: dict[int, tuple[list[str], list[PromptTokenLogprobs | None]]] = {}
+        self._prompt_sent: set[int] = set()
+
+    def observe(self, index: int, output: RequestOutput) -> None:
+        if output.prompt_logprobs is not None and output.prompt_tokens is not None:
+            self._prompt[index] = (output.prompt_tokens, output.prompt_logprobs)
+
+    def has_pending(self, index: int) -> bool:
+        wants_prompt = self.options.echo is not None or self.options.num_prompt_logprobs is not None
+        return wants_prompt and index not in self._prompt_sent
+
     def _body(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
         return CompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
@@ -90,6 +139,89 @@ class CompletionFormat(OutputFormat):
         self.text_offset[index] += sum(len(entry.token) for entry in logprobs)
         return out
 
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: FinishReason | None,
+        logprobs: list[TokenLogprobs] | None,
+    ) -> CompletionChoice:
+        options = self.options
+        if options.score_only:  # the one token sampled to end the prefill is not the answer
+            text, logprobs = "", ([] if logprobs is not None else None)
+            finish_reason = "length" if finish_reason is not None else None
+        choice_logprobs = None
+        prompt_logprobs = None
+        if index not in self._prompt_sent:
+            self._prompt_sent.add(index)
+            echo = options.echo[index // options.per_prompt] if options.echo else None
+            if echo is not None:
+                self.text_offset[index] = len(echo.text)
+                text = echo.text + text
+                if options.num_logprobs is not None:
+                    choice_logprobs = self._echo_logprobs(index, echo, options.num_logprobs)
+            if options.num_prompt_logprobs is not None:
+                prompt_logprobs = self._vllm_prompt_logprobs(index, options.num_prompt_logprobs)
+        generated = self._logprobs(logprobs, index)
+        if choice_logprobs is not None and generated is not None:
+            choice_logprobs = CompletionLogprobs(
+                tokens=choice_logprobs.tokens + generated.tokens,
+                token_logprobs=choice_logprobs.token_logprobs + generated.token_logprobs,
+                top_logprobs=choice_logprobs.top_logprobs + generated.top_logprobs,
+                text_offset=choice_logprobs.text_offset + generated.text_offset,
+            )
+        return CompletionChoice(
+            index=index,
+            text=text,
+            finish_reason=finish_reason,
+            logprobs=choice_logprobs if choice_logprobs is not None else generated,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _prompt_of(self, index: int) -> tuple[list[str], list[PromptTokenLogprobs | None]]:
+        try:
+            return self._prompt[index]
+        except KeyError:
+            raise RuntimeError(f"no prompt logprobs for choice {index}") from None
+
+    def _echo_logprobs(self, index: int, echo: EchoedPrompt, k: int) -> CompletionLogprobs:
+        """The prompt's part of ``logprobs``: the first token's logprob is null (nothing
+        predicts it), as in OpenAI's and vLLM's answers."""
+        tokens, entries = self._prompt_of(index)
+        offsets = echo.offsets or cumulative_offsets(tokens)
+        return CompletionLogprobs(
+            tokens=list(tokens),
+            token_logprobs=[None if e is None else e.logprob for e in entries],
+            top_logprobs=[
+                None if e is None else {**dict(e.top[:k]), e.token: e.logprob} for e in entries
+            ],
+            text_offset=list(offsets),
+        )
+
+    def _vllm_prompt_logprobs(
+        self, index: int, k: int
+    ) -> list[dict[str, PromptLogprobEntry] | None]:
+        _tokens, entries = self._prompt_of(index)
+        out: list[dict[str, PromptLogprobEntry] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            item = {
+                str(entry.token_id): PromptLogprobEntry(
+                    logprob=entry.logprob, rank=entry.rank, decoded_token=entry.token
+                )
+            }
+            for rank, (token_id, (token, logprob)) in enumerate(
+                zip(entry.top_ids[:k], entry.top[:k], strict=True), start=1
+            ):
+                item.setdefault(
+                    str(token_id),
+                    PromptLogprobEntry(logprob=logprob, rank=rank, decoded_token=token),
+                )
+            out.append(item)
+        return out
+
     def chunk(
         self,
         text: str,
@@ -97,31 +229,32 @@ class CompletionFormat(OutputFormat):
         logprobs: list[TokenLogprobs] | None = None,
         index: int = 0,
     ) -> bytes:
-        choice = CompletionChoice(
-            index=index,
-            text=text,
-            finish_reason=finish_reason,
-            logprobs=self._logprobs(logprobs, index),
-        )
-        return sse_event(self._body([choice], None))
+        return sse_event(self._body([self._choice(index, text, finish_reason, logprobs)], None))
+
+    def _usage(self, num_prompt_tokens: int, num_generated_tokens: int) -> Usage:
+        return Usage.of(num_prompt_tokens, 0 if self.options.score_only else num_generated_tokens)
 
     def usage_chunk(self, num_prompt_tokens: int, num_generated_tokens: int) -> bytes:
-        return sse_event(self._body([], Usage.of(num_prompt_tokens, num_generated_tokens)))
+        return sse_event(self._body([], self._usage(num_prompt_tokens, num_generated_tokens)))
 
     def response(
         self, choices: list[ChoiceOutput], num_prompt_tokens: int, num_generated_tokens: int
     ) -> str:
         out = [
-            CompletionChoice(
-                index=index,
-                text=choice.text,
-                finish_reason=choice.finish_reason,
-                logprobs=self._logprobs(choice.logprobs, index),
-            )
+            self._choice(index, choice.text, choice.finish_reason, choice.logprobs)
             for index, choice in enumerate(choices)
         ]
-        usage = Usage.of(num_prompt_tokens, num_generated_tokens)
+        usage = self._usage(num_prompt_tokens, num_generated_tokens)
         return self._body(out, usage).model_dump_json()
+
+
+def cumulative_offsets(tokens: list[str]) -> list[int]:
+    """Each token's start when the texts of the tokens before it are laid end to end."""
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return offsets
 
 
 class ChatFormat(OutputFormat):

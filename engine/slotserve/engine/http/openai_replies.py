@@ -64,6 +64,7 @@ async def collect(
     logprobs: list[list[TokenLogprobs] | None] = [[] if wants_logprobs else None for _ in range(n)]
     finals: list[RequestOutput | None] = [None] * n
     async for index, output in choices.outputs():
+        fmt.observe(index, output)
         texts[index].append(output.text)
         if (entries := logprobs[index]) is not None and output.logprobs:
             entries.extend(output.logprobs)
@@ -80,7 +81,7 @@ async def collect(
             ChoiceOutput("".join(text), final.finish_reason, entries)
             for text, final, entries in zip(texts, done, logprobs, strict=True)
         ],
-        done[0].num_prompt_tokens,  # the prompt is counted once, as OpenAI does
+        choices.num_prompt_tokens(done),  # each prompt counted once, as OpenAI does
         sum(final.num_generated_tokens for final in done),
     )
     return web.json_response(text=body, headers=slot_headers(engine.stats()))
@@ -110,8 +111,9 @@ async def stream_sse(
                 await response.write(first)
         num_prompt_tokens = num_generated_tokens = 0
         async for index, output in choices.outputs():
+            fmt.observe(index, output)
             if not output.finished:
-                if output.text or output.logprobs:
+                if output.text or output.logprobs or fmt.has_pending(index):
                     await response.write(fmt.chunk(output.text, None, output.logprobs, index))
                 continue
             choices.record(state, index, output)
@@ -124,7 +126,8 @@ async def stream_sse(
             await response.write(
                 fmt.chunk(output.text, output.finish_reason, output.logprobs, index)
             )
-            num_prompt_tokens = output.num_prompt_tokens
+            if index % choices.per_prompt == 0:  # each prompt counted once
+                num_prompt_tokens += output.num_prompt_tokens
             num_generated_tokens += output.num_generated_tokens
         if include_usage:
             await response.write(fmt.usage_chunk(num_prompt_tokens, num_generated_tokens))

@@ -30,11 +30,23 @@ class Usage(BaseModel):
         )
 
 
+class PromptLogprobEntry(BaseModel):
+    """One token of vLLM's ``prompt_logprobs``: its logprob, rank and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's: per prompt token (the first null), token id -> entry; only when asked for.
+    prompt_logprobs: list[dict[str, PromptLogprobEntry] | None] | None = Field(
+        default=None, exclude_if=_is_none
+    )
 
 
 class CompletionResponse(BaseModel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
@@ -22,6 +23,7 @@ from slotserve.engine.core.params import SamplingParams, check_min_tokens
 from slotserve.engine.core.structured import GrammarError
 from slotserve.engine.core.tokenize import PromptTooLongError, TokenizerUnavailableError
 from slotserve.engine.http.choices import Choices
+from slotserve.engine.http.echo import echoed_prompts
 from slotserve.engine.http.http_state import (
     STATE,
     ApiError,
@@ -35,11 +37,16 @@ from slotserve.engine.http.openai_api import (
     SamplingRequest,
     describe_validation_error,
 )
-from slotserve.engine.http.openai_format import ChatFormat, CompletionFormat, OutputFormat
+from slotserve.engine.http.openai_format import (
+    ChatFormat,
+    CompletionFormat,
+    CompletionOptions,
+    OutputFormat,
+)
 from slotserve.engine.http.openai_replies import collect, stream_sse
 from slotserve.engine.http.openai_responses import ModelCard, ModelList
 from slotserve.engine.http.structured_request import check_requested_grammar
-from slotserve.engine.http.tool_calls import check_tool_schemas, plan_tools
+from slotserve.engine.http.tool_calls import ToolPlan, check_tool_schemas, plan_tools
 from slotserve.engine.http.tool_format import ToolChatFormat
 from slotserve.engine.http.tracing import record_request_phases
 
@@ -60,20 +67,75 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = _admit(state)
     body = await _parse_body(request, CompletionRequest, state)
     _check_model(engine, body.model, state)
-    prompt = await _encode(engine, state, body.single_prompt)
+    prompts = [await _encode(engine, state, prompt) for prompt in body.prompts]
     max_tokens = body.requested_max_tokens()
     if "max_tokens" not in body.model_fields_set:
         max_tokens = engine.engine.generation_defaults.max_tokens or max_tokens
-    if max_tokens is None:  # explicit null: as many tokens as fit
-        max_tokens = engine.limits.room_after(len(prompt))
-    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", engine.model_name)
-    return await _generate(request, state, engine, body, prompt, max_tokens, fmt)
+    # max_tokens 0 (with echo: lm-eval's scoring request) generates nothing; the engine still
+    # samples one token to end the prefill, and that token is dropped from the answer.
+    score_only = max_tokens == 0
+    if score_only:
+        _check_scorable(engine, state, prompts)
+    if max_tokens is None:  # explicit null: as many tokens as fit, per prompt
+        lengths = [engine.limits.room_after(len(prompt)) for prompt in prompts]
+    else:
+        lengths = [max(max_tokens, 1)] * len(prompts)
+    options = CompletionOptions(
+        echo=(await echoed_prompts(engine, body, prompts)) if body.echo else None,
+        per_prompt=body.n,
+        score_only=score_only,
+        num_logprobs=body.logprobs,
+        num_prompt_logprobs=body.prompt_logprobs,
+    )
+    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", engine.model_name, options)
+    batch = list(zip(prompts, lengths, strict=True))
+    return await _generate(request, state, engine, body, batch, fmt)
+
+
+def _check_scorable(engine: AsyncEngine, state: ServerState, prompts: list[list[int]]) -> None:
+    """A prompt scored with max_tokens 0 still ends its prefill with one sampled token."""
+    for prompt in prompts:
+        if len(prompt) >= engine.max_model_len:
+            state.metrics.reject("invalid")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {engine.max_model_len} tokens; the "
+                f"prompt has {len(prompt)} tokens, and scoring it (max_tokens 0) needs one "
+                "position more",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine = _admit(state)
     body = await _parse_body(request, ChatCompletionRequest, state)
+    return await run_chat(request, state, engine, body)
+
+
+FormatFactory = Callable[[str, ToolPlan], OutputFormat]
+
+
+def chat_format(engine: AsyncEngine) -> FormatFactory:
+    def make(request_id: str, tools: ToolPlan) -> OutputFormat:
+        if tools.parses:
+            return ToolChatFormat(request_id, engine.model_name, tools)
+        return ChatFormat(request_id, engine.model_name)
+
+    return make
+
+
+async def run_chat(
+    request: web.Request,
+    state: ServerState,
+    engine: AsyncEngine,
+    body: ChatCompletionRequest,
+    make_format: FormatFactory | None = None,
+    id_prefix: str = "chatcmpl-",
+) -> web.StreamResponse:
+    """A chat request through the template, the tools and the engine; the answer is written by
+    ``make_format`` (chat completions by default; the Responses API writes its own)."""
     _check_model(engine, body.model, state)
     try:
         tools = plan_tools(
@@ -89,13 +151,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     room = engine.limits.room_after(len(prompt))
     default_max_tokens = engine.engine.generation_defaults.max_tokens
     max_tokens = body.requested_max_tokens() or min(default_max_tokens or room, room)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    fmt = (
-        ToolChatFormat(request_id, engine.model_name, tools)
-        if tools.parses
-        else ChatFormat(request_id, engine.model_name)
-    )
-    return await _generate(request, state, engine, body, prompt, max_tokens, fmt, tools.grammar())
+    request_id = f"{id_prefix}{uuid.uuid4().hex}"
+    fmt = (make_format or chat_format(engine))(request_id, tools)
+    batch = [(prompt, max_tokens)]
+    return await _generate(request, state, engine, body, batch, fmt, tools.grammar())
 
 
 def _admit(state: ServerState) -> AsyncEngine:
@@ -196,6 +255,7 @@ def _sampling_params(
         check_min_tokens(body.min_tokens, max_tokens)
     except ValueError as error:
         raise ApiError(400, str(error), param="min_tokens", code="invalid_value") from error
+    prompt_logprobs = body.num_prompt_logprobs if isinstance(body, CompletionRequest) else None
     try:
         return SamplingParams.model_validate(
             {
@@ -206,6 +266,7 @@ def _sampling_params(
                 "stop_token_ids": body.stop_token_ids or [],
                 "ignore_eos": body.ignore_eos,
                 "logprobs": body.num_logprobs,
+                "prompt_logprobs": prompt_logprobs,
                 "presence_penalty": body.presence_penalty,
                 "frequency_penalty": body.frequency_penalty,
                 "logit_bias": body.logit_bias_ids,
@@ -222,12 +283,17 @@ async def _generate(
     state: ServerState,
     engine: AsyncEngine,
     body: SamplingRequest,
-    prompt: str | list[int],
-    max_tokens: int,
+    batch: list[tuple[list[int], int]],
     fmt: OutputFormat,
     tool_grammar: tuple[str, str] | None = None,
 ) -> web.StreamResponse:
-    params = _sampling_params(body, max_tokens, engine.engine.generation_defaults)
+    """Run ``body.n`` choices of each (prompt, max_tokens) of ``batch`` and write the answer."""
+    defaults = engine.engine.generation_defaults
+    params_of: dict[int, SamplingParams] = {}
+    for _prompt, max_tokens in batch:
+        if max_tokens not in params_of:
+            params_of[max_tokens] = _sampling_params(body, max_tokens, defaults)
+    params = next(iter(params_of.values()))
     try:
         engine.limits.check_logit_bias(params.logit_bias)
     except InvalidRequestError as error:
@@ -238,10 +304,17 @@ async def _generate(
         state.metrics.reject("invalid")
         raise ApiError(400, str(error), param=error.param, code="invalid_value") from error
     if grammar is not None:
-        params = params.model_copy(update={"grammar": grammar})
+        params_of = {
+            key: value.model_copy(update={"grammar": grammar}) for key, value in params_of.items()
+        }
     try:
         engine.limits.check_num_choices(body.n)
-        choices = Choices.add(engine, fmt.request_id, prompt, params, body.n)
+        choices = Choices.add_batch(
+            engine,
+            fmt.request_id,
+            [(prompt, params_of[max_tokens]) for prompt, max_tokens in batch],
+            body.n,
+        )
     except InvalidRequestError as error:
         state.metrics.reject("invalid")
         raise ApiError(400, error.message, param=error.param, code="invalid_value") from error
