@@ -104,13 +104,20 @@ class PromptTokenizer:
     def check_num_tokens(self, num_tokens: int, param: str) -> None:
         _check_num_tokens(num_tokens, self.max_model_len, param)
 
-    async def encode(self, text: str, *, param: str = "prompt") -> list[int]:
-        """A completion prompt's ids, with the tokenizer's special tokens (BOS and the like)."""
+    async def encode(
+        self, text: str, *, param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
+        """A completion prompt's ids, with the tokenizer's special tokens (BOS and the like)
+        unless ``add_special_tokens`` is False."""
         self.check_num_chars(len(text), param)
-        return await self._run(_encode, text, True, param)
+        return await self._run(_encode, text, add_special_tokens, param)
 
     async def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """The ids of a conversation (and its tools) rendered by the model's chat template,
         ready to answer."""
@@ -122,7 +129,9 @@ class PromptTokenizer:
             )
         # The template adds to the messages' text, never takes from it: a cheap first bound.
         self.check_num_chars(sum(len(m.get("content") or "") for m in messages), "messages")
-        return await self._run(_encode_chat, messages, self.max_prompt_chars, tools)
+        return await self._run(
+            _encode_chat, messages, self.max_prompt_chars, tools, add_generation_prompt
+        )
 
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
@@ -230,11 +239,12 @@ def _encode_chat(
     messages: list[dict[str, Any]],
     max_prompt_chars: int,
     tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     assert _worker is not None, "the pool initializer sets the worker"
     try:
         text = _worker.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as error:  # jinja raises for conversations the template refuses
         raise ChatTemplateError(f"chat template error: {error}", param="messages") from None

@@ -35,6 +35,8 @@ from slotserve.engine.http.http_state import (
     slot_headers,
 )
 from slotserve.engine.http.openai_routes import chat_completions, completions, models
+from slotserve.engine.http.responses_routes import responses
+from slotserve.engine.http.tokenize_routes import detokenize, tokenize, tokenizer_info
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
 from slotserve.tracing import install_tracing, shutdown_provider
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 # Requests still running when the drain deadline passes are aborted; their handlers then get
 # this long to send the final bytes before the server closes.
 ABORT_GRACE_SECONDS = 5.0
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 T = TypeVar("T")
 
 
@@ -72,6 +74,10 @@ def create_app(
     app.cleanup_ctx.append(_engine_lifecycle)
     app.router.add_post(COMPLETION_PATHS[0], completions)
     app.router.add_post(COMPLETION_PATHS[1], chat_completions)
+    app.router.add_post(COMPLETION_PATHS[2], responses)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
