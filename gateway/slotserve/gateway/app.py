@@ -46,6 +46,12 @@ from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub
 from slotserve.gateway.metrics import GatewayMetrics
 from slotserve.gateway.proxy import ProxyContext
 from slotserve.gateway.settings import GatewaySettings
+from slotserve.gateway.tokenize_proxy import (
+    TOKENIZER_INFO_PATH,
+    TOKENIZER_PATHS,
+    tokenizer_info,
+    tokenizer_post,
+)
 from slotserve.tracing import install_tracing
 
 if TYPE_CHECKING:
@@ -53,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # Probes never carry credentials; /metrics joins them unless metrics_require_api_key is set.
 PROBE_PATHS = frozenset({"/health", "/ready"})
 
@@ -269,5 +275,9 @@ def create_app(
     app.router.add_get("/v1/models", list_models)
     for path in COMPLETION_PATHS:
         app.router.add_post(path, completions)
+    # vLLM's tokenizer endpoints: no slot taken, so no admission (tokenize_proxy.py).
+    for path in TOKENIZER_PATHS:
+        app.router.add_post(path, tokenizer_post)
+    app.router.add_get(TOKENIZER_INFO_PATH, tokenizer_info)
     install_tracing(app, tracer_provider, "slotserve.gateway", COMPLETION_PATHS)
     return app

@@ -1,0 +1,83 @@
+"""lm-evaluation-harness (pinned) in a venv of its own, for the client tests.
+
+Its ~35 dependencies (datasets, pyarrow, pandas, scikit-learn, nltk, ...; ~150 MB of wheels)
+stay out of the project's .venv: the venv lives in the slotserve cache folder, is built once per
+machine (a few minutes; later runs reuse it), and sees the project's .venv through a ``.pth``
+file, so torch and transformers are the project's pinned ones (installed with the project's
+constraints, nothing of them is downloaded again). The ``.pth`` is rewritten on every use: a CI
+clone's .venv sits in another folder than the one that built the venv.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from slotserve.settings import CommonSettings
+
+LM_EVAL = "lm-eval[api]==0.4.13"
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = Path(__file__).with_name("lm_eval_tasks")
+
+
+class LmEvalUnavailableError(RuntimeError):
+    """The venv could not be built (no registry reachable): the tests skip, saying why."""
+
+
+def lm_eval_venv() -> Path:
+    """The venv's folder, built on first use (raises LmEvalUnavailableError when it cannot be)."""
+    venv = CommonSettings().home / "venvs" / "lm-eval-0.4.13"
+    python = venv / "bin" / "python"
+    stamp = venv / ".installed"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    _link_project_venv(venv)
+    if not stamp.exists():
+        result = subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+             "-c", str(ROOT / "constraints.txt"), LM_EVAL],
+            capture_output=True, text=True, timeout=1500,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise LmEvalUnavailableError(
+                f"pip install {LM_EVAL} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+            )
+        stamp.write_text(LM_EVAL + "\n")
+    return venv
+
+
+def _link_project_venv(venv: Path) -> None:
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    project_site = sysconfig.get_paths()["purelib"]
+    (site / "slotserve-project.pth").write_text(project_site + "\n")
+
+
+def run_lm_eval(venv: Path, model_args: str, out: Path, tasks: str, timeout: float = 600) -> Path:
+    """``lm-eval run`` offline on the shipped tasks; returns the folder of its samples."""
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(out / "datasets-cache"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    argv = [
+        str(venv / "bin" / "lm-eval"), "run",
+        "--model", "local-completions",
+        "--model_args", model_args,
+        "--batch_size", "4",
+        "--tasks", tasks,
+        "--include_path", str(TASKS),
+        "--output_path", str(out),
+        "--log_samples",
+    ]  # fmt: skip
+    result = subprocess.run(
+        argv, cwd=TASKS, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"lm-eval failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    (folder,) = [path for path in out.iterdir() if path.is_dir() and path.name != "datasets-cache"]
+    return folder
