@@ -48,7 +48,9 @@ from rich.table import Table
 from step_cost import interleaved_step_ms
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from slotserve.engine.core.kernels import load_kernels
 from slotserve.models.resolve import resolve_model
+from slotserve.settings import CommonSettings
 
 MODES = ("none", "int8", "int4")
 # (mode, batch, baseline, minimum ratio): issue 16's targets on decode tokens/s.
@@ -310,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         "quality_window": window,
         "quality_step": STEP,
         "load_average_at_start": os.getloadavg(),
+        # Which instruction set the native kernels ran (the widest this CPU has).
+        "native_kernels_isa": load_kernels(CommonSettings().home).isa,
     }
+    print(f"native kernels: {report['native_kernels_isa']}")
     print(f"1. load, quantize, quality on {len(token_ids)} tokens (windows {window}, step {STEP})")
     models, runs = load_modes(source, args.quantization, reference, token_ids, window)
     device = torch.device("cpu")

@@ -1,6 +1,7 @@
 """Decode step cost by batch size, the batch sizes' steps interleaved in one process.
 
     .venv/bin/python bench/step_cost.py --model smollm2 [--batches 1 4 8 32] [--rounds 64]
+        [--isa plain_c|avx2_fma|avx512]
 
 The argument for continuous batching is that a decode step costs about the same for 1 or 4
 sequences. Tokens/s measured one batch size after another moves with the machine (a shared
@@ -26,8 +27,10 @@ from pathlib import Path
 
 from engine_bench import Bench, decode_prompt, greedy, make_engine
 
+from slotserve.engine.core.kernels import ISAS, load_kernels
 from slotserve.engine.core.runner import load_model, pick_device, pick_dtype
 from slotserve.models.resolve import resolve_model
+from slotserve.settings import CommonSettings
 
 
 def interleaved_step_ms(bench: Bench, batches: list[int], rounds: int) -> dict[int, float]:
@@ -56,7 +59,15 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 32])
     parser.add_argument("--rounds", type=int, default=64, help="steps per batch size")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--isa",
+        choices=ISAS,
+        help="run the native kernels with this instruction set (default: the widest this CPU has)",
+    )
     args = parser.parse_args()
+    kernels = load_kernels(CommonSettings().home)
+    isa = kernels.set_isa(args.isa or ISAS[-1])
+    print(f"native kernels: {isa} (this CPU: {', '.join(kernels.supported_isas)})")
     device = pick_device("auto")
     model, tokenizer = load_model(resolve_model(args.model), device, pick_dtype("auto", device))
     bench = Bench(model, tokenizer, None, [], device, slots=max(args.batches))
@@ -67,7 +78,8 @@ def main() -> int:
         print(f"  batch {batch:>3}: {ms:6.1f} ms a step{ratio}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"model": args.model, "step_ms": step_ms}, indent=2))
+        figures = {"model": args.model, "native_kernels_isa": isa, "step_ms": step_ms}
+        args.out.write_text(json.dumps(figures, indent=2))
     return 0
 
 

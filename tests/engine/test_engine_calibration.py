@@ -202,7 +202,8 @@ def test_explicit_backends_calibrate_nothing(tmp_path):
         linear_backend="aten",
         calibration=CalibrationCache(tmp_path, CPU_A),
     )
-    assert r.calibrations == []
+    # Only the report of the kernels loaded (decode attention still runs on them).
+    assert [c.name for c in r.calibrations] == ["native_kernels"]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -250,10 +251,12 @@ def test_the_native_row_count_is_measured_once_and_followed(tmp_path, monkeypatc
         o_proj = r.model.model.layers[0].self_attn.o_proj
         if rows:
             assert isinstance(o_proj, NativeLinear) and o_proj.max_native_rows == rows
-            assert len(r.calibrations) == 1
+            assert [c.name for c in r.calibrations] == ["native_rows", "native_kernels"]
         else:  # native never won: the oneDNN-or-aten choice follows
             assert not isinstance(o_proj, NativeLinear)
-            assert r.calibrations[1].name == "linear_backend"
+            names = [c.name for c in r.calibrations]
+            assert names == ["native_rows", "linear_backend", "native_kernels"]
+        assert r.calibrations[-1].choice == r.native.isa  # which instruction set runs
 
 
 @pytest.mark.parametrize(("native_decode", "margin"), [(True, 1.10), (False, 0.95)])

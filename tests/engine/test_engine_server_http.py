@@ -138,9 +138,13 @@ def test_model_list_and_slot_headers(client, engine):
     assert load["mean_request_seconds"] > 0
     # linear_backend=auto was decided at load (measured, or read from the calibration cache):
     # up to how many rows the native kernels run, and oneDNN-or-aten when that is none.
+    # And the native kernels' instruction set (avx512, avx2_fma or plain_c).
     names = [c["name"] for c in load["calibrations"]]
-    assert names in (["native_rows"], ["native_rows", "linear_backend"])
-    assert (names == ["native_rows"]) == (load["calibrations"][0]["choice"] != "0")
+    assert names in (
+        ["native_rows", "native_kernels"],
+        ["native_rows", "linear_backend", "native_kernels"],
+    )
+    assert (len(names) == 2) == (load["calibrations"][0]["choice"] != "0")
 
 
 def test_openai_client_raises_on_errors(client):

@@ -120,6 +120,7 @@ def set_up_linears(
             layers.watch = _watch(
                 model, native, layers, rows_record, question, calibration, products_bytes, 1.0
             )
+            layers.calibrations.append(kernels_record(native))
             return layers
     backend, record = choose_linear_backend(
         model,
@@ -136,6 +137,7 @@ def set_up_linears(
     if backend == "onednn" and record is not None:
         stock_over_aten = record.figures.get("onednn_over_aten", 1.0)
     if native is not None:
+        layers.calibrations.append(kernels_record(native))
         layers.watch = _watch(
             model, native, layers, rows_record, question, calibration, products_bytes,
             stock_over_aten,
@@ -197,17 +199,23 @@ def _installed_native_rows(model: Any) -> int | None:
     return None
 
 
+def kernels_record(kernels: NativeKernels) -> CalibrationRecord:
+    """What the native kernels cost at load (compiled, or loaded from the image or the cache)
+    and which instruction set they run (``avx512``, ``avx2_fma`` or ``plain_c``)."""
+    return CalibrationRecord(
+        "native_kernels",
+        kernels.isa,
+        "built" if kernels.build.compiled else "cached",
+        kernels.build.seconds,
+    )
+
+
 def _quantized(
     model: Any, quantization: Literal["int8", "int4"], kernels: NativeKernels
 ) -> LinearLayers:
     report = quantize_model(model, quantization, kernels)
     records = [
-        CalibrationRecord(
-            "native_kernels",
-            "avx2_fma" if kernels.avx2 else "plain_c",
-            "built" if kernels.build.compiled else "cached",
-            kernels.build.seconds,
-        ),
+        kernels_record(kernels),
         CalibrationRecord(
             "quantization",
             quantization,

@@ -35,6 +35,7 @@ from slotserve.engine.core.kernels.library import (
 __all__ = [
     "ABI",
     "GROUP_SIZE",
+    "ISAS",
     "Build",
     "KernelUnavailable",
     "NativeKernels",
@@ -47,6 +48,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # int4 weights per (scale, minimum) pair: fixed by the C source
+# The C code's instruction-set levels (ISA_C, ISA_AVX2, ISA_AVX512 in qgemm.h), by name.
+ISAS = ("plain_c", "avx2_fma", "avx512")
 
 
 class Scratch(ctypes.Structure):
@@ -124,6 +127,7 @@ class NativeKernels:
         lib.slotserve_llama_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, c_int, ptr]
         lib.slotserve_llama_step.restype = c_int
         lib.slotserve_kernel_set_isa.argtypes = [c_int]
+        lib.slotserve_kernel_set_isa.restype = c_int
         lib.slotserve_kernel_set_prefetch.argtypes = [i64]
         lib.slotserve_kernel_set_prefetch.restype = None
         lib.slotserve_kernel_fallback_allocations.restype = ctypes.c_uint64
@@ -135,13 +139,29 @@ class NativeKernels:
         return int(self._lib.slotserve_kernel_fallback_allocations())
 
     @property
+    def isa(self) -> str:
+        """The instruction set the kernels run: ``avx512`` (the fp32 panel products 512 bits
+        wide, the rest AVX2/FMA), ``avx2_fma`` or ``plain_c``."""
+        return ISAS[self._lib.slotserve_kernel_isa()]
+
+    @property
+    def supported_isas(self) -> list[str]:
+        """Every instruction set this CPU can run the kernels with, narrowest first."""
+        return list(ISAS[: self._lib.slotserve_kernel_supported_isa() + 1])
+
+    def set_isa(self, isa: str) -> str:
+        """Run ``isa``, or the widest this CPU has below it (tests, benchmarks); returns it."""
+        return ISAS[self._lib.slotserve_kernel_set_isa(ISAS.index(isa))]
+
+    @property
     def avx2(self) -> bool:
-        """Whether the products run the AVX2/FMA code (else the plain C one)."""
-        return bool(self._lib.slotserve_kernel_isa())
+        """Whether the kernels run SIMD code (AVX2/FMA or wider), else the plain C one."""
+        return self.isa != "plain_c"
 
     def set_avx2(self, enabled: bool) -> bool:
-        """Use the AVX2 code if ``enabled`` and the CPU has it (tests); returns what is used."""
-        return bool(self._lib.slotserve_kernel_set_isa(int(enabled)))
+        """The widest code this CPU has if ``enabled``, else plain C; returns :attr:`avx2`."""
+        self.set_isa(ISAS[-1] if enabled else "plain_c")
+        return self.avx2
 
     def set_prefetch(self, distance: int | None) -> None:
         """Prefetch weights ``distance`` bytes ahead of the products (0: off; None: the
@@ -355,6 +375,10 @@ def load_kernels(home: Path) -> NativeKernels:
         built.path,
         built.origin,
         built.seconds,
-        "AVX2/FMA" if kernels.avx2 else "plain C (no AVX2/FMA on this CPU)",
+        {
+            "avx512": "AVX-512 fp32 panels, AVX2/FMA elsewhere",
+            "avx2_fma": "AVX2/FMA",
+            "plain_c": "plain C (no AVX2/FMA on this CPU)",
+        }[kernels.isa],
     )
     return kernels

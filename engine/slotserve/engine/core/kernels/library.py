@@ -53,14 +53,19 @@ from slotserve.engine.core.errors import UnsupportedSettingError
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "qgemm.c", HERE / "attention.c", HERE / "llama_step.c")
+SOURCES = (
+    HERE / "qgemm.c",
+    HERE / "qgemm_avx512.c",
+    HERE / "attention.c",
+    HERE / "llama_step.c",
+)
 HEADERS = (HERE / "qgemm.h",)
 # No -march: the library runs on any CPU of its machine type; wider instructions live in
 # functions of their own (target attributes), chosen at run time from cpuid.
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
 ABI = 6
 # The instruction sets the library has code for (besides plain C), part of its key.
-TARGETS = ("avx2,fma",)
+TARGETS = ("avx2,fma", "avx512f,avx512bw,avx512vl,avx512dq")
 PREBUILT = HERE / "prebuilt"
 COMPILER_NAMES = ("gcc", "cc")
 COMPILER_FOLDERS = (Path("/usr/local/bin"), Path("/usr/bin"), Path("/bin"))

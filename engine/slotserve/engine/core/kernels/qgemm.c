@@ -16,8 +16,9 @@
  * Q4_1), byte j of a group holding weight j in its low nibble and weight j + 16 in its high
  * nibble, so one 16-byte load unpacks into two runs of 16 weights.
  *
- * Every product has an AVX2/FMA version and a plain C one; the AVX2 one is chosen at run time
- * from the CPU's flags (never on a CPU that lacks them), and can be switched off for tests.
+ * Every product has an AVX2/FMA version and a plain C one, and the fp32 panel product an
+ * AVX-512 one (qgemm_avx512.c); the widest the CPU has is chosen at run time from cpuid (never
+ * one it lacks), and can be lowered for tests (slotserve_kernel_set_isa).
  */
 #include <omp.h>
 #include <float.h>
@@ -40,26 +41,36 @@
 
 int slotserve_kernel_abi(void) { return 6; }
 
-static int use_avx2 = -1;
-
-int slotserve_kernel_isa(void) {
-    if (use_avx2 < 0) {
+/* The widest instruction set this CPU runs (cpuid), and the one in use (tests lower it). */
+static int supported_isa(void) {
 #if HAVE_AVX2_CODE
-        __builtin_cpu_init();
-        use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-        use_avx2 = 0;
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return ISA_C;
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        return ISA_AVX512;
 #endif
-    }
-    return use_avx2;
+    return ISA_AVX2;
+#else
+    return ISA_C;
+#endif
 }
 
-/* 0 forces the plain C products (tests); 1 asks for AVX2, granted only if the CPU has it. */
-int slotserve_kernel_set_isa(int avx2) {
-    use_avx2 = -1;
-    if (avx2 && slotserve_kernel_isa()) return 1;
-    use_avx2 = 0;
-    return 0;
+static int isa_in_use = -1;
+
+int slotserve_kernel_isa(void) {
+    if (isa_in_use < 0) isa_in_use = supported_isa();
+    return isa_in_use;
+}
+
+int slotserve_kernel_supported_isa(void) { return supported_isa(); }
+
+/* Use `level` (ISA_C, ISA_AVX2, ISA_AVX512) or the widest below it this CPU has; returns it. */
+int slotserve_kernel_set_isa(int level) {
+    const int top = supported_isa();
+    isa_in_use = level < ISA_C ? ISA_C : (level > top ? top : level);
+    return isa_in_use;
 }
 
 /* ---- the workspace ------------------------------------------------------------------------ */
@@ -613,6 +624,8 @@ static int gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n
 int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights w, int64_t n,
                            float *y, int threads, struct scratch *s) {
     const int avx2 = slotserve_kernel_isa() && k % 8 == 0;
+    /* 512-bit panels from 2 rows up: one row is bound by the memory either way. */
+    const int avx512 = slotserve_kernel_isa() >= ISA_AVX512 && k % 16 == 0 && m >= 2;
     const int64_t panels = (n + PANEL - 1) / PANEL;
     const int64_t panels_ahead = (channels_ahead(w.kind, k) + PANEL - 1) / PANEL;
 #if HAVE_AVX2_CODE
@@ -670,7 +683,8 @@ int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights 
                 const float *next = NULL;
                 if (w.kind == F32 && panels_ahead > 0 && p + panels_ahead + 1 < panels)
                     next = (const float *)w.data + (n0 + panels_ahead * PANEL) * k;
-                dot_panel_avx2(x, m, k, panel, y + n0, n, next);
+                if (avx512) dot_panel_avx512(x, m, k, panel, y + n0, n, next);
+                else dot_panel_avx2(x, m, k, panel, y + n0, n, next);
             } else {
                 dot_panel_c(x, m, k, panel, rows, y + n0, n);
             }

@@ -1,6 +1,7 @@
 /* What llama_step.c uses of qgemm.c: the weight formats and the product over them. */
 #ifndef SLOTSERVE_QGEMM_H
 #define SLOTSERVE_QGEMM_H
+#include <stddef.h>
 #include <stdint.h>
 
 enum kind { F32, Q8, Q4 };
@@ -39,7 +40,14 @@ int slotserve_attend(const float *q, const float *k, const float *v, int64_t row
                      int64_t max_len, const int64_t *lens, float scale, float *out, int threads,
                      struct scratch *s);
 
+/* Instruction sets, narrowest first: what slotserve_kernel_isa() returns (nonzero: the AVX2/FMA
+ * code of every kernel runs; ISA_AVX512: the fp32 panel products run 512 bits wide too). */
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 int slotserve_kernel_isa(void);
+
+/* qgemm_avx512.c: the panel product of qgemm.c's dot_panel_avx2, 512 bits wide; k % 16 == 0. */
+void dot_panel_avx512(const float *x, int64_t m, int64_t k, const float *w, float *y, int64_t n,
+                      const float *next);
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
