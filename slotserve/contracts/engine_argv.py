@@ -43,6 +43,7 @@ class EngineLaunch:
     kv_cache_tokens: int | None = None
     num_threads: int | None = None
     quantization: Quantization | None = None
+    device: str | None = None
 
 
 def engine_argv(launch: EngineLaunch) -> list[str]:
@@ -69,6 +70,7 @@ def engine_argv(launch: EngineLaunch) -> list[str]:
         ("num_threads", launch.num_threads),
         # Appended last, and None (no flag) for "none", so that adding it rolled no pods.
         ("quantization", launch.quantization),
+        ("device", launch.device),
     ]
     argv = ["engine"]
     for field, value in values:

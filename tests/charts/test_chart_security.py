@@ -12,7 +12,7 @@ import os
 import re
 
 import pytest
-from chart_support import CHART, RELEASE, ROOT, env_of
+from chart_support import CHART, RELEASE, ROOT, env_of, template_args
 
 from slotserve.operator.settings import OperatorSettings
 
@@ -135,6 +135,19 @@ def test_operator_policy_defaults_are_the_safe_ones(render, monkeypatch):
     settings = operator_settings(render(), monkeypatch)
     assert settings.allow_host_path is False
     assert settings.allowed_images == [] and settings.allowed_service_accounts == []
+    # The multi-tenant preset: the built-in env list only, and no scheduling beyond the
+    # platform's own GPU nodes; the operator's own defaults say the same.
+    assert settings.policy() == OperatorSettings().policy()
+    assert settings.allowed_env == [] and settings.allowed_priority_classes == []
+    assert settings.allowed_keda_server_addresses == []
+    assert [(t.key, t.effect) for t in settings.allowed_tolerations] == [
+        ("nvidia.com/gpu", "NoSchedule")
+    ]
+    assert settings.allowed_node_selector_keys == [
+        "nvidia.com/gpu.present",
+        "nvidia.com/gpu.product",
+    ]
+    assert settings.engine_egress is False and settings.hub_endpoint == ""
     assert settings.network_policy is True
     assert settings.gateway_namespace == "serving"
     assert settings.resync_seconds == 300
@@ -153,6 +166,22 @@ def test_policy_values_reach_the_operator(render, monkeypatch):
             "policy.allowedServiceAccounts={*/slotserve-engine}",
             "--set",
             "operator.resyncSeconds=60",
+            "--set",
+            "policy.allowedEnv={CC,NCCL_DEBUG}",
+            "--set",
+            "policy.allowedPriorityClasses={inference-*}",
+            "--set-json",
+            'policy.allowedTolerations=[{"key":"pool.example/*"},{"key":"spot","effect":"NoSchedule"}]',
+            "--set",
+            "policy.allowedNodeSelectorKeys={topology.kubernetes.io/zone}",
+            "--set",
+            "policy.allowedKedaServerAddresses={http://prometheus.monitoring:9090}",
+            "--set",
+            "engine.hubEndpoint=http://hub.mirror:8080",
+            "--set",
+            "networkPolicy.engineEgress.enabled=true",
+            "--set-json",
+            'networkPolicy.engineEgress.modelHub=[{"to":[{"ipBlock":{"cidr":"10.20.0.0/16"}}]}]',
         ]
     )
     settings = operator_settings(rendered, monkeypatch)
@@ -160,6 +189,34 @@ def test_policy_values_reach_the_operator(render, monkeypatch):
     assert settings.allowed_images == ["ghcr.io/slotserve/*", "registry.internal/ml/*"]
     assert settings.allowed_service_accounts == ["*/slotserve-engine"]
     assert settings.resync_seconds == 60
+    assert settings.allowed_env == ["CC", "NCCL_DEBUG"]
+    assert settings.allowed_priority_classes == ["inference-*"]
+    assert [(t.key, t.effect) for t in settings.allowed_tolerations] == [
+        ("pool.example/*", None),
+        ("spot", "NoSchedule"),
+    ]
+    assert settings.allowed_node_selector_keys == ["topology.kubernetes.io/zone"]
+    assert settings.allowed_keda_server_addresses == ["http://prometheus.monitoring:9090"]
+    assert settings.hub_endpoint == "http://hub.mirror:8080"
+    dns, hub = settings.engine_egress_rules() or []
+    assert dns["to"][0]["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
+    assert hub == {"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}]}
+
+
+@pytest.mark.parametrize(
+    ("set_value", "where"),
+    [
+        ("policy.allowedEnv={A=B}", "/policy/allowedEnv/0"),
+        (
+            "policy.allowedKedaServerAddresses={prometheus:9090}",
+            "/policy/allowedKedaServerAddresses/0",
+        ),
+        ("engine.hubEndpoint=hub.mirror", "/engine/hubEndpoint"),
+    ],
+)
+def test_bad_policy_values_are_refused_by_the_schema(run_helm, set_value, where):
+    result = run_helm(template_args([], ["--set", set_value]))
+    assert result.returncode != 0 and where in result.stderr, result.stderr
 
 
 def test_gateway_rollouts_let_streams_finish(render):

@@ -253,6 +253,27 @@ class Kube:
             self.core.patch_namespaced_pod_status, name, namespace, {"status": status}
         )
 
+    def set_engine_exited(self, name: str, namespace: str, exit_code: int, message: str) -> None:
+        """The engine container exited and waits to be restarted (what the kubelet reports with
+        terminationMessagePolicy FallbackToLogsOnError: the log tail as the message)."""
+        terminated = {"exitCode": exit_code, "reason": "Error", "message": message}
+        status = {
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "ready": False,
+                    "restartCount": 2,
+                    "image": "x",
+                    "imageID": "",
+                    "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off"}},
+                    "lastState": {"terminated": terminated},
+                }
+            ]
+        }
+        self._merge_patch(
+            self.core.patch_namespaced_pod_status, name, namespace, {"status": status}
+        )
+
     def finish_rollout(self, name: str, namespace: str = "default") -> None:
         """Deployment status as the controller reports it once every pod is updated."""
         deployment = self.deployment(name, namespace)

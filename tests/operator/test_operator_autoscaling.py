@@ -68,7 +68,10 @@ KEDA = {"serverAddress": "http://prometheus.monitoring:9090"}
 
 @pytest.fixture
 def operator_settings(redis_server: RedisServer) -> OperatorSettings:
-    return redis_operator_settings(redis_server.url)
+    # The platform names the Prometheus KEDA may query (none by default).
+    return redis_operator_settings(
+        redis_server.url, allowed_keda_server_addresses=[KEDA["serverAddress"]]
+    )
 
 
 def replicas(kube: Kube) -> int:

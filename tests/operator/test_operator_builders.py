@@ -9,6 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from slotserve.engine.cli import build_parser
 from slotserve.operator import builders
 from slotserve.operator.models import InferencePool
 
@@ -124,8 +125,8 @@ def test_quantization_reaches_the_engine_args(quantization: str):
         model={"name": "m", "source": {"builtin": "smollm2"}, "quantization": quantization}
     )
     args = container(builders.build_deployment(pool, engine_image=IMAGE))["args"]
-    # Appended last: the flags of pools made before the field keep their order.
-    assert args[-2:] == ["--quantization", quantization]
+    # Appended after the older flags (then --device): pools made before keep their order.
+    assert args[-4:] == ["--quantization", quantization, "--device", "cpu"]
 
 
 @pytest.mark.parametrize("model", [{}, {"quantization": "none"}])
@@ -222,13 +223,15 @@ def test_hub_token_comes_from_the_secret():
     assert token["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
 
 
-def test_user_env_overrides_ours_and_preferred_sizes_reach_the_engine_flags():
+def test_our_env_wins_over_the_pool_s_and_preferred_sizes_reach_the_engine_flags():
+    # The policy refuses a pool that sets HF_HOME; one that reaches the builder anyway still
+    # cannot move the operator's variables (issue 27: the pool's env used to win).
     pool = ALL_POOLS[-1]
     engine = container(builders.build_deployment(pool, engine_image=IMAGE))
     names = [var["name"] for var in engine["env"]]
     assert names.count("HF_HOME") == 1
     env = {var["name"]: var.get("value") for var in engine["env"]}
-    assert env["HF_HOME"] == "/cache/hf2" and env["X"] == "1"
+    assert env["HF_HOME"] == "/cache/huggingface" and env["X"] == "1"
     at = engine["args"].index("--preferred-batch-sizes")
     assert engine["args"][at : at + 3] == ["--preferred-batch-sizes", "4", "8"]
     assert engine["image"] == "other/engine:2" and engine["imagePullPolicy"] == "Always"
@@ -300,3 +303,49 @@ def test_sampling_defaults_and_tool_parser_reach_the_engine():
     # Without overrides the flag is left out, so the model's own defaults stand.
     plain = container(builders.build_deployment(make_pool(), engine_image=IMAGE))["args"]
     assert "--override-generation-config" not in plain
+
+
+@pytest.mark.parametrize(
+    ("engine", "device"),
+    [
+        ({}, "cpu"),
+        ({"resources": {"limits": {"nvidia.com/gpu": 1}}}, "cuda"),
+        ({"resources": {"limits": {"nvidia.com/gpu": "2"}}}, "cuda"),
+        ({"resources": {"limits": {"nvidia.com/gpu": 0}}}, "cpu"),
+        ({"device": "cpu", "resources": {"limits": {"nvidia.com/gpu": 1}}}, "cpu"),
+        ({"device": "cuda", "resources": {"limits": {"nvidia.com/gpu": 1}}}, "cuda"),
+    ],
+)
+def test_the_device_is_explicit_in_the_engine_args(engine: dict[str, Any], device: str):
+    # A CPU pool's engine never picks up a GPU it was not given (a pod without a GPU limit may
+    # still see the node's GPUs), and a GPU pool's engine never falls back to the CPU: told
+    # cuda, it exits 2 without a usable GPU (tests/engine/test_engine_device.py).
+    args = container(builders.build_deployment(make_pool(engine=engine), engine_image=IMAGE))[
+        "args"
+    ]
+    assert args[-2:] == ["--device", device]
+    assert build_parser().parse_args(args[1:]).device == device
+
+
+def test_the_gpu_example_runs_on_cuda_and_says_why_when_it_cannot():
+    engine = container(
+        builders.build_deployment(example_pool("llama-8b-gpu.yaml"), engine_image=IMAGE)
+    )
+    assert flag(engine["args"], "--device") == "cuda"
+    # The engine's last log line becomes the termination message the pool's status shows.
+    assert engine["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def test_the_platform_names_the_hub_and_no_pool_can_change_it():
+    pool = make_pool(
+        model={"name": "m", "source": {"hub": {"id": "org/m", "tokenSecretRef": {"name": "hf"}}}},
+        engine={"env": [{"name": "HF_ENDPOINT", "value": "https://collector.example"}]},
+    )
+    engine = container(
+        builders.build_deployment(pool, engine_image=IMAGE, hub_endpoint="http://hub.mirror:8080")
+    )
+    env = [(var["name"], var.get("value")) for var in engine["env"]]
+    assert [value for name, value in env if name == "HF_ENDPOINT"] == ["http://hub.mirror:8080"]
+    # Without a platform hub there is no HF_ENDPOINT at all, whatever the pool says.
+    engine = container(builders.build_deployment(pool, engine_image=IMAGE))
+    assert "HF_ENDPOINT" not in [var["name"] for var in engine["env"]]

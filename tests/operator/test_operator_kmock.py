@@ -129,12 +129,18 @@ def test_create_builds_owned_children_and_status_follows_the_pods(kube: Kube, ap
 
 @pytest.mark.usefixtures("operator")
 def test_spec_change_patches_the_deployment_in_place(kube: Kube):
-    kube.create_pool(pool_body(engine={"nodeSelector": {"pool": "a", "zone": "z1"}}))
+    selector = {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "L4"}
+    kube.create_pool(pool_body(engine={"nodeSelector": selector}))
     wait_until(lambda: kube.deployments(), WAIT, what="deployment")
     before = kube.deployment("chat")
     kube.patch_pool(
         "chat",
-        {"spec": {"batching": {"maxBatchSize": 4}, "engine": {"nodeSelector": {"zone": None}}}},
+        {
+            "spec": {
+                "batching": {"maxBatchSize": 4},
+                "engine": {"nodeSelector": {"nvidia.com/gpu.product": None}},
+            }
+        },
     )
 
     def updated() -> bool:
@@ -146,7 +152,7 @@ def test_spec_change_patches_the_deployment_in_place(kube: Kube):
     assert after["metadata"]["uid"] == before["metadata"]["uid"]  # patched, not re-created
     assert len(kube.deployments()) == 1
     # A key removed from the pool is removed from the Deployment too.
-    assert after["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "a"}
+    assert after["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     wait_status(
         kube, "chat", lambda p: p["status"].get("observedGeneration") == 2, "observed gen 2"
     )
@@ -194,7 +200,7 @@ def test_schema_violations_are_rejected_with_422(kube: Kube):
             "keys",
             {"engine": {"nodeSelector": {"bad key!": "x"}}},
             "InvalidSpec",
-            {"engine": {"nodeSelector": {"bad key!": None, "zone": "x"}}},
+            {"engine": {"nodeSelector": {"bad key!": None, "nvidia.com/gpu.present": "true"}}},
         ),
     ],
 )
@@ -402,23 +408,24 @@ def test_examples_apply_and_their_children_are_valid_kubernetes(kube: Kube, exam
 
 @pytest.mark.usefixtures("operator")
 def test_a_child_refused_by_admission_degrades_the_pool(kube: Kube, apiserver: Any):
-    def no_critical_priority(plural: str, obj: dict[str, Any]) -> str:
-        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
-        critical = pod.get("priorityClassName") == "system-node-critical"
-        return "system-node-critical is reserved" if critical else ""
+    # The cluster's own admission (a policy engine) refuses what the operator's policy allows.
+    def no_team_x(plural: str, obj: dict[str, Any]) -> str:
+        metadata = obj.get("spec", {}).get("template", {}).get("metadata", {})
+        refused = (metadata.get("annotations") or {}).get("team") == "x"
+        return "team x may not run engines" if refused else ""
 
-    apiserver.server.policies.append(no_critical_priority)
-    kube.create_pool(pool_body(engine={"priorityClassName": "system-node-critical"}))
+    apiserver.server.policies.append(no_team_x)
+    kube.create_pool(pool_body(engine={"podAnnotations": {"team": "x"}}))
     pool = wait_status(
         kube, "chat", lambda p: condition(p, "Degraded").get("reason") == "ChildRejected", "refused"
     )
-    assert "system-node-critical is reserved" in condition(pool, "Degraded")["message"]
+    assert "team x may not run engines" in condition(pool, "Degraded")["message"]
     # kopf posts events from its own queue: the status can be visible before the event.
     wait_until(
         lambda: any(e["reason"] == "ChildRejected" for e in kube.events()), WAIT, what="event"
     )
     # Dropping the refused field recovers.
-    kube.patch_pool("chat", {"spec": {"engine": {"priorityClassName": None}}})
+    kube.patch_pool("chat", {"spec": {"engine": {"podAnnotations": {"team": None}}}})
     wait_until(lambda: kube.deployments(), WAIT, what="deployment after the fix")
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from slotserve.operator import crd
 from slotserve.operator.models import InferencePool, InferencePoolSpec
 from slotserve.operator.settings import OperatorSettings
 
@@ -111,3 +112,16 @@ def test_node_selector_keys_and_values_are_checked():
         InferencePoolSpec.model_validate(spec(engine={"nodeSelector": {"zone": "bad value!"}}))
     ok = {"nodeSelector": {"nvidia.com/gpu.present": "true"}, "podAnnotations": {"a/b": "c"}}
     assert InferencePoolSpec.model_validate(spec(engine=ok)).engine.node_selector
+
+
+def test_device_cuda_needs_a_gpu_in_the_limits():
+    gpu = {"limits": {"nvidia.com/gpu": 1}}
+    with pytest.raises(ValidationError, match="device cuda needs resources"):
+        InferencePoolSpec.model_validate(spec(engine={"device": "cuda"}))
+    assert InferencePoolSpec.model_validate(spec(engine={"device": "cuda", "resources": gpu}))
+    assert InferencePoolSpec.model_validate(spec()).engine.device == "auto"
+    # The same rule in the CRD, for the API server (CEL).
+    engine = crd.openapi_schema()["properties"]["spec"]["properties"]["engine"]
+    (rule,) = engine["x-kubernetes-validations"]
+    assert "self.device != 'cuda'" in rule["rule"] and "nvidia.com/gpu" in rule["rule"]
+    assert engine["properties"]["device"]["enum"] == ["auto", "cpu", "cuda"]

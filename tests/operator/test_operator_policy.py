@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from slotserve.operator.drift import in_sync
 from slotserve.operator.models import InferencePool
 from slotserve.operator.network import build_network_policy
 from slotserve.operator.policy import (
+    DEFAULT_ALLOWED_ENV,
     ModelClaim,
     Policy,
     image_allowed,
@@ -24,7 +26,7 @@ from slotserve.operator.policy import (
     normalize_image,
     service_account_allowed,
 )
-from slotserve.operator.settings import OperatorSettings
+from slotserve.operator.settings import DEFAULT_DNS_PEERS, OperatorSettings
 
 IMAGE = "ghcr.io/slotserve/engine:0.1.0"
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -106,12 +108,167 @@ def test_annotations_that_lift_confinement_are_refused():
     assert reason(Policy(engine_image=IMAGE), make_pool(podAnnotations={"team": "a"})) is None
 
 
-def test_env_that_loads_foreign_code_is_refused():
-    for name in ("LD_PRELOAD", "PYTHONPATH"):
-        pool = make_pool(env=[{"name": name, "value": "/models/x"}])
-        assert reason(Policy(engine_image=IMAGE), pool) == "EnvNotAllowed"
-    pool = make_pool(env=[{"name": "HF_HUB_OFFLINE", "value": "1"}])
-    assert reason(Policy(engine_image=IMAGE), pool) is None
+# Issue 27: each of these passed the old deny-list (LD_*, PYTHONPATH/HOME/STARTUP/USERBASE/
+# EXECUTABLE) and ran the pool author's code, leaked the Hub token, or moved a cache the engine
+# loads code from; with the pool's env winning over the operator's, even the operator's own
+# TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR could be pointed at the pool's volume.
+ISSUE_27_ENV_HOLES = {
+    "SLOTSERVE_HOME": "/models",  # the engine loads /models/kernels/qgemm-<key>.so
+    "CC": "/models/bin/x",  # run at every engine start (the compiler version probe)
+    "CPATH": "/models/include",  # a planted <omp.h> in the kernels' compile
+    "C_INCLUDE_PATH": "/models/include",
+    "PYTHONPYCACHEPREFIX": "/models/pyc",  # planted .pyc files run, even with DONTWRITEBYTECODE
+    "LIBRARY_PATH": "/models/lib",
+    "COMPILER_PATH": "/models/bin",
+    "GCC_EXEC_PREFIX": "/models/gcc/",
+    "TORCHINDUCTOR_CACHE_DIR": "/models/inductor",
+    "TRITON_CACHE_DIR": "/models/triton",
+    "HF_ENDPOINT": "https://collector.example",  # huggingface_hub sends HF_TOKEN there
+    "LD_PRELOAD": "/models/x.so",
+    "PYTHONPATH": "/models/py",
+}
+
+
+@pytest.mark.parametrize(("name", "value"), sorted(ISSUE_27_ENV_HOLES.items()))
+def test_every_env_hole_of_issue_27_is_refused_naming_the_variable(name: str, value: str):
+    pool = make_pool(env=[{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": name, "value": value}])
+    problem = Policy(engine_image=IMAGE).check(pool)
+    assert problem is not None and problem.reason == "EnvNotAllowed"
+    assert f"engine.env sets {name}:" in problem.message
+
+
+def test_env_is_an_allow_list_the_platform_extends():
+    assert reason(Policy(engine_image=IMAGE), make_pool(env=[{"name": "HF_HUB_OFFLINE"}])) is None
+    # A name nobody listed anywhere is refused too: that is what an allow-list is for.
+    unheard_of = make_pool(env=[{"name": "SOME_FUTURE_LOADER_PATH", "value": "/models"}])
+    assert reason(Policy(engine_image=IMAGE), unheard_of) == "EnvNotAllowed"
+    widened = OperatorSettings(allowed_env="SOME_FUTURE_LOADER_PATH, CC").policy()
+    assert reason(widened, unheard_of) is None
+    assert reason(widened, make_pool(env=[{"name": "CC", "value": "gcc"}])) is None
+    assert reason(widened, make_pool(env=[{"name": "CPATH", "value": "/x"}])) == "EnvNotAllowed"
+    # Every default name is harmless by itself: none names a file, a program or a host.
+    assert not {"LD_PRELOAD", "PYTHONPATH", "CC", "HF_ENDPOINT"} & DEFAULT_ALLOWED_ENV
+
+
+def test_the_operator_s_own_variables_can_never_be_allowed():
+    with pytest.raises(ValidationError, match="HOME are set by the operator"):
+        OperatorSettings(allowed_env=["HOME"])
+    with pytest.raises(ValidationError, match="not an environment variable name"):
+        OperatorSettings(allowed_env=["A=B"])
+
+
+# --- scheduling -----------------------------------------------------------------------------
+
+
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"),
+    [
+        ({"tolerations": [GPU_TOLERATION]}, None),  # the platform's own GPU nodes
+        ({"nodeSelector": {"nvidia.com/gpu.present": "true"}}, None),
+        (
+            {
+                "tolerations": [
+                    {"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}
+                ]
+            },
+            "TolerationNotAllowed",
+        ),
+        ({"tolerations": [{"operator": "Exists"}]}, "TolerationNotAllowed"),  # every taint
+        # The GPU taint with every effect (NoExecute too) is more than the rule allows.
+        (
+            {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+            "TolerationNotAllowed",
+        ),
+        ({"tolerations": [{**GPU_TOLERATION, "key": "dedicated"}]}, "TolerationNotAllowed"),
+        ({"nodeSelector": {"kubernetes.io/hostname": "node-7"}}, "NodeSelectorNotAllowed"),
+        ({"nodeSelector": {"team-b.example/dedicated": "true"}}, "NodeSelectorNotAllowed"),
+        ({"priorityClassName": "system-node-critical"}, "PriorityClassNotAllowed"),
+        ({"priorityClassName": "low"}, "PriorityClassNotAllowed"),
+    ],
+)
+def test_the_default_settings_allow_no_scheduling_beyond_the_platform_s_own(
+    engine: dict[str, Any], expected: str | None
+):
+    policy = OperatorSettings().policy()  # the defaults: the chart's multi-tenant preset
+    assert reason(policy, make_pool(**engine)) == expected
+
+
+def test_scheduling_allow_lists_take_globs():
+    policy = OperatorSettings(
+        allowed_priority_classes="inference-*",
+        allowed_tolerations='[{"key": "pool.example/*"}, {"key": "spot", "effect": "NoSchedule"}]',
+        allowed_node_selector_keys="topology.kubernetes.io/*",
+    ).policy()
+    ok = make_pool(
+        priorityClassName="inference-low",
+        tolerations=[
+            {"key": "pool.example/a100", "operator": "Exists", "effect": "NoExecute"},
+            {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
+        ],
+        nodeSelector={"topology.kubernetes.io/zone": "z1"},
+    )
+    assert reason(policy, ok) is None
+    assert reason(policy, make_pool(priorityClassName="batch")) == "PriorityClassNotAllowed"
+    spot_all_effects = make_pool(tolerations=[{"key": "spot", "operator": "Exists"}])
+    assert reason(policy, spot_all_effects) == "TolerationNotAllowed"
+    # A single-tenant cluster allows everything with "*".
+    anything = OperatorSettings(
+        allowed_priority_classes="*",
+        allowed_tolerations='[{"key": "*"}]',
+        allowed_node_selector_keys="*",
+    ).policy()
+    everywhere = make_pool(
+        priorityClassName="system-node-critical",
+        tolerations=[{"operator": "Exists"}],
+        nodeSelector={"kubernetes.io/hostname": "cp-1"},
+    )
+    assert reason(anything, everywhere) is None
+
+
+def keda_pool(address: str) -> InferencePool:
+    return InferencePool.from_body(
+        {
+            "metadata": {"name": "chat", "namespace": "ml"},
+            "spec": {
+                "model": {"name": "m", "source": {"builtin": "smollm2"}},
+                "autoscaling": {
+                    "provider": "keda",
+                    "maxReplicas": 2,
+                    "keda": {"serverAddress": address},
+                },
+            },
+        }
+    )
+
+
+def test_keda_server_addresses_are_an_exact_allow_list():
+    prometheus = "http://prometheus.monitoring:9090"
+    assert reason(Policy(engine_image=IMAGE), keda_pool(prometheus)) == "KedaServerNotAllowed"
+    policy = OperatorSettings(allowed_keda_server_addresses=prometheus).policy()
+    assert reason(policy, keda_pool(prometheus)) is None
+    assert reason(policy, keda_pool(prometheus + "/")) is None
+    for elsewhere in (
+        f"{prometheus}@collector.example",
+        "http://prometheus.monitoring:9091",
+        "http://169.254.169.254/latest",
+    ):
+        assert reason(policy, keda_pool(elsewhere)) == "KedaServerNotAllowed", elsewhere
+    assert (
+        reason(
+            OperatorSettings(allowed_keda_server_addresses="*").policy(),
+            keda_pool("http://anywhere:1"),
+        )
+        is None
+    )
+
+
+def test_the_examples_pass_the_default_policy():
+    policy = OperatorSettings().policy()
+    for pool in example_pools():
+        assert policy.check(pool) is None, pool.metadata.name
 
 
 def test_settings_from_the_environment(monkeypatch):
@@ -124,6 +281,15 @@ def test_settings_from_the_environment(monkeypatch):
     assert settings.scraper_peers == [{"podSelector": {}}]
     assert settings.allow_host_path is False and settings.network_policy is True
     assert settings.resync_seconds == 300
+    # Empty values mean empty lists: nothing allowed beyond the built-in env list.
+    for name in ("ALLOWED_TOLERATIONS", "ALLOWED_NODE_SELECTOR_KEYS", "ENGINE_EGRESS_DNS_PEERS"):
+        monkeypatch.setenv(f"SLOTSERVE_OPERATOR_{name}", "")
+    settings = OperatorSettings()
+    assert settings.allowed_tolerations == [] and settings.allowed_node_selector_keys == []
+    assert settings.engine_egress_dns_peers == []
+    monkeypatch.setenv("SLOTSERVE_OPERATOR_ALLOWED_TOLERATIONS", '[{"key": "a", "effect": "X"}]')
+    with pytest.raises(ValidationError, match="effect"):
+        OperatorSettings()
 
 
 # --- model names ----------------------------------------------------------------------------
@@ -241,6 +407,30 @@ def test_network_policy_admits_the_gateway_and_scrapers_on_the_engine_port():
         rule["from"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
         == "team-a"
     )
+
+
+def test_engine_egress_is_dns_and_the_platform_s_hub_only():
+    pool = make_pool("team-a")
+    hub = [{"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}], "ports": [{"port": 443}]}]
+    settings = OperatorSettings(engine_egress=True, engine_egress_hub=json.dumps(hub))
+    policy = build_network_policy(
+        pool,
+        gateway_namespace="slotserve",
+        gateway_pod_labels=GATEWAY_LABELS,
+        egress=settings.engine_egress_rules(),
+    )
+    kubernetes_validate.validate(policy, "1.37.0", strict=True)
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    dns, hub_rule = policy["spec"]["egress"]
+    assert dns["to"] == DEFAULT_DNS_PEERS
+    assert {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
+    assert hub_rule == hub[0]
+    # Off by default: egress stays open (policyTypes Ingress only), as before.
+    assert OperatorSettings().engine_egress_rules() is None
+    open_policy = build_network_policy(
+        pool, gateway_namespace="", gateway_pod_labels=GATEWAY_LABELS
+    )
+    assert "egress" not in open_policy["spec"]
 
 
 # --- drift ----------------------------------------------------------------------------------

@@ -31,13 +31,19 @@ def warnings(kube: Kube, name: str, reason: str, namespace: str = "default") -> 
     ]
 
 
-def wait_degraded(kube: Kube, name: str, reason: str, namespace: str = "default") -> dict:
+def wait_degraded(
+    kube: Kube, name: str, reason: str, namespace: str = "default", *, events: bool = True
+) -> dict:
+    """Wait until pool ``name`` is Degraded for ``reason`` (and, for the operator's own
+    refusals, its Warning event is posted)."""
+
     def degraded() -> bool:
         pool = kube.get_pool(name, namespace)
         return condition(pool, "Degraded").get("reason") == reason
 
     wait_until(degraded, WAIT, interval=0.1, what=f"{name} Degraded: {reason}")
-    wait_until(lambda: warnings(kube, name, reason, namespace), WAIT, what=f"{reason} event")
+    if events:
+        wait_until(lambda: warnings(kube, name, reason, namespace), WAIT, what=f"{reason} event")
     return kube.get_pool(name, namespace)
 
 
@@ -167,3 +173,157 @@ def test_an_older_pool_taking_a_name_degrades_the_younger_without_its_spec_chang
     assert "default/alpha" in condition(pool, "Degraded")["message"]
     assert kube.get_pool("beta")["metadata"]["generation"] == 1
     assert condition(kube.get_pool("alpha"), "Degraded")["status"] == "False"
+
+
+# --- issue 27: env and scheduling allow-lists, egress, the device -------------------------------
+
+GPU = {"limits": {"nvidia.com/gpu": 1}}
+# (pool name, engine or autoscaling spec, reason, what the condition and the event must name)
+REFUSED = [
+    ("cc", {"engine": {"env": [{"name": "CC", "value": "/models/bin/x"}]}}, "EnvNotAllowed", "CC"),
+    (
+        "home",
+        {"engine": {"env": [{"name": "SLOTSERVE_HOME", "value": "/models"}]}},
+        "EnvNotAllowed",
+        "SLOTSERVE_HOME",
+    ),
+    (
+        "endpoint",
+        {"engine": {"env": [{"name": "HF_ENDPOINT", "value": "https://collector.example"}]}},
+        "EnvNotAllowed",
+        "HF_ENDPOINT",
+    ),
+    (
+        "preempt",
+        {"engine": {"priorityClassName": "system-cluster-critical"}},
+        "PriorityClassNotAllowed",
+        "system-cluster-critical",
+    ),
+    (
+        "control",
+        {
+            "engine": {
+                "tolerations": [
+                    {"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}
+                ],
+                "nodeSelector": {"nvidia.com/gpu.present": "true"},
+            }
+        },
+        "TolerationNotAllowed",
+        "node-role.kubernetes.io/control-plane",
+    ),
+    (
+        "pinned",
+        {"engine": {"nodeSelector": {"kubernetes.io/hostname": "team-b-node-1"}}},
+        "NodeSelectorNotAllowed",
+        "kubernetes.io/hostname",
+    ),
+    (
+        "scaler",
+        {
+            "autoscaling": {
+                "provider": "keda",
+                "maxReplicas": 2,
+                "keda": {"serverAddress": "http://collector.example:9090"},
+            }
+        },
+        "KedaServerNotAllowed",
+        "http://collector.example:9090",
+    ),
+]
+
+
+@pytest.mark.usefixtures("operator")
+def test_pools_outside_the_allow_lists_are_refused_naming_what_and_get_no_child(kube: Kube):
+    for name, spec, _, _ in REFUSED:
+        kube.create_pool(pool_body(name, **spec))
+    for name, _, reason, named in REFUSED:
+        pool = wait_degraded(kube, name, reason)
+        assert named in condition(pool, "Degraded")["message"], name
+        assert any(named in message for message in warnings(kube, name, reason)), name
+    # Nothing half-applied: not one child for any of them.
+    assert kube.deployments() == [] and kube.services() == [] and network_policies(kube) == []
+    # Without the refused variable the pool runs, with the operator's environment intact.
+    kube.patch_pool("cc", {"spec": {"engine": {"env": [{"name": "HF_HUB_OFFLINE", "value": "1"}]}}})
+    wait_until(lambda: kube.deployments(), WAIT, what="deployment after the fix")
+    (deployment,) = kube.deployments()
+    env = {
+        v["name"]: v.get("value")
+        for v in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["HF_HUB_OFFLINE"] == "1" and env["HOME"] == "/tmp" and "CC" not in env
+
+
+def test_tightening_the_policy_marks_running_pools_and_changes_nothing(kube: Kube):
+    """A platform drops CC from its allowed list: the pool that uses it keeps serving on the
+    pods it has, turns Degraded with an event naming CC, and nothing of it is rewritten."""
+    loose = OperatorSettings(
+        engine_image="registry.test/slotserve/engine:1",
+        health_port=free_port(),
+        allowed_env=["CC"],
+    )
+    running = OperatorThread(loose).start()
+    try:
+        kube.create_pool(pool_body(engine={"env": [{"name": "CC", "value": "gcc"}]}))
+        wait_until(lambda: kube.deployments(), WAIT, what="deployment")
+        deployment = kube.deployments()[0]
+        pod = kube.start_pod(deployment, 0, "10.1.0.1")
+        kube.set_pod_ready(pod, "default", ip="10.1.0.1", ready=True)
+        wait_status(kube, "chat", lambda p: p["status"].get("readyReplicas") == 1, "ready")
+    finally:
+        running.stop()
+    before = {
+        obj["kind"]: (obj["metadata"]["uid"], obj["metadata"]["resourceVersion"])
+        for obj in (kube.deployment("chat"), *kube.services(), *network_policies(kube))
+    }
+    tight = loose.model_copy(update={"allowed_env": [], "health_port": free_port()})
+    running = OperatorThread(tight).start()
+    try:
+        pool = wait_degraded(kube, "chat", "EnvNotAllowed")
+        assert "engine.env sets CC" in condition(pool, "Degraded")["message"]
+        # Marked, not killed: the pod serving the last good spec still serves.
+        assert condition(pool, "Ready")["status"] == "True"
+        assert pool["status"]["endpoints"] == ["10.1.0.1:8000"]
+        after = {
+            obj["kind"]: (obj["metadata"]["uid"], obj["metadata"]["resourceVersion"])
+            for obj in (kube.deployment("chat"), *kube.services(), *network_policies(kube))
+        }
+        assert after == before
+    finally:
+        running.stop()
+
+
+def test_egress_and_the_device_reach_the_children_and_a_pod_without_a_gpu_says_why(
+    kube: Kube, apiserver: Any
+):
+    hub = [{"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}], "ports": [{"port": 443}]}]
+    settings = OperatorSettings(
+        engine_image="registry.test/slotserve/engine:1",
+        health_port=free_port(),
+        engine_egress=True,
+        engine_egress_hub=hub,
+        hub_endpoint="http://hub.mirror.svc:8080",
+    )
+    running = OperatorThread(settings).start()
+    try:
+        kube.create_pool(pool_body(engine={"resources": GPU}))
+        wait_until(lambda: kube.deployments() and network_policies(kube), WAIT, what="children")
+        (policy,) = network_policies(kube)
+        assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+        assert policy["spec"]["egress"][1:] == hub
+        deployment = kube.deployment("chat")
+        engine = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert engine["args"][-2:] == ["--device", "cuda"]
+        assert {"name": "HF_ENDPOINT", "value": "http://hub.mirror.svc:8080"} in engine["env"]
+        # The node's GPU is unusable: the engine exits 2 with one line; the pool says so.
+        pod = kube.start_pod(deployment, 0, "10.1.0.1")
+        line = (
+            "slotserve engine: cannot start: --device cuda: no usable GPU "
+            "(torch sees 0 CUDA devices)"
+        )
+        kube.set_engine_exited(pod, "default", 2, f"some earlier log line\n{line}\n")
+        pool = wait_degraded(kube, "chat", "EngineCannotStart", events=False)
+        assert condition(pool, "Degraded")["message"] == f"pod {pod}: the engine exited 2: {line}"
+    finally:
+        running.stop()
+    assert_rbac_covers(apiserver)

@@ -163,3 +163,49 @@ def test_computed_status_fits_the_status_model_of_the_crd():
         **result,
         "observedGeneration": 3,
     }
+
+
+# The kubelet's view of an engine that exited 2 (``--device cuda`` on a node whose GPU is not
+# usable): policy FallbackToLogsOnError keeps the log tail as the termination message.
+NO_GPU_LOG = (
+    "2026-01-01 00:00:00,000 WARNING py.warnings: CUDA initialization: no NVIDIA driver\n"
+    "slotserve engine: cannot start: --device cuda: no usable GPU (torch sees 0 CUDA devices)\n"
+)
+
+
+def engine_container(state: dict[str, Any], last: dict[str, Any] | None = None) -> dict:
+    return {"name": "engine", "ready": False, "state": state, "lastState": last or {}}
+
+
+def test_an_engine_that_cannot_start_says_why_in_the_pool_status():
+    exited = {"terminated": {"exitCode": 2, "reason": "Error", "message": NO_GPU_LOG}}
+    for container in (
+        engine_container(exited),  # just exited
+        engine_container(  # waiting to be restarted: the exit is the last state
+            {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"}}, exited
+        ),
+        engine_container({"running": {}}, exited),  # restarted, about to exit 2 again
+    ):
+        result = status(desired=1, pods=[pod("a", "10.0.0.1", containerStatuses=[container])])
+        (degraded,) = [c for c in result["conditions"] if c["type"] == "Degraded"]
+        assert (degraded["status"], degraded["reason"]) == ("True", "EngineCannotStart")
+        assert degraded["message"] == (
+            "pod a: the engine exited 2: slotserve engine: cannot start: --device cuda: "
+            "no usable GPU (torch sees 0 CUDA devices)"
+        )
+
+
+def test_a_crash_loop_names_the_last_exit():
+    crashed = {"terminated": {"exitCode": 1, "message": "Traceback ...\nRuntimeError: boom\n"}}
+    container = engine_container(
+        {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}}, crashed
+    )
+    result = status(desired=1, pods=[pod("a", "10.0.0.1", containerStatuses=[container])])
+    assert conditions(result)["Degraded"] == ("True", "CrashLoopBackOff")
+    (degraded,) = [c for c in result["conditions"] if c["type"] == "Degraded"]
+    assert degraded["message"] == "pod a: back-off 20s; last exit 1: RuntimeError: boom"
+    # A ready container that once exited 2 is serving now: not degraded.
+    healthy = {**engine_container({"running": {}}, crashed | {}), "ready": True}
+    healthy["lastState"] = {"terminated": {"exitCode": 2, "message": NO_GPU_LOG}}
+    result = status(desired=1, pods=[pod("a", "10.0.0.1", ready=True, containerStatuses=[healthy])])
+    assert conditions(result)["Degraded"] == ("False", "AsExpected")

@@ -2,6 +2,9 @@
 
 Every ``EngineSettings`` field has a flag (``max_batch_size`` -> ``--max-batch-size``), generated
 from the settings class so the two never drift apart; flags override ``SLOTSERVE_ENGINE_*``.
+Settings that cannot run here end the process with status 2 and one line on stderr, before the
+model loads: invalid values, and ``--device cuda`` without a usable GPU (never a silent fall back
+to the CPU).
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import sys
 import types
+import warnings
 from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic.fields import FieldInfo
@@ -74,6 +79,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def device_problem(device: str) -> str | None:
+    """Why the engine cannot compute on ``device`` (``cuda``, ``cuda:N``) here; None when it
+    can, and for every other device (``auto`` picks at load, ``cpu`` always works)."""
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if match is None:
+        return None
+    import torch
+
+    index = int(match[1] or 0)
+    if torch.version.cuda is None:
+        return f"--device {device}: no usable GPU (torch {torch.__version__} has no CUDA)"
+    # A driver that does not match, or no device node, is a warning of torch's: say it here.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count <= index:
+        said = [str(warning.message).strip().splitlines()[0] for warning in caught]
+        why = said[0] if said else f"torch sees {count} CUDA device{'s' * (count != 1)}"
+        return f"--device {device}: no usable GPU ({why})"
+    try:
+        torch.empty(1, device=device)  # the context: a broken or busy GPU fails here
+    except RuntimeError as error:
+        first_line = str(error).strip().splitlines()[0]
+        return f"--device {device}: GPU {index} is not usable ({first_line})"
+    return None
+
+
 def main(argv: list[str]) -> int:
     """Parse flags, build ``EngineSettings`` and serve until SIGTERM, then exit the process."""
     parser = build_parser()
@@ -89,6 +121,10 @@ def main(argv: list[str]) -> int:
         return 2
     # Before anything imports torch (the model loads in serve): libgomp reads it then.
     apply_openmp_environment()
+    problem = device_problem(settings.device)
+    if problem is not None:
+        print(f"slotserve engine: cannot start: {problem}", file=sys.stderr)
+        return 2
     from slotserve.engine.http.server import serve  # imports torch: only once flags are valid
 
     exit_code = asyncio.run(serve(settings, tracer_provider))

@@ -34,7 +34,12 @@ class EngineSettings(BaseSettings):
 
     model: str = Field("smollm2", min_length=1, description="Name, local HF folder or hub id.")
     served_model_name: str | None = Field(None, description="Name clients send in `model`.")
-    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, ...")
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|mps|cuda(:[0-9]+)?)$",
+        description="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps; told cuda, "
+        "the engine exits 2 when it finds no usable GPU",
+    )
     dtype: DType = Field("auto", description="auto = float32 on CPU, bfloat16 on GPU.")
     # The batching fields: declared once in slotserve.contracts.pool_spec (the CRD's too).
     policy: Policy = DEFAULT_POLICY

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Literal
 
 from slotserve.contracts.crd import ENGINE_PORT_NAME, POOL_LABEL
 from slotserve.contracts.engine_argv import ENGINE_PORT, EngineLaunch, engine_argv
-from slotserve.operator.models import InferencePool, InferencePoolSpec
+from slotserve.operator.models import GPU_RESOURCE, InferencePool, InferencePoolSpec
 
 ENGINE_CONTAINER = "engine"
 MODELS_MOUNT = "/models"
@@ -26,6 +26,22 @@ GRACE_SLACK_SECONDS = 10
 
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY = "slotserve-operator"
+
+# The environment the operator gives every engine container. Read-only root filesystem: every
+# library that writes must write into the volumes.
+OPERATOR_ENV = (
+    ("HOME", "/tmp"),
+    ("XDG_CACHE_HOME", CACHE_MOUNT),
+    ("HF_HOME", f"{CACHE_MOUNT}/huggingface"),
+    ("TRITON_CACHE_DIR", f"{CACHE_MOUNT}/triton"),
+    ("TORCHINDUCTOR_CACHE_DIR", f"{CACHE_MOUNT}/inductor"),
+    ("PYTHONDONTWRITEBYTECODE", "1"),
+    ("PYTHONUNBUFFERED", "1"),
+)
+HF_ENDPOINT = "HF_ENDPOINT"  # the platform's model hub (setting hub_endpoint), when it names one
+HF_TOKEN = "HF_TOKEN"  # from the pool's model.source.hub.tokenSecretRef
+# Names only the operator sets: a pool's env may never set them (policy) and never wins (here).
+OPERATOR_ENV_NAMES = frozenset({name for name, _ in OPERATOR_ENV} | {HF_ENDPOINT, HF_TOKEN})
 
 
 def selector_labels(pool_name: str) -> dict[str, str]:
@@ -49,6 +65,17 @@ def common_labels(pool: InferencePool) -> dict[str, str]:
     }
 
 
+def engine_device(spec: InferencePoolSpec) -> Literal["cpu", "cuda"]:
+    """The engine's ``--device``: the pool's ``engine.device``, or for ``auto`` cuda when its
+    resources ask for a GPU and cpu otherwise (a pod without a GPU limit may still see the
+    node's GPUs: it must not use them)."""
+    device = spec.engine.device
+    if device != "auto":
+        return device
+    gpus = spec.engine.resources.limits.get(GPU_RESOURCE, 0)
+    return "cpu" if str(gpus) in {"0", "+0", "-0"} else "cuda"
+
+
 def engine_args(spec: InferencePoolSpec, model_arg: str) -> list[str]:
     """Arguments of ``slotserve engine`` for the pool's pods (``slotserve.contracts``)."""
     model = spec.model
@@ -67,6 +94,7 @@ def engine_args(spec: InferencePoolSpec, model_arg: str) -> list[str]:
             # No flag for "none" (the engine's default): the args of existing pools stay as
             # they were, and so do their pods.
             quantization=None if model.quantization == "none" else model.quantization,
+            device=engine_device(spec),
         )
     )
 
@@ -95,25 +123,21 @@ def _model_source(
     return MODELS_MOUNT, [volume], [mount]
 
 
-def _env(spec: InferencePoolSpec) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
-        # Read-only root filesystem: every library that writes must write into the volumes.
-        {"name": "HOME", "value": "/tmp"},
-        {"name": "XDG_CACHE_HOME", "value": CACHE_MOUNT},
-        {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
-        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_MOUNT}/triton"},
-        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_MOUNT}/inductor"},
-        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-    ]
+def _env(spec: InferencePoolSpec, hub_endpoint: str) -> list[dict[str, Any]]:
+    """Ours first, then the pool's: a pool never overrides ours (the policy refuses such pools;
+    here ours win even for a pool that reached the builder some other way)."""
+    env: list[dict[str, Any]] = [{"name": name, "value": value} for name, value in OPERATOR_ENV]
+    if hub_endpoint:
+        env.append({"name": HF_ENDPOINT, "value": hub_endpoint})
     hub = spec.model.source.hub
     if hub is not None and hub.token_secret_ref is not None:
         secret_ref = {"name": hub.token_secret_ref.name, "key": hub.token_secret_ref.key}
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret_ref}})
-    # The user's variables win over ours with the same name.
-    user_names = {var.name for var in spec.engine.env}
-    env = [var for var in env if var["name"] not in user_names]
-    env += [{"name": var.name, "value": var.value} for var in spec.engine.env]
+        env.append({"name": HF_TOKEN, "valueFrom": {"secretKeyRef": secret_ref}})
+    env += [
+        {"name": var.name, "value": var.value}
+        for var in spec.engine.env
+        if var.name not in OPERATOR_ENV_NAMES
+    ]
     return env
 
 
@@ -126,7 +150,9 @@ def _probe(path: str, *, period: int, failures: int, timeout: int) -> dict[str, 
     }
 
 
-def build_container(pool: InferencePool, *, engine_image: str) -> dict[str, Any]:
+def build_container(
+    pool: InferencePool, *, engine_image: str, hub_endpoint: str = ""
+) -> dict[str, Any]:
     """The engine container: contract command and port, probes, hardened security context."""
     spec = pool.spec
     model_arg, _, model_mounts = _model_source(spec)
@@ -145,7 +171,7 @@ def build_container(pool: InferencePool, *, engine_image: str) -> dict[str, Any]
         "command": ["slotserve"],
         "args": engine_args(spec, model_arg),
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": _env(spec),
+        "env": _env(spec, hub_endpoint),
         "resources": resources,
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
@@ -163,6 +189,10 @@ def build_container(pool: InferencePool, *, engine_image: str) -> dict[str, Any]
         "readinessProbe": _probe("/ready", period=PROBE_PERIOD_SECONDS, failures=2, timeout=2),
         "livenessProbe": _probe("/health", period=10, failures=3, timeout=5),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}},
+        # An engine that cannot start (exit 2: no usable GPU, a setting this machine cannot
+        # run) says why in its last log line; the kubelet keeps it as the termination message,
+        # which the pool's status shows.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,
@@ -177,12 +207,14 @@ def build_container(pool: InferencePool, *, engine_image: str) -> dict[str, Any]
     return container
 
 
-def build_pod_spec(pool: InferencePool, *, engine_image: str) -> dict[str, Any]:
+def build_pod_spec(
+    pool: InferencePool, *, engine_image: str, hub_endpoint: str = ""
+) -> dict[str, Any]:
     """The engine pod spec: container, volumes, scheduling, grace period for draining."""
     spec = pool.spec
     _, model_volumes, _ = _model_source(spec)
     pod: dict[str, Any] = {
-        "containers": [build_container(pool, engine_image=engine_image)],
+        "containers": [build_container(pool, engine_image=engine_image, hub_endpoint=hub_endpoint)],
         "volumes": [
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
             {"name": "cache", "emptyDir": {}},
@@ -219,8 +251,13 @@ def build_pod_spec(pool: InferencePool, *, engine_image: str) -> dict[str, Any]:
     return pod
 
 
-def build_deployment(pool: InferencePool, *, engine_image: str) -> dict[str, Any]:
-    """The engine Deployment of ``pool`` (without owner reference: the handler adopts it)."""
+def build_deployment(
+    pool: InferencePool, *, engine_image: str, hub_endpoint: str = ""
+) -> dict[str, Any]:
+    """The engine Deployment of ``pool`` (without owner reference: the handler adopts it).
+
+    ``hub_endpoint``: the platform's model hub (HF_ENDPOINT), empty = Hugging Face's own.
+    """
     labels = common_labels(pool)
     template_metadata: dict[str, Any] = {"labels": labels}
     if pool.spec.engine.pod_annotations:
@@ -244,7 +281,7 @@ def build_deployment(pool: InferencePool, *, engine_image: str) -> dict[str, Any
             "revisionHistoryLimit": 3,
             "template": {
                 "metadata": template_metadata,
-                "spec": build_pod_spec(pool, engine_image=engine_image),
+                "spec": build_pod_spec(pool, engine_image=engine_image, hub_endpoint=hub_endpoint),
             },
         },
     }

@@ -80,12 +80,7 @@ class PoolOperator(AutoscalingHandlers):
 
     def __init__(self, settings: OperatorSettings) -> None:
         self.settings = settings
-        self.policy = Policy(
-            engine_image=settings.engine_image,
-            allow_host_path=settings.allow_host_path,
-            allowed_images=tuple(settings.allowed_images),
-            allowed_service_accounts=tuple(settings.allowed_service_accounts),
-        )
+        self.policy: Policy = settings.policy()
         self._api: KubeApi | None = None
         self._writer: StatusWriter | None = None
         # kopf passes the same index objects to every handler; the operator's own tasks (healer,
@@ -202,17 +197,21 @@ class PoolOperator(AutoscalingHandlers):
 
     def desired_children(self, pool: InferencePool, owner: kopf.Body) -> list[dict[str, Any]]:
         """The children of ``pool``, adopted by ``owner`` (its body)."""
+        settings = self.settings
         children = [
-            builders.build_deployment(pool, engine_image=self.settings.engine_image),
+            builders.build_deployment(
+                pool, engine_image=settings.engine_image, hub_endpoint=settings.hub_endpoint
+            ),
             builders.build_service(pool),
         ]
-        if self.settings.network_policy:
+        if settings.network_policy:
             children.append(
                 build_network_policy(
                     pool,
-                    gateway_namespace=self.settings.gateway_namespace,
-                    gateway_pod_labels=self.settings.gateway_pod_labels,
-                    scraper_peers=self.settings.scraper_peers,
+                    gateway_namespace=settings.gateway_namespace,
+                    gateway_pod_labels=settings.gateway_pod_labels,
+                    scraper_peers=settings.scraper_peers,
+                    egress=settings.engine_egress_rules(),
                 )
             )
         autoscaling = pool.spec.autoscaling

@@ -222,8 +222,19 @@ class EnvVar(WireModel):
     value: str = ""
 
 
+_CUDA_NEEDS_GPU_RULE = (
+    "!has(self.device) || self.device != 'cuda' || (has(self.resources) && "
+    f"has(self.resources.limits) && '{GPU_RESOURCE}' in self.resources.limits)"
+)
+_CUDA_NEEDS_GPU = f"device cuda needs resources.limits {GPU_RESOURCE}"
+
+
 class EngineSpec(WireModel):
     """Knobs of the engine pods."""
+
+    model_config: ClassVar = WireModel.model_config | {
+        "json_schema_extra": _cel(_CUDA_NEEDS_GPU_RULE, _CUDA_NEEDS_GPU)
+    }
 
     image: str | None = Field(
         None, min_length=1, description="Engine image; default: the operator's engineImage."
@@ -233,6 +244,13 @@ class EngineSpec(WireModel):
         default_factory=list, max_length=16, description="Names of image pull Secrets."
     )
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description=f"Where the engine computes (its --device): auto = cuda when "
+        f"resources.limits asks for {GPU_RESOURCE}, else cpu. An engine told cuda that finds "
+        "no usable GPU exits 2 (the pool turns Degraded, EngineCannotStart) instead of "
+        "falling back to the CPU.",
+    )
     node_selector: dict[
         str, Annotated[str, StringConstraints(pattern=LABEL_VALUE, max_length=63)]
     ] = Field(default_factory=dict, max_length=64)
@@ -247,6 +265,12 @@ class EngineSpec(WireModel):
     drain_timeout_seconds: int = Field(
         30, ge=0, le=3600, description="How long a stopping engine may finish its requests."
     )
+
+    @model_validator(mode="after")
+    def _cuda_needs_a_gpu(self) -> EngineSpec:
+        if self.device == "cuda" and GPU_RESOURCE not in self.resources.limits:
+            raise ValueError(_CUDA_NEEDS_GPU)
+        return self
 
     @model_validator(mode="after")
     def _qualified_keys(self) -> EngineSpec:

@@ -1,9 +1,13 @@
 """What a pool may ask of the cluster: pure checks run before any child is written.
 
 Creating an InferencePool creates pods, so whoever may create pools could otherwise mount node
-folders, run any image or borrow any ServiceAccount of the namespace. The operator refuses such
-pools with a reason (the pool turns Degraded, a Warning event says why, no child is written);
-platform teams widen the rules through the operator's settings. Pure functions, tested directly.
+folders, run any image or borrow any ServiceAccount of the namespace, run their own code inside
+an allowed image through environment variables, land on nodes kept for others, preempt other
+namespaces' pods, or point KEDA at any URL. The operator refuses such pools with a reason (the
+pool turns Degraded, a Warning event says why, no child is written or changed: pods that already
+run keep running); platform teams widen the rules through the operator's settings. The rules that
+guard code execution and scheduling are allow-lists: a name nobody thought of is refused. Pure
+functions, tested directly.
 
 Also here: which of several pools serving one model name wins (the oldest), the rule the
 gateway applies too, so that the operator can flag the others.
@@ -14,8 +18,10 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from slotserve.operator.models import InferencePool
+from slotserve.operator.builders import OPERATOR_ENV_NAMES
+from slotserve.operator.models import InferencePool, Toleration
 from slotserve.operator.status import Problem
 
 # Pod annotations that switch off the AppArmor or seccomp confinement (legacy forms that
@@ -26,21 +32,49 @@ CONFINEMENT_ANNOTATION_PREFIXES = (
     "container.seccomp.security.alpha.kubernetes.io/",
 )
 
-# Environment variables that load code from somewhere other than the image (a library, a
-# Python path on a volume the pool author fills): they would run any program inside an allowed
-# image, and serving a model never needs them.
-CODE_LOADING_ENV = frozenset(
+# Environment variables a pool may set without the platform naming them: each changes how the
+# engine's libraries behave (offline mode, thread counts, the CUDA allocator), none names a file,
+# a folder, a program or a host. Anything else, whatever its name, is refused unless the platform
+# adds it (setting allowed_env, chart value policy.allowedEnv): names such as LD_PRELOAD,
+# PYTHONPATH, CC, CPATH, LIBRARY_PATH, PYTHONPYCACHEPREFIX, SLOTSERVE_HOME or HF_ENDPOINT load
+# or run code, or send the Hub token, from a place the pool author chooses.
+DEFAULT_ALLOWED_ENV = frozenset(
     {
-        "LD_PRELOAD",
-        "LD_LIBRARY_PATH",
-        "LD_AUDIT",
-        "PYTHONPATH",
-        "PYTHONHOME",
-        "PYTHONSTARTUP",
-        "PYTHONUSERBASE",
-        "PYTHONEXECUTABLE",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "HF_HUB_DISABLE_TELEMETRY",
+        "HF_HUB_DISABLE_PROGRESS_BARS",
+        "HF_HUB_DOWNLOAD_TIMEOUT",
+        "HF_HUB_ETAG_TIMEOUT",
+        "TOKENIZERS_PARALLELISM",
+        "OMP_NUM_THREADS",
+        "PYTORCH_CUDA_ALLOC_CONF",
     }
 )
+
+TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
+
+
+@dataclass(frozen=True)
+class TolerationRule:
+    """Tolerations a pool may carry: taint ``key`` (a glob; ``*`` = any, also a toleration
+    without a key, which tolerates every taint) with ``effect`` (None = any effect)."""
+
+    key: str
+    effect: TaintEffect | None = None
+
+    def admits(self, toleration: Toleration) -> bool:
+        key = toleration.key
+        key_ok = self.key == "*" or bool(key and fnmatch.fnmatchcase(key, self.key))
+        # A toleration without an effect tolerates every effect: only a rule without one covers it.
+        return key_ok and (self.effect is None or self.effect == toleration.effect)
+
+
+# The scheduling the default (multi-tenant) settings allow: what the platform's own GPU nodes
+# need (the NVIDIA GPU operator's taint and labels, as examples/llama-8b-gpu.yaml uses); no
+# PriorityClass, no other taint, no other node label, no KEDA server.
+DEFAULT_ALLOWED_TOLERATIONS = (TolerationRule("nvidia.com/gpu", "NoSchedule"),)
+DEFAULT_ALLOWED_NODE_SELECTOR_KEYS = ("nvidia.com/gpu.present", "nvidia.com/gpu.product")
 
 
 def normalize_image(image: str) -> str:
@@ -57,8 +91,7 @@ def normalize_image(image: str) -> str:
 
 def image_allowed(image: str, patterns: Iterable[str]) -> bool:
     """Whether ``image`` (normalized) matches one of the glob ``patterns``."""
-    full = normalize_image(image)
-    return any(fnmatch.fnmatchcase(full, pattern) for pattern in patterns)
+    return globs_allow(normalize_image(image), patterns)
 
 
 def service_account_allowed(namespace: str, name: str, patterns: Iterable[str]) -> bool:
@@ -69,6 +102,18 @@ def service_account_allowed(namespace: str, name: str, patterns: Iterable[str]) 
     )
 
 
+def globs_allow(value: str, patterns: Iterable[str]) -> bool:
+    """Whether ``value`` matches one of the glob ``patterns`` (``*`` matches anything)."""
+    return any(fnmatch.fnmatchcase(value, pattern) for pattern in patterns)
+
+
+def keda_server_allowed(address: str, allowed: Iterable[str]) -> bool:
+    """Whether KEDA may query ``address``: one of ``allowed`` exactly (a trailing ``/`` aside;
+    no globs: ``http://prom:9090*`` would also match ``http://prom:9090@evil``), or ``*``."""
+    address = address.rstrip("/")
+    return any(entry == "*" or entry.rstrip("/") == address for entry in allowed)
+
+
 @dataclass(frozen=True)
 class Policy:
     """The operator's rules for pools (from OperatorSettings)."""
@@ -77,50 +122,151 @@ class Policy:
     allow_host_path: bool = False
     allowed_images: Sequence[str] = ()
     allowed_service_accounts: Sequence[str] = ()
+    allowed_env: frozenset[str] = DEFAULT_ALLOWED_ENV
+    allowed_priority_classes: Sequence[str] = ()
+    allowed_tolerations: Sequence[TolerationRule] = DEFAULT_ALLOWED_TOLERATIONS
+    allowed_node_selector_keys: Sequence[str] = DEFAULT_ALLOWED_NODE_SELECTOR_KEYS
+    allowed_keda_server_addresses: Sequence[str] = ()
 
     def check(self, pool: InferencePool) -> Problem | None:
         """The first rule ``pool`` breaks, as a condition reason and message; None if none."""
-        engine = pool.spec.engine
-        if pool.spec.model.source.host_path is not None and not self.allow_host_path:
-            return Problem(
-                "HostPathNotAllowed",
-                "model.source.hostPath mounts a node folder into the engine pods; this "
-                "operator refuses it (setting allow_host_path, chart value "
-                "policy.allowHostPath). Use a PersistentVolumeClaim (model.source.pvc).",
-            )
-        image = engine.image or self.engine_image
-        if self.allowed_images and not image_allowed(image, self.allowed_images):
-            return Problem(
-                "ImageNotAllowed",
-                f"engine image {normalize_image(image)!r} matches none of the allowed images "
-                f"{list(self.allowed_images)}",
-            )
-        account = engine.service_account_name
+        for rule in (
+            self._host_path,
+            self._image,
+            self._service_account,
+            self._env,
+            self._pod_annotations,
+            self._priority_class,
+            self._tolerations,
+            self._node_selector,
+            self._keda_server,
+        ):
+            problem = rule(pool)
+            if problem is not None:
+                return problem
+        return None
+
+    def _host_path(self, pool: InferencePool) -> Problem | None:
+        if pool.spec.model.source.host_path is None or self.allow_host_path:
+            return None
+        return Problem(
+            "HostPathNotAllowed",
+            "model.source.hostPath mounts a node folder into the engine pods; this "
+            "operator refuses it (setting allow_host_path, chart value "
+            "policy.allowHostPath). Use a PersistentVolumeClaim (model.source.pvc).",
+        )
+
+    def _image(self, pool: InferencePool) -> Problem | None:
+        image = pool.spec.engine.image or self.engine_image
+        if not self.allowed_images or image_allowed(image, self.allowed_images):
+            return None
+        return Problem(
+            "ImageNotAllowed",
+            f"engine image {normalize_image(image)!r} matches none of the allowed images "
+            f"{list(self.allowed_images)}",
+        )
+
+    def _service_account(self, pool: InferencePool) -> Problem | None:
+        account = pool.spec.engine.service_account_name
         if (
-            account
-            and self.allowed_service_accounts
-            and not service_account_allowed(
+            not account
+            or not self.allowed_service_accounts
+            or service_account_allowed(
                 pool.metadata.namespace, account, self.allowed_service_accounts
             )
         ):
+            return None
+        return Problem(
+            "ServiceAccountNotAllowed",
+            f"ServiceAccount {account!r} matches none of the allowed ServiceAccounts "
+            f"{list(self.allowed_service_accounts)}",
+        )
+
+    def _env(self, pool: InferencePool) -> Problem | None:
+        names = [var.name for var in pool.spec.engine.env]
+        owned = sorted({name for name in names if name in OPERATOR_ENV_NAMES})
+        if owned:
             return Problem(
-                "ServiceAccountNotAllowed",
-                f"ServiceAccount {account!r} matches none of the allowed ServiceAccounts "
-                f"{list(self.allowed_service_accounts)}",
+                "EnvNotAllowed",
+                f"engine.env sets {', '.join(owned)}: the operator sets "
+                f"{'it' if len(owned) == 1 else 'them'} on every engine pod, a pool cannot",
             )
-        for var in engine.env:
-            if var.name in CODE_LOADING_ENV:
-                return Problem(
-                    "EnvNotAllowed",
-                    f"engine.env {var.name} would load code from outside the engine image",
-                )
-        for key in engine.pod_annotations:
+        refused = sorted({name for name in names if name not in self.allowed_env})
+        if not refused:
+            return None
+        return Problem(
+            "EnvNotAllowed",
+            f"engine.env sets {', '.join(refused)}: not on the platform's list of variables a "
+            f"pool may set ({', '.join(sorted(self.allowed_env))}; setting allowed_env, chart "
+            "value policy.allowedEnv). Variables outside it can load or run code from outside "
+            "the engine image.",
+        )
+
+    def _pod_annotations(self, pool: InferencePool) -> Problem | None:
+        for key in pool.spec.engine.pod_annotations:
             if key.startswith(CONFINEMENT_ANNOTATION_PREFIXES):
                 return Problem(
                     "PodAnnotationNotAllowed",
                     f"pod annotation {key!r} changes the pods' AppArmor/seccomp confinement",
                 )
         return None
+
+    def _priority_class(self, pool: InferencePool) -> Problem | None:
+        name = pool.spec.engine.priority_class_name
+        if not name or globs_allow(name, self.allowed_priority_classes):
+            return None
+        return Problem(
+            "PriorityClassNotAllowed",
+            f"engine.priorityClassName {name!r} matches none of the allowed PriorityClasses "
+            f"{list(self.allowed_priority_classes)} (setting allowed_priority_classes, chart "
+            "value policy.allowedPriorityClasses): it could preempt other teams' pods",
+        )
+
+    def _tolerations(self, pool: InferencePool) -> Problem | None:
+        for toleration in pool.spec.engine.tolerations:
+            if not any(rule.admits(toleration) for rule in self.allowed_tolerations):
+                shown = f"{toleration.key or '(every taint)'}:{toleration.effect or '(any effect)'}"
+                allowed = [f"{r.key}:{r.effect or '*'}" for r in self.allowed_tolerations]
+                return Problem(
+                    "TolerationNotAllowed",
+                    f"engine.tolerations {shown} matches none of the allowed tolerations "
+                    f"{allowed} (setting allowed_tolerations, chart value "
+                    "policy.allowedTolerations): it would land pods on nodes kept for others",
+                )
+        return None
+
+    def _node_selector(self, pool: InferencePool) -> Problem | None:
+        refused = sorted(
+            key
+            for key in pool.spec.engine.node_selector
+            if not globs_allow(key, self.allowed_node_selector_keys)
+        )
+        if not refused:
+            return None
+        return Problem(
+            "NodeSelectorNotAllowed",
+            f"engine.nodeSelector keys {', '.join(refused)} match none of the allowed keys "
+            f"{list(self.allowed_node_selector_keys)} (setting allowed_node_selector_keys, "
+            "chart value policy.allowedNodeSelectorKeys)",
+        )
+
+    def _keda_server(self, pool: InferencePool) -> Problem | None:
+        autoscaling = pool.spec.autoscaling
+        keda = autoscaling.keda if autoscaling is not None else None
+        if (
+            autoscaling is None
+            or autoscaling.provider != "keda"
+            or keda is None
+            or keda_server_allowed(keda.server_address, self.allowed_keda_server_addresses)
+        ):
+            return None
+        return Problem(
+            "KedaServerNotAllowed",
+            f"autoscaling.keda.serverAddress {keda.server_address!r} is none of the allowed "
+            f"addresses {list(self.allowed_keda_server_addresses)} (setting "
+            "allowed_keda_server_addresses, chart value policy.allowedKedaServerAddresses): "
+            "KEDA would send its queries wherever it points",
+        )
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,37 @@ STUCK_REASONS = frozenset(
         "RunContainerError",
     }
 )
+# The engine's exit status when its settings cannot run on this machine (``--device cuda`` and
+# no usable GPU, a quantization the device lacks): restarting will not help.
+ENGINE_CANNOT_START_EXIT = 2
+# Longest piece of an engine's termination message that a condition repeats.
+MAX_TERMINATION_LINE = 512
+
+
+def termination_line(message: str) -> str:
+    """The line of a termination message (the log tail, policy FallbackToLogsOnError) that says
+    why: the engine's last "cannot start" line, else the last line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    why = next((line for line in reversed(lines) if "cannot start" in line), None)
+    return (why or (lines[-1] if lines else ""))[:MAX_TERMINATION_LINE]
+
+
+def _stuck(container: Mapping[str, Any]) -> tuple[str, str]:
+    """(reason, message) when this container will not come up by itself; ("", "") otherwise."""
+    state = container.get("state") or {}
+    terminated = state.get("terminated") or (container.get("lastState") or {}).get("terminated")
+    terminated = terminated or {}
+    why = termination_line(terminated.get("message") or "")
+    exit_code = terminated.get("exitCode")
+    if exit_code == ENGINE_CANNOT_START_EXIT and not container.get("ready"):
+        return "EngineCannotStart", f"the engine exited {exit_code}: {why}".rstrip(": ")
+    waiting = state.get("waiting") or {}
+    if waiting.get("reason") not in STUCK_REASONS:
+        return "", ""
+    message = waiting.get("message", "")
+    if exit_code and why:
+        message = f"{message}; last exit {exit_code}: {why}".lstrip("; ")
+    return waiting["reason"], message
 
 
 @dataclass(frozen=True)
@@ -51,12 +82,10 @@ class PodView:
         unschedulable = scheduled.get("status") == "False" and (
             scheduled.get("reason") == "Unschedulable"
         )
-        stuck_reason, stuck_message = "", ""
-        for container in status.get("containerStatuses") or []:
-            waiting = (container.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") in STUCK_REASONS:
-                stuck_reason, stuck_message = waiting["reason"], waiting.get("message", "")
-                break
+        stuck_reason, stuck_message = next(
+            (stuck for c in status.get("containerStatuses") or [] if (stuck := _stuck(c))[0]),
+            ("", ""),
+        )
         return cls(
             name=metadata.get("name", ""),
             ip=status.get("podIP") or "",

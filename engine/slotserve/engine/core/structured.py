@@ -5,10 +5,16 @@ xgrammar and outlines-core because it compiles nothing ahead: a matcher for a JS
 built in ~0.5 ms (measured here with SmolLM2's 49,152-token vocabulary) and computes each step's
 mask lazily, while xgrammar compiles a schema up front and outlines-core builds an index of the
 vocabulary per schema (both fine once cached, but a new schema per request is the agent case).
-It takes JSON schemas, regexes and Lark grammars, and needs no torch of its own. A request's
-grammar is checked when it arrives (off the event loop, with a time limit) and remembered by its
-text; each sequence then gets its own matcher, whose mask enters the batched sampling step
-(:mod:`slotserve.engine.core.sampling`); the sampled token is fed back to it.
+It takes JSON schemas, regexes and Lark grammars, and needs no torch of its own.
+
+The event loop never waits on the grammar engine: a request's grammar is built from its schema
+and compiled once, in a thread within ``GRAMMAR_CHECK_SECONDS``, into a :class:`CompiledGrammar`
+(the text carrying its compiled matcher); each sequence, one per choice, gets a clone of that
+matcher (~0.1 ms, where compiling a 1 MB grammar takes 0.1-0.5 s), whose mask enters the batched
+sampling step (:mod:`slotserve.engine.core.sampling`); the sampled token is fed back to it.
+Grammar text beyond ``MAX_GRAMMAR_CHARS`` is refused before any of that. Compiled grammars are
+remembered by their text (a repeated schema is not compiled again), within a bound on their total
+size.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from slotserve.engine.core.protocols import Tokenizer
@@ -26,12 +33,20 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared only in the type stub
     from transformers import PreTrainedTokenizerFast
 
-# Grammars checked and kept (by their text): a repeated schema is not checked again.
+# Compiled grammars kept by their text: at most this many, and at most this many characters of
+# grammar text in all (a compiled matcher takes ~17 bytes per character of its grammar: 3.7 MB for
+# a 220,000-character enum), so the cache stays under ~70 MB whatever the requests.
 GRAMMAR_CACHE_SIZE = 256
+GRAMMAR_CACHE_CHARS = 4 * 2**20
 
-
-# A grammar that takes longer than this to check is refused (it would take as long per request).
+# A grammar that takes longer than this to build and compile is refused (it would take as long
+# per request).
 GRAMMAR_CHECK_SECONDS = 5.0
+
+# Longest grammar text (or schema, regex, choice list it is built from) a request may bring, in
+# characters: compiling costs ~0.4 s per million characters and ~17 bytes of memory per
+# character; 256 Ki characters hold a JSON schema with ~11,000 enum values or large tool lists.
+MAX_GRAMMAR_CHARS = 262_144
 
 
 class GrammarError(ValueError):
@@ -43,14 +58,49 @@ class GrammarError(ValueError):
 
 
 class GrammarTimeoutError(GrammarError):
-    """The grammar engine took longer than ``GRAMMAR_CHECK_SECONDS`` to check it."""
+    """The grammar engine took longer than ``GRAMMAR_CHECK_SECONDS`` to compile it."""
 
 
-async def check_in_time(grammars: Grammars, grammar: str, param: str) -> None:
-    """Check ``grammar`` off the event loop within ``GRAMMAR_CHECK_SECONDS``; raises
-    :class:`GrammarError` (:class:`GrammarTimeoutError` past the time) naming ``param``."""
+class GrammarTooLargeError(GrammarError):
+    """The grammar (or what it is built from) is longer than ``MAX_GRAMMAR_CHARS``."""
+
+
+def check_grammar_size(text: str, what: str = "the grammar") -> None:
+    """Raise :class:`GrammarTooLargeError` when ``text`` exceeds ``MAX_GRAMMAR_CHARS``."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarTooLargeError(
+            f"{what} has {len(text):,} characters; this engine takes at most {MAX_GRAMMAR_CHARS:,}"
+        )
+
+
+class CompiledGrammar(str):
+    """A grammar's text carrying its compiled matcher, a prototype never fed a token.
+
+    It goes wherever the text goes (``SamplingParams.grammar``), so the engine thread clones the
+    prototype for each sequence instead of compiling the grammar again on its way.
+    """
+
+    prototype: Any
+
+    def __new__(cls, text: str, prototype: Any) -> CompiledGrammar:
+        compiled = super().__new__(cls, text)
+        compiled.prototype = prototype
+        return compiled
+
+
+async def check_in_time(
+    grammars: Grammars, grammar: str | Callable[[], str], param: str
+) -> CompiledGrammar:
+    """Build (when given a builder) and compile ``grammar`` off the event loop within
+    ``GRAMMAR_CHECK_SECONDS``; raises :class:`GrammarError` (:class:`GrammarTimeoutError` past
+    the time) naming ``param``."""
+    build = grammar if callable(grammar) else lambda: grammar
+
+    def compile_built() -> CompiledGrammar:
+        return grammars.compile(build())
+
     try:
-        await asyncio.wait_for(asyncio.to_thread(grammars.check, grammar), GRAMMAR_CHECK_SECONDS)
+        return await asyncio.wait_for(asyncio.to_thread(compile_built), GRAMMAR_CHECK_SECONDS)
     except TimeoutError as error:
         raise GrammarTimeoutError(
             f"'{param}' took longer than {GRAMMAR_CHECK_SECONDS:.0f} s to compile", param
@@ -63,12 +113,15 @@ def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
     # Compact JSON (vLLM's guidance backend does the same): with free whitespace a weak model can
     # spend every token on blanks between two keys and never finish.
     overrides: JsonCompileOptions = {"whitespace_flexible": False}
-    return str(LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=overrides))
+    text = json.dumps(schema)
+    check_grammar_size(text, "the JSON schema")
+    return str(LLMatcher.grammar_from_json_schema(text, overrides=overrides))
 
 
 def regex_grammar(pattern: str) -> str:
     from llguidance import LLMatcher
 
+    check_grammar_size(pattern, "the regex")
     return str(LLMatcher.grammar_from_regex(pattern))
 
 
@@ -77,7 +130,7 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 class Grammars:
-    """Checks grammars against one tokenizer and makes matchers; safe on any thread."""
+    """Compiles grammars against one tokenizer and makes matchers; safe on any thread."""
 
     def __init__(self, tokenizer: Tokenizer, tokenizer_lock: threading.Lock | None = None) -> None:
         self._hf_tokenizer = tokenizer
@@ -86,7 +139,8 @@ class Grammars:
         self._hf_lock = tokenizer_lock or threading.Lock()
         self._tokenizer: Any = None
         self._lock = threading.Lock()
-        self._checked: OrderedDict[str, None] = OrderedDict()
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._num_cached_chars = 0
 
     @property
     def tokenizer(self) -> Any:
@@ -102,26 +156,38 @@ class Grammars:
                     self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer)
             return self._tokenizer
 
+    def compile(self, grammar: str) -> CompiledGrammar:
+        """``grammar`` with its compiled matcher (blocking: 0.1-0.5 s for a large grammar, so
+        call it off the event loop); raises :class:`GrammarError` if the engine refuses it."""
+        check_grammar_size(grammar)
+        with self._lock:
+            prototype = self._compiled.get(grammar)
+            if prototype is not None:
+                self._compiled.move_to_end(grammar)
+                return CompiledGrammar(grammar, prototype)
+        from llguidance import LLMatcher
+
+        prototype = LLMatcher(self.tokenizer, grammar)
+        if prototype.is_error():
+            raise GrammarError(prototype.get_error())
+        with self._lock:
+            if grammar not in self._compiled:
+                self._compiled[grammar] = prototype
+                self._num_cached_chars += len(grammar)
+            while (
+                len(self._compiled) > GRAMMAR_CACHE_SIZE
+                or self._num_cached_chars > GRAMMAR_CACHE_CHARS
+            ):
+                text, _ = self._compiled.popitem(last=False)
+                self._num_cached_chars -= len(text)
+        return CompiledGrammar(grammar, prototype)
+
     def check(self, grammar: str) -> None:
         """Raise :class:`GrammarError` unless the grammar engine accepts ``grammar``."""
-        with self._lock:
-            if grammar in self._checked:
-                self._checked.move_to_end(grammar)
-                return
-        from llguidance import LLMatcher
-
-        error = LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise GrammarError(str(error))
-        with self._lock:
-            self._checked[grammar] = None
-            while len(self._checked) > GRAMMAR_CACHE_SIZE:
-                self._checked.popitem(last=False)
+        self.compile(grammar)
 
     def matcher(self, grammar: str) -> Any:
-        from llguidance import LLMatcher
-
-        matcher = LLMatcher(self.tokenizer, grammar)
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error())
-        return matcher
+        """A fresh matcher for one sequence: a clone of the compiled prototype, so a
+        :class:`CompiledGrammar` (every HTTP request's) is never compiled here."""
+        compiled = grammar if isinstance(grammar, CompiledGrammar) else self.compile(grammar)
+        return compiled.prototype.deep_copy()

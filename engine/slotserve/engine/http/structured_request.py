@@ -3,7 +3,9 @@
 OpenAI's ``response_format`` (json_object, json_schema) and vLLM's ``guided_json``,
 ``guided_regex`` and ``guided_choice`` each become a grammar of the grammar engine
 (:mod:`slotserve.engine.core.structured`); a tool call's grammar (``tool_calls.py``) is one more
-source. At most one may be given, and none with ``ignore_eos`` or ``min_tokens``.
+source. At most one may be given, and none with ``ignore_eos`` or ``min_tokens``. Which field
+applies is decided on the event loop (cheap); building the grammar from it and compiling it run
+in a thread, within the grammar time limit.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from slotserve.engine.core.structured import (
+    CompiledGrammar,
     GrammarError,
     Grammars,
     GrammarTimeoutError,
@@ -22,10 +25,11 @@ from slotserve.engine.core.structured import (
 from slotserve.engine.http.openai_api import ChatCompletionRequest, SamplingRequest
 
 
-def requested_grammar(
+def grammar_source(
     body: SamplingRequest, tool_grammar: tuple[str, str] | None = None
-) -> tuple[str, str] | None:
-    """``(param, grammar)`` for the body's structured-output field or ``tool_grammar``, if any."""
+) -> tuple[str, Callable[[], str]] | None:
+    """``(param, build)`` for the body's structured-output field or ``tool_grammar``, if any:
+    ``build()`` makes the grammar text (blocking on large schemas: call it off the loop)."""
     sources: list[tuple[str, Callable[[], str]]] = []
     if tool_grammar is not None:
         sources.append((tool_grammar[0], lambda: tool_grammar[1]))
@@ -51,28 +55,33 @@ def requested_grammar(
         raise GrammarError(
             f"'{sources[1][0]}' cannot be combined with '{sources[0][0]}'", sources[1][0]
         )
-    param, build = sources[0]
     for field, value in (("ignore_eos", body.ignore_eos), ("min_tokens", body.min_tokens)):
         if value:
             raise GrammarError(f"'{field}' cannot be combined with structured output", field)
+    return sources[0]
+
+
+def _built(param: str, build: Callable[[], str]) -> str:
     try:
-        return param, build()
+        return build()
     except Exception as error:  # the library's own error types: the request's fault
         raise GrammarError(f"'{param}' is not usable: {error}", param) from error
 
 
 async def check_requested_grammar(
     grammars: Grammars, body: SamplingRequest, tool_grammar: tuple[str, str] | None = None
-) -> str | None:
-    """The request's grammar, checked off the event loop in time (see ``check_in_time``)."""
-    requested = requested_grammar(body, tool_grammar)
-    if requested is None:
+) -> CompiledGrammar | None:
+    """The request's grammar, built and compiled off the event loop in time (see
+    ``check_in_time``): the engine clones its matcher for every choice."""
+    source = grammar_source(body, tool_grammar)
+    if source is None:
         return None
-    param, grammar = requested
+    param, build = source
     try:
-        await check_in_time(grammars, grammar, param)
+        return await check_in_time(grammars, lambda: _built(param, build), param)
     except GrammarTimeoutError:
         raise
     except GrammarError as error:
+        if error.param == param:  # _built's own: it names the field already
+            raise
         raise GrammarError(f"'{param}' is not usable: {error}", param) from error
-    return grammar
