@@ -25,6 +25,9 @@ from slotserve.engine.core.structured import (
     json_schema_grammar,
 )
 
+# Longest /load may wait while a grammar is built (the gateway gives /load 1 s).
+MAX_LOAD_WAIT_S = 0.75
+
 
 def enum_schema(num_values: int) -> dict:
     values = [f"value-{i:07d}-xyz" for i in range(num_values)]
@@ -98,8 +101,9 @@ def test_a_large_schema_with_many_choices_never_stalls_the_loop(engine):
     response, worst = worst_load_latency_during(engine, request)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 32
-    # Before: ~2 s (32 compiles of ~60 ms on the loop); now: tens of milliseconds.
-    assert worst < 0.5, f"/load waited {worst:.3f} s"
+    # Before: 1.57 s (32 compiles of ~50 ms on the loop); now ~0.03 s. The bound leaves room for
+    # a loaded machine and stays under the gateway's 1 s /load timeout.
+    assert worst < MAX_LOAD_WAIT_S, f"/load waited {worst:.3f} s"
 
 
 def test_the_issue_s_schema_is_a_400_at_once_and_takes_no_slot(engine):
@@ -110,6 +114,6 @@ def test_the_issue_s_schema_is_a_400_at_once_and_takes_no_slot(engine):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "guided_json" and f"at most {MAX_GRAMMAR_CHARS:,}" in error["message"]
-    assert worst < 0.5, f"/load waited {worst:.3f} s"
+    assert worst < MAX_LOAD_WAIT_S, f"/load waited {worst:.3f} s"
     load = engine.get_json("/load")
     assert load["slots_free"] == load["slots_total"] and load["waiting"] == 0
