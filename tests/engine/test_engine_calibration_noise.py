@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -120,10 +121,11 @@ def hog() -> None:
 
 
 @pytest.fixture
-def two_hogs() -> Iterator[None]:
-    """Two real busy-loop processes (this machine has two cores)."""
+def hogs() -> Iterator[None]:
+    """A real busy-loop process per CPU this process may run on (two on these machines)."""
     context = multiprocessing.get_context("spawn")
-    hogs = [context.Process(target=hog, daemon=True) for _ in range(2)]
+    count = max(2, len(os.sched_getaffinity(0)))
+    hogs = [context.Process(target=hog, daemon=True) for _ in range(count)]
     for process in hogs:
         process.start()
     time.sleep(1.0)  # started and spinning
@@ -141,7 +143,7 @@ def busy_work() -> None:
         F.linear(x, w)
 
 
-def test_the_run_queue_wait_sees_two_hogs(two_hogs):
+def test_the_run_queue_wait_sees_busy_neighbours(hogs):
     torch.set_num_threads(2)
     with RunQueueWait() as wait:
         busy_work()
