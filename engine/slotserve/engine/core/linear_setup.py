@@ -155,9 +155,10 @@ def _watch(
     products_bytes: int,
     stock_over_aten: float,
 ) -> NativeRowsWatch | None:
-    """The steady-state check of a native-rows decision that was measured or read (a rule's
-    carries no timings to check)."""
-    if record is None or question is None or cache is None or record.source == "rule":
+    """The steady-state check of a native-rows decision (a rule's carries the timings of the
+    trial it overruled, if one measured: steps that beat them say that trial ran on a busy
+    machine, and the decision is taken again)."""
+    if record is None or question is None or cache is None:
         return None
     natives = fp32_native_layers(model.get_decoder())
     if isinstance(layers.logits, NativeLinear):
