@@ -30,9 +30,12 @@ from typing import TypeVar
 from slotserve.gateway.admission_recovery import LeaseKeeper
 from slotserve.gateway.admission_types import (
     DEFAULT_AGING_US,
+    REFUSED,
     AdmissionBackend,
+    AdmissionError,
     BackendUnavailableError,
     DispatchResult,
+    NoEngineFitsError,
     PoolPolicy,
     QueueFullError,
     QueueTimeoutError,
@@ -45,7 +48,7 @@ from slotserve.gateway.drain import (
     queue_drain_seconds,
     service_rate_per_s,
 )
-from slotserve.gateway.routing import EndpointOffer
+from slotserve.gateway.routing import EndpointOffer, most_slots
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -179,8 +182,10 @@ class Admission:
         try:
             try:
                 await self._enqueue(pool, request_id, priority, timeout_s, demote_after_s, slots)
-            except QueueFullError:
-                settled = True  # the step took the entry out again
+            except BackendUnavailableError:
+                raise
+            except AdmissionError:
+                settled = True  # full, unfit or invalid: the step wrote no entry (or took it out)
                 raise
             try:
                 if future.done():  # granted in the enqueue step itself: the common fast path
@@ -191,8 +196,8 @@ class Admission:
             except TimeoutError:
                 endpoint = await self._cancel_at_deadline(pool, request_id, future, slots)
             owned = True
-        except QueueTimeoutError:
-            settled = True
+        except (QueueTimeoutError, NoEngineFitsError):
+            settled = True  # timed out and taken out; or refused at the head, nothing held
             raise
         finally:
             self.waiters.pop(request_id, None)
@@ -293,6 +298,11 @@ class Admission:
 
     def _on_grant(self, pool_name: str, request_id: str, endpoint: str) -> None:
         waiter = self.waiters.get(request_id)
+        if endpoint == REFUSED:  # at the head, no ready engine had its slots: nothing is held
+            if waiter is not None and not waiter.future.done():
+                most = most_slots(self.offers(pool_name))
+                waiter.future.set_exception(NoEngineFitsError.of(pool_name, waiter.slots, most))
+            return
         if waiter is not None and not waiter.future.done():
             self.leased[request_id] = (pool_name, endpoint, waiter.slots)
             waiter.future.set_result(endpoint)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, TypeVar
 
-from slotserve.gateway.admission_types import BackendUnavailableError, QueueFullError
+from slotserve.gateway.admission_types import AdmissionError, BackendUnavailableError
 
 if TYPE_CHECKING:
     from slotserve.gateway.admission import Admission, Waiter
@@ -145,7 +145,9 @@ class LeaseKeeper:
                     slots=waiter.slots,
                 )
             )
-        except QueueFullError as exc:
+        except BackendUnavailableError:
+            raise
+        except AdmissionError as exc:  # full, or no engine fits it any more: its answer
             if not waiter.future.done():
                 waiter.future.set_exception(exc)
             return

@@ -21,6 +21,16 @@ DEFAULT_AGING_US = 2_000_000
 # arrival time), order among the demoted kept; scores stay exact in a double (< 2**53 us).
 DEMOTION_OFFSET_US = 1_000_000_000_000_000
 
+# Bounds of every number a backend step takes (``check_enqueue``; the Lua scripts check the same
+# before their first write, ``lua.py``). Nothing a client sends reaches a backend unchecked, and a
+# value outside them is refused whole, never written half-way.
+MAX_LEASE_SLOTS = 1024  # a lease's slots (a request's n): MaxBatchSize's bound, no engine has more
+MAX_WAIT_US = 86_400_000_000  # a wait, aging step, drain gap or promise horizon: one day at most
+MAX_QUEUE_SIZE = 1_000_000  # AdmissionSpec.max_queue_size's bound
+# The endpoint of a "grant" that refuses its request: no engine of the pool can ever hold its
+# slots (``Admission._on_grant`` raises ``NoEngineFitsError`` in its waiter, nothing is held).
+REFUSED = ""
+
 
 @dataclass(frozen=True)
 class LevelPolicy:
@@ -152,6 +162,63 @@ class QueueTimeoutError(AdmissionError):
 class BackendUnavailableError(AdmissionError):
     status = 503
     code = "admission_backend_unavailable"
+
+
+class InvalidAdmissionValueError(AdmissionError):
+    """A value outside the backends' bounds (``check_enqueue``): refused before any write."""
+
+    status = 400
+    code = "invalid_value"
+
+
+class NoEngineFitsError(AdmissionError):
+    """The request reached the head of its queue and needs more slots (its ``n``) than any ready
+    engine of the pool has: refused, so that it never blocks the requests behind it."""
+
+    status = 400
+    code = "invalid_value"
+
+    @classmethod
+    def of(cls, pool_name: str, slots: int, most_slots: int) -> NoEngineFitsError:
+        return cls(
+            f"'n' ({slots}) exceeds the slots of every ready engine of pool {pool_name!r} "
+            f"(at most {most_slots}): each choice takes one"
+        )
+
+
+def check_enqueue(
+    pool: PoolPolicy,
+    priority: int,
+    timeout_us: int,
+    *,
+    drain_gap_us: int,
+    aging_us: int,
+    demote_after_us: int | None,
+    slots: int,
+) -> None:
+    """Raise ``InvalidAdmissionValueError`` for any enqueue value outside the bounds; both
+    backends call it first, and the Lua script repeats it (a caller's bug must not reach Redis)."""
+    bounds = {
+        "priority": (priority, RETRY_PRIORITY, MAX_PRIORITY_LEVELS),
+        "timeout_us": (timeout_us, 1, MAX_WAIT_US),
+        "drain_gap_us": (drain_gap_us, 1, MAX_WAIT_US),
+        "aging_us": (aging_us, 0, MAX_WAIT_US),
+        "demote_after_us": (demote_after_us or 0, 0, MAX_WAIT_US),
+        "slots": (slots, 1, MAX_LEASE_SLOTS),
+        "max_queue_size": (pool.max_queue_size, 0, MAX_QUEUE_SIZE),
+        "level max_queue_size": (pool.level(priority).max_queue_size, 0, MAX_QUEUE_SIZE),
+        "queue_timeout_us": (promise_horizon_us(pool), 1, MAX_WAIT_US),
+    }
+    for name, (value, low, high) in bounds.items():
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise InvalidAdmissionValueError(
+                f"{name} must be an integer between {low} and {high}, got {value!r}"
+            )
+
+
+def promise_horizon_us(pool: PoolPolicy) -> int:
+    """How far ahead places are promised to rejected clients: one queue timeout."""
+    return max(1, int(pool.queue_timeout_s * 1_000_000))
 
 
 GrantCallback = Callable[[str, str, str], None]  # (pool, request_id, endpoint)

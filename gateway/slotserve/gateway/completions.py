@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 
 from slotserve.contracts.headers import DEADLINE_MS_HEADER, PRIORITY_HEADER
-from slotserve.gateway.admission_types import AdmissionError, PoolPolicy
+from slotserve.gateway.admission_types import AdmissionError, NoEngineFitsError, PoolPolicy
 from slotserve.gateway.app_keys import (
     ADMISSION,
     API_KEYS,
@@ -26,8 +27,10 @@ from slotserve.gateway.app_keys import (
     SETTINGS,
     WINDOW,
 )
+from slotserve.gateway.config import Pool
 from slotserve.gateway.errors import error_response
 from slotserve.gateway.proxy import proxy_request
+from slotserve.gateway.routing import EndpointOffer, most_slots
 from slotserve.gateway.tracing import traced_admission
 
 
@@ -73,6 +76,18 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise ValueError("request body must be a JSON object")
     return payload
+
+
+# The engine's own bound on ``n`` (engine/http/choices.py MAX_CHOICES): more is a 400 there.
+MAX_CHOICES = 128
+
+
+def slots_bound(pool: Pool, offers: Sequence[EndpointOffer]) -> int:
+    """The most slots one request may ask for: the engine's limit, and the slots of the
+    pool's biggest ready engine, or at zero (none ready) the pool's ``maxBatchSize``, the slots
+    it starts its engines with. Every request is bounded, so none can ask for more than any
+    engine could ever hold and wait at the head of the queue for good."""
+    return min(MAX_CHOICES, most_slots(offers) or pool.batching.max_batch_size)
 
 
 def requested_slots(payload: dict[str, Any]) -> int:
@@ -134,14 +149,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
             503, f"no engine of pool {model!r} is ready", "no_ready_endpoint", retry_after_s=1
         )
     slots = requested_slots(payload)
-    most_slots = max((offer.slots_total for offer in offers), default=slots)
-    if slots > most_slots:
+    bound = slots_bound(pool, offers)
+    if slots > bound:
         # Refused before queueing, as the engine would: no endpoint could ever hold it.
         m.rejected.labels(model, "invalid_value").inc()
+        what = "every ready engine" if offers else "the engines it starts (maxBatchSize)"
         return error_response(
             400,
-            f"'n' ({slots}) exceeds the slots of every engine of pool {model!r} "
-            f"(at most {most_slots}): each choice takes one",
+            f"'n' ({slots}) exceeds the slots of {what} of pool {model!r} "
+            f"(at most {bound}): each choice takes one",
             "invalid_value",
             param="n",
         )
@@ -158,6 +174,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         m.rejected.labels(model, exc.code).inc()
         if window is not None:
             window.rejected(model, exc.code)
+        if isinstance(exc, NoEngineFitsError):  # the engines changed while it waited
+            return error_response(exc.status, exc.message, exc.code, param="n")
         return error_response(exc.status, exc.message, exc.code, retry_after_s=exc.retry_after_s)
     m.admitted.labels(model).inc()
     m.queue_wait.labels(model).observe(lease.queue_wait_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from slotserve.gateway.admission_types import MAX_WAIT_US
 from slotserve.gateway.routing import EndpointOffer
 
 # Rejected clients are promised places a little further apart than the measured drain: a
@@ -86,9 +87,11 @@ def service_rate_per_s(
 
 def promise_gap_us(rate_per_s: float) -> int:
     """Microseconds between two places promised to rejected clients."""
-    if rate_per_s <= 0:
+    if not rate_per_s > 0:  # NaN too
         return UNKNOWN_GAP_US
-    return max(1, int(1_000_000 / (rate_per_s * PROMISE_SAFETY)))
+    if not math.isfinite(rate_per_s):
+        return 1
+    return min(MAX_WAIT_US, max(1, int(1_000_000 / (rate_per_s * PROMISE_SAFETY))))
 
 
 def queue_drain_seconds(queue_depth: int, rate_per_s: float) -> int:

@@ -16,16 +16,60 @@ calling replica, TTLs, known epoch, sweep batch, maxQueueSize and number of endp
 then N triples (url, slots_total, load_score), then the script's own arguments. The batching
 policy and its delay do not reach Redis: the engine forms batches.
 
+No value can poison a pool (``lua_values.py``): every argument is checked before a script's first
+write (a script refuses a bad one whole, ``{'invalid', name}``), every number is written as its
+digits, and an entry that does not parse (another gateway version, a hand edit) is dropped and
+counted (``bad_entries`` in ``P:{pool}:stats``), never an error in every later script of the pool.
+An offer that is not sound (slots outside 1..1024, a load that is not finite) is skipped, as
+``routing.sound_offers`` skips it. A request that needs more slots than any offered engine has is
+refused (enqueue: ``'unfit'``; at the head of the queue: a grant with an empty endpoint,
+``admission_types.REFUSED``), so it never blocks those behind it. With nothing waiting, the
+counts of waiting requests are reset, so no drift outlives a drained queue.
+
 The admission epoch and the heartbeat script live in ``lua_epoch.py``; slot accounting (a lease
-weighs its request's ``n`` slots) in ``lua_slots.py``.
+weighs its request's ``n`` slots) in ``lua_slots.py``; reading and writing numbers in
+``lua_values.py``.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
+
+from slotserve.contracts.pool_spec import MAX_PRIORITY_LEVELS
 from slotserve.contracts.redis_keys import DispatchArgs
-from slotserve.gateway.admission_types import DEMOTION_OFFSET_US
+from slotserve.gateway.admission_types import DEMOTION_OFFSET_US, MAX_QUEUE_SIZE, MAX_WAIT_US
 from slotserve.gateway.lua_epoch import EPOCH, HEARTBEAT
 from slotserve.gateway.lua_slots import SLOTS
+from slotserve.gateway.lua_values import VALUES
+
+# The bounds of the shared arguments that are integers (``DispatchArgs``), and the text ones that
+# name keys; ``known_epoch`` is compared, never parsed.
+_DISPATCH_INTS = {
+    "lease_ttl_us": (1, MAX_WAIT_US),
+    "state_ttl_ms": (1, MAX_WAIT_US),
+    "sweep_batch": (1, 10_000),
+    "max_queue": (0, MAX_QUEUE_SIZE),
+    "num_offers": (0, 10_000),
+}
+_DISPATCH_NAMES = ("prefix", "pool", "caller")
+
+
+def _check_dispatch_args() -> str:
+    """Lua that sets INVALID to the first shared argument out of its bounds (nil: all hold)."""
+    lines = ["local INVALID = nil\n"]
+    for number, field in enumerate(fields(DispatchArgs), start=1):
+        if field.name in _DISPATCH_INTS:
+            low, high = _DISPATCH_INTS[field.name]
+            check = f"int_arg(ARGV[{number}], {low}, {high})"
+        elif field.name in _DISPATCH_NAMES:
+            check = f"name_arg(ARGV[{number}])"
+        else:
+            continue
+        lines.append(f"if not INVALID and not {check} then INVALID = '{field.name}' end\n")
+    checked = set(_DISPATCH_INTS) | set(_DISPATCH_NAMES) | {"known_epoch"}
+    assert checked == {field.name for field in fields(DispatchArgs)}, "a DispatchArgs field"
+    return "".join(lines)
+
 
 _PRELUDE = (
     r"""#!lua flags=allow-cross-slot-keys
@@ -34,24 +78,34 @@ local K_LEASE_EP, K_INFLIGHT, K_STATS, K_DEADLINES = KEYS[5], KEYS[6], KEYS[7], 
 local K_REPLICAS, K_RETRIES, K_LEVELS, K_DELAYS = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
 local K_LEASE_SLOTS = KEYS[13]
 """
+    + VALUES
     + DispatchArgs.lua_locals()
+    + _check_dispatch_args()
     + r"""local FIRST_OFFER = """
     + str(DispatchArgs.first_offer_index())
     + r"""
-local OFFERS = {}
-for i = 0, NUM_OFFERS - 1 do
+if not INVALID and FIRST_OFFER + NUM_OFFERS * 3 - 1 > #ARGV then INVALID = 'num_offers' end
+-- Offers that are not sound are skipped (routing.sound_offers); MOST_SLOTS: the largest engine.
+local OFFERS, MOST_SLOTS = {}, 0
+for i = 0, (INVALID and 0 or NUM_OFFERS) - 1 do
   local b = FIRST_OFFER + i * 3
-  OFFERS[#OFFERS + 1] = {url = ARGV[b], slots = tonumber(ARGV[b + 1]), load = tonumber(ARGV[b + 2])}
+  local slots, load = int_arg(ARGV[b + 1], 1, MAX_OFFER_SLOTS), finite_arg(ARGV[b + 2])
+  if slots and load then
+    OFFERS[#OFFERS + 1] = {url = ARGV[b], slots = slots, load = load}
+    MOST_SLOTS = math.max(MOST_SLOTS, slots)
+  end
 end
-local REST = FIRST_OFFER + NUM_OFFERS * 3
-local DEMOTION_OFFSET = """
-    + str(DEMOTION_OFFSET_US)
+local REST = FIRST_OFFER + (INVALID and 0 or NUM_OFFERS) * 3
+local DEMOTION_OFFSET, MAX_LEVEL = """
+    + f"{DEMOTION_OFFSET_US}, {MAX_PRIORITY_LEVELS}"
     + r"""
 """
     + EPOCH
     + r"""
 local EPOCH_ID, READY_AT = '', 0
 local HELD, FREED = nil, 0  -- places held for promised clients; leases freed by this script
+
+local function stat(name) return int_value(redis.call('HGET', K_STATS, name), 0) end
 
 local alive = {[CALLER] = true}
 local function is_alive(replica)
@@ -65,15 +119,36 @@ local function waiting_key(replica)
   return PREFIX .. ':{' .. POOL .. '}:waiting:' .. replica
 end
 
--- replica|deadline|enqueued|level|slots (the replica's name may hold '|': the match is greedy).
+-- replica|deadline|enqueued|level|slots, numbers as digits (the replica's name may hold '|': the
+-- match is greedy); nil when it does not parse or holds values no entry can have.
 local function parse_entry(info)
   local replica, deadline, enqueued, level, slots =
-    string.match(info, '^(.*)|(%d+)|(%d+)|(%d+)|(%d+)$')
+    string.match(info, '^(.+)|(%d+)|(%d+)|(%d+)|(%d+)$')
   if not replica then  -- written before leases weighed slots: one slot
-    replica, deadline, enqueued, level = string.match(info, '^(.*)|(%d+)|(%d+)|(%d+)$')
-    slots = 1
+    replica, deadline, enqueued, level = string.match(info, '^(.+)|(%d+)|(%d+)|(%d+)$')
+    slots = '1'
   end
-  return replica, tonumber(deadline), tonumber(enqueued), level, tonumber(slots)
+  if not replica or #deadline > 16 or #enqueued > 16 or #level > 2 or #slots > 5 then
+    return nil
+  end
+  slots = tonumber(slots)
+  if tonumber(level) > MAX_LEVEL or slots < 1 or slots > MAX_LEASE_SLOTS then return nil end
+  return replica, tonumber(deadline), tonumber(enqueued), level, slots
+end
+
+-- An entry that does not parse: what can be read of its replica and level, so that their
+-- counts are undone; counted, and never an error.
+local function salvage_entry(info)
+  redis.call('HINCRBY', K_STATS, 'bad_entries', 1)
+  local replica, level = string.match(info, '^(.+)|[^|]*|[^|]*|([^|]*)|[^|]*$')
+  if level and not int_value(level, nil) then level = nil end
+  return replica, level
+end
+
+local function entry_owner(info)
+  local replica, _, _, level = parse_entry(info)
+  if replica then return replica, level end
+  return salvage_entry(info)
 end
 
 -- Waiting requests per level (for each level's own maxQueueSize).
@@ -88,9 +163,9 @@ local function drop(rid)
   redis.call('ZREM', K_DELAYS, rid)
   if info then
     redis.call('HDEL', K_ENTRIES, rid)
-    local replica, _, _, level = parse_entry(info)
-    redis.call('ZREM', waiting_key(replica), rid)
-    count_level(level, -1)
+    local replica, level = entry_owner(info)
+    if replica then redis.call('ZREM', waiting_key(replica), rid) end
+    if level then count_level(level, -1) end
   end
 end
 
@@ -105,10 +180,12 @@ local function drop_many(rids)
   local by_replica, by_level = {}, {}
   for i = 1, #rids do
     if infos[i] then
-      local replica, _, _, level = parse_entry(infos[i])
-      by_replica[replica] = by_replica[replica] or {}
-      table.insert(by_replica[replica], rids[i])
-      by_level[level] = (by_level[level] or 0) + 1
+      local replica, level = entry_owner(infos[i])
+      if replica then
+        by_replica[replica] = by_replica[replica] or {}
+        table.insert(by_replica[replica], rids[i])
+      end
+      if level then by_level[level] = (by_level[level] or 0) + 1 end
     end
   end
   for level, n in pairs(by_level) do count_level(level, -n) end
@@ -142,9 +219,11 @@ local function head(now)
     else
       if info then
         local replica, deadline, enqueued, _, slots = parse_entry(info)
-        if deadline > now and is_alive(replica) then return h[1], replica, enqueued, slots end
+        if replica and deadline > now and is_alive(replica) then
+          return h[1], replica, enqueued, slots
+        end
       end
-      drop(h[1])
+      drop(h[1])  -- expired, its replica dead, or it does not parse (counted)
       drops_left = drops_left - 1
     end
   end
@@ -157,7 +236,7 @@ end
 local function settle_promises(now)
   if HELD ~= nil then return end
   local due = redis.call('ZREMRANGEBYSCORE', K_RETRIES, '-inf', now)
-  HELD = tonumber(redis.call('HGET', K_STATS, 'held') or '0')
+  HELD = stat('held')
   HELD = math.min(math.max(0, HELD - due), redis.call('ZCARD', K_RETRIES))
 end
 
@@ -172,6 +251,7 @@ end
     + SLOTS
     + r"""
 -- Every policy alike: the engine forms its batches (static, dynamic) from what arrives.
+local refusals_left = SWEEP_BATCH
 local function dispatch(now)
   settle_promises(now)
   EPOCH_ID, READY_AT = check_epoch(now)
@@ -179,23 +259,34 @@ local function dispatch(now)
   while true do
     local rid, replica, _, slots = head(now)
     if not rid then return 0 end
-    -- The head waits for all its slots, and those behind it wait for the head (FIFO).
-    local ep = best_endpoint(slots)
-    if not ep then return 0 end
-    grant(rid, replica, ep.url, slots, now)
+    if #OFFERS > 0 and slots > MOST_SLOTS then
+      -- No ready engine can ever hold it (engines changed since it came): refused, so that it
+      -- never blocks the queue behind it.
+      if refusals_left == 0 then return 0 end  -- bounded work: the next step goes on
+      refusals_left = refusals_left - 1
+      refuse(rid, replica)
+    else
+      -- The head waits for all its slots, and those behind it wait for the head (FIFO).
+      local ep = best_endpoint(slots)
+      if not ep then return 0 end
+      grant(rid, replica, ep.url, slots, now)
+    end
   end
 end
 
 local function touch()
   hold_freed_places()
-  if HELD ~= nil then redis.call('HSET', K_STATS, 'held', HELD) end
+  if HELD ~= nil then redis.call('HSET', K_STATS, 'held', int(HELD)) end
+  if redis.call('ZCARD', K_QUEUE) == 0 then
+    -- Nothing waits: whatever drift the counts of waiting requests had ends here.
+    redis.call('DEL', K_ENTRIES, K_LEVELS, K_DEADLINES, K_DELAYS)
+  end
   for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], STATE_TTL_MS) end
 end
 
 -- {status, queue depth, dispatched so far, hold (us), epoch, retry after (us), grants...}
 local function result(status, hold, retry_us)
-  local out = {status, redis.call('ZCARD', K_QUEUE),
-               tonumber(redis.call('HGET', K_STATS, 'dispatched') or '0'), hold,
+  local out = {status, redis.call('ZCARD', K_QUEUE), stat('dispatched'), hold,
                EPOCH_ID, retry_us or 0}
   for _, v in ipairs(mine) do out[#out + 1] = v end
   return out
@@ -212,16 +303,40 @@ end
 ENQUEUE = (
     _PRELUDE
     + r"""
-local rid, priority = ARGV[REST], tonumber(ARGV[REST + 1])
-local timeout_us, max_size = tonumber(ARGV[REST + 2]), tonumber(ARGV[REST + 3])
-local drain_gap_us, max_promise_us = tonumber(ARGV[REST + 5]), tonumber(ARGV[REST + 6])
-local aging_us, level_max = tonumber(ARGV[REST + 7]), tonumber(ARGV[REST + 8])
-local demote_us, slots = tonumber(ARGV[REST + 9]), tonumber(ARGV[REST + 10])
+if INVALID then return {'invalid', INVALID} end
+-- Every argument is checked before the first write (admission_types.check_enqueue's bounds).
+local rid = name_arg(ARGV[REST])
+local checks = {
+  {'request id', rid},
+  {'priority', int_arg(ARGV[REST + 1], 0, MAX_LEVEL)},
+  {'timeout_us', int_arg(ARGV[REST + 2], 1, MAX_WAIT_US)},
+  {'max_queue_size', int_arg(ARGV[REST + 3], 0, MAX_QUEUE_SIZE)},
+  {'only_if_absent', (ARGV[REST + 4] == '0' or ARGV[REST + 4] == '1') or nil},
+  {'drain_gap_us', int_arg(ARGV[REST + 5], 1, MAX_WAIT_US)},
+  {'queue_timeout_us', int_arg(ARGV[REST + 6], 1, MAX_WAIT_US)},
+  {'aging_us', int_arg(ARGV[REST + 7], 0, MAX_WAIT_US)},
+  {'level max_queue_size', int_arg(ARGV[REST + 8], 0, MAX_QUEUE_SIZE)},
+  {'demote_after_us', int_arg(ARGV[REST + 9], 0, MAX_WAIT_US)},
+  {'slots', int_arg(ARGV[REST + 10], 1, MAX_LEASE_SLOTS)},
+}
+for _, check in ipairs(checks) do
+  if check[2] == nil then return {'invalid', check[1]} end
+end
+local priority, timeout_us, max_size = checks[2][2], checks[3][2], checks[4][2]
+local drain_gap_us, max_promise_us = checks[6][2], checks[7][2]
+local aging_us, level_max = checks[8][2], checks[9][2]
+local demote_us, slots = checks[10][2], checks[11][2]
+local level = int(priority)
 local now = now_us()
 if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
     or redis.call('ZSCORE', K_LEASES, rid)) then
   EPOCH_ID = check_epoch(now)
   return result('ok', 0)
+end
+-- No ready engine has that many slots: refused at once, nothing written.
+if #OFFERS > 0 and slots > MOST_SLOTS then
+  EPOCH_ID = check_epoch(now)
+  return result('unfit', 0)
 end
 -- Fast path: nobody waits and a slot is free: the lease at once, no queue entry to write.
 if redis.call('ZCARD', K_QUEUE) == 0 then
@@ -237,13 +352,13 @@ settle_promises(now)
 local seq = redis.call('INCR', K_SEQ)
 local deadline = now + timeout_us
 -- Aging: a level is worth aging_us of waiting, so no level waits forever behind another.
-redis.call('ZADD', K_QUEUE, now + priority * aging_us, rid)
-redis.call('HSET', K_ENTRIES, rid, CALLER .. '|' .. fmt(deadline) .. '|' .. fmt(now) .. '|'
-  .. priority .. '|' .. slots)
-count_level(priority, 1)
-redis.call('ZADD', K_DEADLINES, deadline, rid)
-if demote_us > 0 then redis.call('ZADD', K_DELAYS, now + demote_us, rid) end
-redis.call('ZADD', waiting_key(CALLER), deadline, rid)
+redis.call('ZADD', K_QUEUE, int(now + priority * aging_us), rid)
+redis.call('HSET', K_ENTRIES, rid, CALLER .. '|' .. int(deadline) .. '|' .. int(now) .. '|'
+  .. level .. '|' .. int(slots))
+count_level(level, 1)
+redis.call('ZADD', K_DEADLINES, int(deadline), rid)
+if demote_us > 0 then redis.call('ZADD', K_DELAYS, int(now + demote_us), rid) end
+redis.call('ZADD', waiting_key(CALLER), int(deadline), rid)
 redis.call('PEXPIRE', waiting_key(CALLER), STATE_TTL_MS)
 redis.call('SADD', K_REPLICAS, CALLER)
 local hold = dispatch(now)
@@ -251,9 +366,9 @@ touch()
 -- The level's own limit (when below the pool's): a flood at one level cannot take the other
 -- levels' places. No promise: its Retry-After is the time its level's queue takes to drain.
 if level_max < max_size and redis.call('ZSCORE', K_QUEUE, rid)
-    and tonumber(redis.call('HGET', K_LEVELS, priority) or '0') > level_max then
+    and int_value(redis.call('HGET', K_LEVELS, level), 0) > level_max then
   drop(rid)
-  local ahead = tonumber(redis.call('HGET', K_LEVELS, priority) or '0') + 1
+  local ahead = int_value(redis.call('HGET', K_LEVELS, level), 0) + 1
   touch()
   return result('level_full', 0, math.ceil(
     math.min(ahead * drain_gap_us, max_promise_us) / 1000000) * 1000000)
@@ -262,18 +377,19 @@ end
 -- promised client.
 if redis.call('ZSCORE', K_QUEUE, rid) and redis.call('ZCARD', K_QUEUE) + HELD > max_size then
   drop(rid)
-  local last = tonumber(redis.call('HGET', K_STATS, 'retry_horizon') or '0')
+  local last = stat('retry_horizon')
   if last - now >= max_promise_us then
     -- Promises reach at most one queue timeout ahead (clients that ignore Retry-After must
     -- not push everyone's further out): come back when the promised ones are due.
+    touch()
     return result('full', 0, math.ceil((last - now) / 1000000) * 1000000)
   end
   -- The next free place after every place already promised: whole seconds, as the client
   -- will wait (Retry-After has one-second resolution).
   local horizon = math.max(now, last) + drain_gap_us
-  redis.call('HSET', K_STATS, 'retry_horizon', fmt(horizon))
+  redis.call('HSET', K_STATS, 'retry_horizon', int(horizon))
   local retry_us = math.ceil((horizon - now) / 1000000) * 1000000
-  redis.call('ZADD', K_RETRIES, now + retry_us, seq)
+  redis.call('ZADD', K_RETRIES, int(now + retry_us), seq)
   touch()
   return result('full', 0, retry_us)
 end
@@ -284,6 +400,7 @@ return result('ok', hold)
 RELEASE = (
     _PRELUDE
     + r"""
+if INVALID then return {'invalid', INVALID} end
 for i = REST, #ARGV do release_lease(ARGV[i]) end
 local hold = dispatch(now_us())
 touch()
@@ -294,7 +411,9 @@ return result('ok', hold)
 CANCEL = (
     _PRELUDE
     + r"""
-local rid = ARGV[REST]
+if INVALID then return {'invalid', INVALID} end
+local rid = ARGV[REST] or ''
+
 if redis.call('ZSCORE', K_QUEUE, rid) then
   drop(rid)
   return {'cancelled', ''}
@@ -309,6 +428,7 @@ return {'gone', ''}
 TICK = (
     _PRELUDE
     + r"""
+if INVALID then return {'invalid', INVALID} end
 local now = now_us()
 local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
 for _, rid in ipairs(expired) do release_lease(rid) end

@@ -17,17 +17,31 @@ from dataclasses import dataclass, field
 from slotserve.gateway.admission_types import (
     DEFAULT_AGING_US,
     DEMOTION_OFFSET_US,
+    MAX_LEASE_SLOTS,
+    REFUSED,
     CancelOutcome,
     DispatchResult,
     GrantCallback,
+    NoEngineFitsError,
     PoolPolicy,
     QueueFullError,
+    check_enqueue,
+    promise_horizon_us,
 )
-from slotserve.gateway.routing import EndpointOffer, rank_endpoints
+from slotserve.gateway.routing import EndpointOffer, most_slots, rank_endpoints, sound_offers
 
 SWEEP_BATCH = 100  # as in the Redis backend: bounded work per step however long the queue
 HEAD_DROPS = 16  # dead heads dropped one by one on the way to a live one (``lua.py``)
 HEAD_DEMOTIONS = 64  # heads due for demotion (DELAY) demoted on the way, as in ``lua.py``
+
+
+@dataclass
+class _StepBudget:
+    """What one step may still do on the way to a live head (``lua.py``'s budgets)."""
+
+    num_drops: int = HEAD_DROPS
+    num_demotions: int = HEAD_DEMOTIONS
+    num_refusals: int = SWEEP_BATCH
 
 
 def _monotonic_us() -> int:
@@ -49,14 +63,14 @@ class _PoolState:
     live only while the dicts still agree with it."""
 
     queue: dict[str, int] = field(default_factory=dict)  # request id -> score
-    queue_heap: list[tuple[int, int, str]] = field(default_factory=list)  # (score, seq, id)
+    # (score, id): equal scores in request-id order, as a Redis sorted set orders them
+    queue_heap: list[tuple[int, str]] = field(default_factory=list)
     entries: dict[str, _Entry] = field(default_factory=dict)
     deadline_heap: list[tuple[int, str]] = field(default_factory=list)
     by_replica: dict[str, set[str]] = field(default_factory=dict)
     level_counts: dict[int, int] = field(default_factory=dict)  # level -> waiting
     delays: dict[str, int] = field(default_factory=dict)  # request id -> demoted at (us)
     delay_heap: list[tuple[int, str]] = field(default_factory=list)
-    seq: int = 0
     leases: dict[str, int] = field(default_factory=dict)  # request id -> expiry (us)
     lease_heap: list[tuple[int, str]] = field(default_factory=list)
     lease_endpoint: dict[str, str] = field(default_factory=dict)
@@ -67,11 +81,12 @@ class _PoolState:
     promised: list[int] = field(default_factory=list)  # heap of promised return times (us)
     num_held: int = 0  # queue places held for promised clients
     num_freed: int = 0  # leases released in the current step
+    num_refused: int = 0  # queued requests refused: no offered engine had their slots
 
     def add(self, request_id: str, score: int, entry: _Entry, demote_at_us: int = 0) -> None:
         self.queue[request_id] = score
         self.entries[request_id] = entry
-        heapq.heappush(self.queue_heap, (score, self.seq, request_id))
+        heapq.heappush(self.queue_heap, (score, request_id))
         heapq.heappush(self.deadline_heap, (entry.deadline_us, request_id))
         self.by_replica.setdefault(entry.replica, set()).add(request_id)
         self.level_counts[entry.level] = self.level_counts.get(entry.level, 0) + 1
@@ -84,29 +99,29 @@ class _PoolState:
         self.delays.pop(request_id, None)
         score = self.queue[request_id] + DEMOTION_OFFSET_US
         self.queue[request_id] = score
-        self.seq += 1
-        heapq.heappush(self.queue_heap, (score, self.seq, request_id))
+        heapq.heappush(self.queue_heap, (score, request_id))
 
-    def head(self, now_us: int, alive: Callable[[str], bool]) -> tuple[str, _Entry] | None:
-        num_drops = num_demotions = 0
-        while num_drops < HEAD_DROPS:
+    def head(
+        self, now_us: int, alive: Callable[[str], bool], budget: _StepBudget
+    ) -> tuple[str, _Entry] | None:
+        while budget.num_drops > 0:
             heap = self.queue_heap
-            while heap and self.queue.get(heap[0][2]) != heap[0][0]:
+            while heap and self.queue.get(heap[0][1]) != heap[0][0]:
                 heapq.heappop(heap)
             if not heap:
                 return None
-            request_id = heap[0][2]
+            request_id = heap[0][1]
             entry = self.entries.get(request_id)
             if entry is not None and self.delays.get(request_id, now_us + 1) <= now_us:
-                if num_demotions == HEAD_DEMOTIONS:
+                if budget.num_demotions == 0:
                     return None  # the tick demotes the rest in batches
                 self.demote(request_id)
-                num_demotions += 1
+                budget.num_demotions -= 1
                 continue
             if entry is not None and entry.deadline_us > now_us and alive(entry.replica):
                 return request_id, entry
             self._drop(request_id)
-            num_drops += 1
+            budget.num_drops -= 1
         return None
 
     def _drop(self, request_id: str) -> None:
@@ -222,28 +237,46 @@ class InProcessHub:
     ) -> DispatchResult:
         state = self.pool(policy.name)
         state.settle_promises(now_us)
+        offers = sound_offers(offers)
+        most = most_slots(offers)
+        budget = _StepBudget()
 
         def alive(replica: str) -> bool:
             return replica == caller or self.is_alive(replica, now_us)
 
-        def grant(request_id: str, entry: _Entry, endpoint: str) -> None:
-            state._drop(request_id)
-            state.set_lease(request_id, now_us + self.lease_ttl_us)
-            state.hold_slots(request_id, endpoint, entry.slots)
-            state.num_dispatched += 1
-            if entry.replica in self.listeners:
-                self.listeners[entry.replica](policy.name, request_id, endpoint)
-
         # Every policy alike: the engine forms its batches (static, dynamic) from what arrives.
-        while (head := state.head(now_us, alive)) is not None:
+        while (head := state.head(now_us, alive, budget)) is not None:
             request_id, entry = head
+            if offers and entry.slots > most:
+                # No ready engine can ever hold it: refused, so it never blocks the queue.
+                if budget.num_refusals == 0:
+                    break
+                budget.num_refusals -= 1
+                state._drop(request_id)
+                state.num_refused += 1
+                self.deliver(policy.name, entry.replica, request_id, REFUSED)
+                continue
             # The head waits for all its slots, and those behind it wait for the head (FIFO).
             ranked = rank_endpoints(offers, state.inflight, need=entry.slots)
             if not ranked:
                 break
-            grant(request_id, entry, ranked[0].url)
+            state._drop(request_id)
+            self.grant(policy.name, request_id, entry.replica, entry.slots, ranked[0].url, now_us)
         state.hold_freed_places(policy.max_queue_size)
         return DispatchResult(len(state.queue), state.num_dispatched, 0)
+
+    def grant(
+        self, pool_name: str, request_id: str, replica: str, slots: int, endpoint: str, now_us: int
+    ) -> None:
+        state = self.pool(pool_name)
+        state.set_lease(request_id, now_us + self.lease_ttl_us)
+        state.hold_slots(request_id, endpoint, slots)
+        state.num_dispatched += 1
+        self.deliver(pool_name, replica, request_id, endpoint)
+
+    def deliver(self, pool_name: str, replica: str, request_id: str, endpoint: str) -> None:
+        if replica in self.listeners:
+            self.listeners[replica](pool_name, request_id, endpoint)
 
 
 class InProcessBackend:
@@ -274,12 +307,28 @@ class InProcessBackend:
         only_if_absent: bool = False,
         slots: int = 1,
     ) -> DispatchResult:
+        check_enqueue(
+            pool,
+            priority,
+            timeout_us,
+            drain_gap_us=drain_gap_us,
+            aging_us=aging_us,
+            demote_after_us=demote_after_us,
+            slots=slots,
+        )
         now = self.hub.clock_us()
         state = self.hub.pool(pool.name)
         if only_if_absent and (request_id in state.queue or request_id in state.leases):
             return DispatchResult(len(state.queue), state.num_dispatched, 0)
+        offers = sound_offers(offers)
+        if offers and slots > most_slots(offers):
+            raise NoEngineFitsError.of(pool.name, slots, most_slots(offers))
+        if not state.queue:  # nobody waits and a slot is free: the lease at once (``lua.py``)
+            ranked = rank_endpoints(offers, state.inflight, need=slots)
+            if ranked:
+                self.hub.grant(pool.name, request_id, self.replica_id, slots, ranked[0].url, now)
+                return DispatchResult(len(state.queue), state.num_dispatched, 0)
         state.settle_promises(now)
-        state.seq += 1
         entry = _Entry(self.replica_id, now + timeout_us, now, priority, slots)
         demote_at = 0
         if demote_after_us is not None and 0 < demote_after_us < timeout_us:
@@ -295,7 +344,7 @@ class InProcessBackend:
             # The level's own limit (``lua.py``): no promise, its queue's drain time.
             state._drop(request_id)
             ahead = state.level_counts.get(priority, 0) + 1
-            retry_us = min(ahead * max(1, drain_gap_us), int(pool.queue_timeout_s * 1_000_000))
+            retry_us = min(ahead * drain_gap_us, promise_horizon_us(pool))
             raise QueueFullError(
                 f"queue of level {priority} of {pool.name!r} is full "
                 f"({level.max_queue_size} waiting)",
@@ -308,9 +357,7 @@ class InProcessBackend:
         waiting = len(state.queue) + state.num_held
         if request_id in state.queue and waiting > pool.max_queue_size:
             state._drop(request_id)
-            retry_us = state.promise_place(
-                now, max(1, drain_gap_us), int(pool.queue_timeout_s * 1_000_000)
-            )
+            retry_us = state.promise_place(now, drain_gap_us, promise_horizon_us(pool))
             raise QueueFullError(
                 f"queue of pool {pool.name!r} is full ({pool.max_queue_size} waiting)",
                 queue_depth=len(state.queue),
@@ -336,7 +383,11 @@ class InProcessBackend:
 
     async def tick(self, pool: PoolPolicy, offers: Sequence[EndpointOffer]) -> DispatchResult:
         now = self.hub.clock_us()
-        self.hub.pool(pool.name).sweep(now, lambda replica: self.hub.is_alive(replica, now))
+
+        def alive(replica: str) -> bool:  # the caller is alive, as in ``lua.py``
+            return replica == self.replica_id or self.hub.is_alive(replica, now)
+
+        self.hub.pool(pool.name).sweep(now, alive)
         return self.hub.dispatch(pool, offers, self.replica_id, now)
 
     async def heartbeat(
@@ -348,6 +399,8 @@ class InProcessBackend:
         for pool_name, held in leases.items():
             state = self.hub.pool(pool_name)
             for request_id, endpoint, slots in held:
+                if not 1 <= slots <= MAX_LEASE_SLOTS:
+                    continue  # a weight no lease can have: skipped, as in ``lua_epoch.py``
                 if request_id in state.leases:
                     state.set_lease(request_id, now + self.hub.lease_ttl_us)
                 elif restore:

@@ -28,11 +28,15 @@ from slotserve.gateway.admission_types import (
     CancelOutcome,
     DispatchResult,
     GrantCallback,
+    InvalidAdmissionValueError,
+    NoEngineFitsError,
     PoolPolicy,
     QueueFullError,
+    check_enqueue,
+    promise_horizon_us,
 )
 from slotserve.gateway.lua import SCRIPTS
-from slotserve.gateway.routing import EndpointOffer
+from slotserve.gateway.routing import EndpointOffer, most_slots, sound_offers
 
 log = logging.getLogger(__name__)
 # Anything Redis or the socket can raise; asyncio's TimeoutError is the builtin one.
@@ -144,6 +148,7 @@ class RedisBackend:
     # -- script calls -------------------------------------------------------------------------
 
     def _args(self, pool: PoolPolicy, offers: Sequence[EndpointOffer]) -> list[str | int]:
+        offers = sound_offers(offers)
         args = DispatchArgs(
             prefix=self.keys.prefix,
             pool=pool.name,
@@ -155,7 +160,7 @@ class RedisBackend:
             max_queue=pool.max_queue_size,
             num_offers=len(offers),
         ).argv()
-        for offer in offers:
+        for offer in offers:  # sound ones only (``routing.sound_offers``); the scripts re-check
             args += [offer.url, offer.slots_total, repr(float(offer.load_score))]
         return args
 
@@ -195,7 +200,9 @@ class RedisBackend:
             log.exception("Redis pipeline failed")
             replies = [exc] * len(calls)
         for call, reply in zip(calls, replies, strict=True):
-            if call.name in DISPATCHING_SCRIPTS and not isinstance(reply, BaseException):
+            invalid = isinstance(reply, list) and reply[:1] == ["invalid"]
+            carries_grants = not invalid and not isinstance(reply, BaseException)
+            if call.name in DISPATCHING_SCRIPTS and carries_grants:
                 self._route_grants(str(call.args[1]), list(reply))  # type: ignore[call-overload]
             if call.future.done():
                 continue
@@ -203,6 +210,13 @@ class RedisBackend:
                 # OOM, READONLY, a script error: Redis cannot take the step; nothing was done
                 # (the scripts declare flags, so Redis refuses them before their first write).
                 call.future.set_exception(_unavailable(reply))
+            elif invalid:
+                # A value out of bounds (a caller's bug: check_enqueue runs first): the script
+                # refused it before its first write.
+                what = reply[1] if len(reply) > 1 else "?"  # type: ignore[arg-type, index]
+                call.future.set_exception(
+                    InvalidAdmissionValueError(f"admission refused the value of {what}")
+                )
             else:
                 call.future.set_result(list(reply))  # type: ignore[call-overload]
 
@@ -246,14 +260,25 @@ class RedisBackend:
         only_if_absent: bool = False,
         slots: int = 1,
     ) -> DispatchResult:
+        check_enqueue(
+            pool,
+            priority,
+            timeout_us,
+            drain_gap_us=drain_gap_us,
+            aging_us=aging_us,
+            demote_after_us=demote_after_us,
+            slots=slots,
+        )
         level = pool.level(priority)
         demote_us = demote_after_us if demote_after_us and demote_after_us < timeout_us else 0
         args = [*self._args(pool, offers), request_id, priority, timeout_us, pool.max_queue_size]
-        args += [1 if only_if_absent else 0, max(1, drain_gap_us)]
-        args += [int(pool.queue_timeout_s * 1_000_000), aging_us, level.max_queue_size, demote_us]
+        args += [1 if only_if_absent else 0, drain_gap_us]
+        args += [promise_horizon_us(pool), aging_us, level.max_queue_size, demote_us]
         args.append(slots)
         reply = await self._run("enqueue", self.keys.pool(pool.name), args)
         result = self._result(reply)
+        if reply[0] == "unfit":
+            raise NoEngineFitsError.of(pool.name, slots, most_slots(offers))
         if reply[0] in ("full", "level_full"):
             whole = reply[0] == "full"
             where = f"pool {pool.name!r}" if whole else f"level {priority} of {pool.name!r}"

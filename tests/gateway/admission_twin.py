@@ -1,0 +1,251 @@
+"""The same admission steps on a real Redis and on the in-process hub, side by side.
+
+The in-process backend is the oracle: every step runs on both, and ``Twin`` compares what each
+answered, which grants each delivered, and the whole state after it. Both read one clock that
+the test moves (``advance``): the scripts are the real ones with only their clock swapped for a
+Redis key (``now_us`` reads ``P:fuzz-now`` instead of ``TIME``), so deadlines, lease expiry,
+demotion and promises fall due at the same instant on both sides.
+
+Replicas are ``RedisBackend``/``InProcessBackend`` pairs that never start their loops: no
+heartbeat task, no grant listener. Their liveness is a key without a TTL (killed: deleted),
+and other replicas' grant lists are read after every step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import redis
+
+from slotserve.contracts.redis_keys import Keys
+from slotserve.gateway.admission_types import REFUSED, AdmissionError, PoolPolicy
+from slotserve.gateway.lua import SCRIPTS
+from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub
+from slotserve.gateway.redis_backend import RedisBackend
+from slotserve.gateway.routing import EndpointOffer
+
+REAL_CLOCK = """local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end"""
+FAKE_CLOCK = """local function now_us()
+  return tonumber(redis.call('GET', PREFIX .. ':fuzz-now'))
+end"""
+START_US = 1_800_000_000_000_000
+EPOCH = "fuzz-epoch"
+FOREVER_US = 1 << 62
+
+
+def fake_clock_scripts() -> dict[str, str]:
+    scripts = {}
+    for name, source in SCRIPTS.items():
+        assert REAL_CLOCK in source, f"{name}: the clock to swap is not where the twin expects it"
+        scripts[name] = source.replace(REAL_CLOCK, FAKE_CLOCK)
+    return scripts
+
+
+@dataclass
+class Outcome:
+    """What one step answered, in terms both backends share."""
+
+    kind: str  # ok, cancel:<state>, or the error's class name
+    detail: tuple[object, ...] = ()
+
+
+@dataclass
+class Side:
+    """One backend's replicas and what they were delivered."""
+
+    name: str
+    delivered: dict[str, str] = field(default_factory=dict)  # request id -> endpoint/REFUSED
+    replica_of: dict[str, str] = field(default_factory=dict)  # request id -> its replica
+    step_deliveries: list[tuple[str, str, str]] = field(default_factory=list)
+    twice: list[str] = field(default_factory=list)  # request ids delivered more than once
+
+    def on_grant(self, replica: str) -> object:
+        def deliver(pool: str, request_id: str, endpoint: str) -> None:
+            if request_id in self.delivered:
+                self.twice.append(request_id)
+            self.delivered[request_id] = endpoint
+            self.replica_of[request_id] = replica
+            self.step_deliveries.append((replica, request_id, endpoint))
+
+        return deliver
+
+
+class Twin:
+    def __init__(self, url: str, prefix: str, num_replicas: int, lease_ttl_s: float) -> None:
+        self.url = url
+        self.keys = Keys(prefix)
+        self.prefix = prefix
+        self.sync = redis.Redis.from_url(url, decode_responses=True)
+        self.now_us = START_US
+        self.hub = InProcessHub(lease_ttl_s, clock_us=lambda: self.now_us)
+        self.names = [f"replica-{i}|x" for i in range(num_replicas)]  # '|' in a name is allowed
+        self.redis_side, self.memory_side = Side("redis"), Side("memory")
+        self.redis: list[RedisBackend] = []
+        self.memory: list[InProcessBackend] = []
+        self.lease_ttl_s = lease_ttl_s
+
+    async def start(self) -> None:
+        self.sync.flushall()
+        self.sync.set(f"{self.prefix}:fuzz-now", self.now_us)
+        self.sync.hset(f"{self.prefix}:epoch", mapping={"id": EPOCH, "created": 0, "ready": 0})
+        scripts = fake_clock_scripts()
+        for name in self.names:
+            backend = RedisBackend(self.url, name, prefix=self.prefix, lease_ttl_s=self.lease_ttl_s)
+            backend.scripts = {
+                key: backend.client.register_script(source) for key, source in scripts.items()
+            }
+            backend.epoch = EPOCH
+            backend._on_grant = self.redis_side.on_grant(name)  # type: ignore[assignment]
+            self.redis.append(backend)
+            self.sync.set(self.keys.replica(name), "1")
+            memory = InProcessBackend(self.hub, name)
+            await memory.start(self.memory_side.on_grant(name))  # type: ignore[arg-type]
+            self.hub.alive_until[name] = FOREVER_US
+            self.memory.append(memory)
+
+    async def close(self) -> None:
+        for backend in self.redis:
+            for client in (backend.client, backend.blocking_client, backend.control_client):
+                await client.aclose()
+        self.sync.close()
+
+    # -- time and liveness, on both sides ---------------------------------------------------
+
+    def advance(self, micros: int) -> None:
+        self.now_us += micros
+        self.sync.set(f"{self.prefix}:fuzz-now", self.now_us)
+
+    def kill(self, replica: int) -> None:
+        self.sync.delete(self.keys.replica(self.names[replica]))
+        self.hub.alive_until[self.names[replica]] = 0
+
+    # -- one step on both ---------------------------------------------------------------------
+
+    async def run(self, replica: int, method: str, *args: object, **kwargs: object) -> None:
+        """The same backend call on both sides; fails the test unless both answered alike and
+        delivered the same grants."""
+        self.redis_side.step_deliveries.clear()
+        self.memory_side.step_deliveries.clear()
+        outcomes = []
+        for backends in (self.redis, self.memory):
+            backend = backends[replica]
+            try:
+                result = await getattr(backend, method)(*args, **kwargs)
+            except AdmissionError as exc:
+                detail: tuple[object, ...] = (exc.status, exc.retry_after_s)
+                outcomes.append(Outcome(type(exc).__name__, detail))
+                continue
+            if method == "cancel":
+                outcomes.append(Outcome(f"cancel:{result.state}", (result.endpoint,)))
+            elif method == "heartbeat":
+                outcomes.append(Outcome("ok"))
+            else:
+                outcomes.append(Outcome("ok", (result.queue_depth, result.num_dispatched_total)))
+            if backends is self.redis:
+                self.read_grant_lists()
+        assert outcomes[0] == outcomes[1], f"{method}: redis {outcomes[0]} != memory {outcomes[1]}"
+        assert outcomes[0].kind != "BackendUnavailableError"
+        redis_got = sorted(self.redis_side.step_deliveries)
+        memory_got = sorted(self.memory_side.step_deliveries)
+        assert redis_got == memory_got, f"{method}: deliveries {redis_got} != {memory_got}"
+
+    def read_grant_lists(self) -> None:
+        """Grants made for replicas other than the caller (their listeners are not running)."""
+        for name in self.names:
+            key = self.keys.grants(name)
+            items = self.sync.lrange(key, 0, -1)
+            self.sync.delete(key)
+            for item in items:
+                pool, request_id, endpoint = item.split("\x1f")
+                self.redis_side.on_grant(name)(pool, request_id, endpoint)  # type: ignore[operator]
+
+    # -- state ------------------------------------------------------------------------------
+
+    def redis_state(self, pool: PoolPolicy) -> dict[str, object]:
+        def key(name: str) -> str:
+            return self.keys.pool_key(pool.name, name)
+
+        entries = self.sync.hgetall(key("entries"))
+        stats = self.sync.hgetall(key("stats"))
+        lease_slots = self.sync.hgetall(key("lease_slots"))
+        return {
+            "queue": self.sync.zrange(key("queue"), 0, -1),
+            "entries": {
+                rid: (fields[0], int(fields[3]), int(fields[4]))
+                for rid, fields in ((rid, info.rsplit("|", 4)) for rid, info in entries.items())
+            },
+            "levels": {int(k): int(v) for k, v in self.sync.hgetall(key("levels")).items()},
+            "leases": {
+                rid: (self.sync.hget(key("lease_endpoint"), rid), int(lease_slots.get(rid, 1)))
+                for rid in self.sync.zrange(key("leases"), 0, -1)
+            },
+            "inflight": {k: int(v) for k, v in self.sync.hgetall(key("inflight")).items()},
+            "dispatched": int(stats.get("dispatched", 0)),
+            "held": int(stats.get("held", 0)),
+            "promised": self.sync.zcard(key("retries")),
+            "demoting": set(self.sync.zrange(key("delays"), 0, -1)),
+        }
+
+    def memory_state(self, pool: PoolPolicy) -> dict[str, object]:
+        state = self.hub.pool(pool.name)
+        live = sorted({item for item in state.queue_heap if state.queue.get(item[1]) == item[0]})
+        return {
+            "queue": [request_id for _, request_id in live],
+            "entries": {rid: (e.replica, e.level, e.slots) for rid, e in state.entries.items()},
+            "levels": dict(state.level_counts),
+            "leases": {
+                rid: (state.lease_endpoint[rid], state.lease_slots.get(rid, 1))
+                for rid in state.leases
+            },
+            "inflight": dict(state.inflight),
+            "dispatched": state.num_dispatched,
+            "held": state.num_held,
+            "promised": len(state.promised),
+            "demoting": set(state.delays),
+        }
+
+    def check(self, pool: PoolPolicy, offers: list[EndpointOffer], before: dict[str, int]) -> None:
+        """The invariants on Redis, then Redis equal to the oracle."""
+        got = self.redis_state(pool)
+        entries = got["entries"]
+        assert isinstance(entries, dict)
+        # Counts equal to the entries.
+        queue = got["queue"]
+        assert isinstance(queue, list)
+        assert set(queue) == set(entries), "queue and entries differ"
+        assert self.sync.zcard(self.keys.pool_key(pool.name, "deadlines")) == len(entries)
+        levels = Counter(level for _, level, _ in entries.values())
+        assert got["levels"] == dict(levels), f"level counts {got['levels']} != {dict(levels)}"
+        waiting: set[str] = set()
+        for name in self.names:
+            waiting_key = self.keys.pool_key(pool.name, f"waiting:{name}")
+            waiting |= set(self.sync.zrange(waiting_key, 0, -1))
+        assert waiting == set(entries), "the replicas' waiting sets differ from the entries"
+        assert got["demoting"] <= set(queue)  # type: ignore[operator]
+        # No engine over its slots: a step never grows an endpoint past its slots, and the
+        # in-flight count is the sum of the leases' weights.
+        leases = got["leases"]
+        assert isinstance(leases, dict)
+        weights: Counter[str] = Counter()
+        for endpoint, slots in leases.values():
+            weights[endpoint] += slots
+        assert got["inflight"] == dict(weights), "in-flight differs from the leases"
+        slots_of = {offer.url: offer.slots_total for offer in offers}
+        inflight = got["inflight"]
+        assert isinstance(inflight, dict)
+        for endpoint, used in inflight.items():
+            if used > before.get(endpoint, 0):
+                assert used <= slots_of.get(endpoint, 0), f"{endpoint} over its slots: {used}"
+        # Every grant delivered or released: each lease was delivered to its replica, once.
+        for rid, (endpoint, _) in leases.items():
+            assert self.redis_side.delivered.get(rid) == endpoint, f"lease {rid} never delivered"
+        assert not self.redis_side.twice and not self.memory_side.twice
+        assert REFUSED not in {endpoint for endpoint, _ in leases.values()}
+        # The oracle.
+        expected = self.memory_state(pool)
+        for name, value in got.items():
+            assert value == expected[name], f"{name}: redis {value} != memory {expected[name]}"

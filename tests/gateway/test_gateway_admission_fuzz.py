@@ -1,0 +1,264 @@
+"""Property-based fuzz of the admission scripts: no sequence of steps, values or faults poisons a
+pool, on a real Redis, with the in-process backend as the oracle (``admission_twin.py``).
+
+Each example is a random sequence of enqueues (priorities 0-9, n of 1-5, timeouts from 1 us to a
+minute, DELAY demotion, aging), re-enqueues of known requests (``only_if_absent``, as a restore
+does), cancels, releases, ticks, changes of the engines offered (sound and not: 0 or 5,000 slots,
+NaN or infinite load), time passing (deadlines, lease expiry, demotion, promises), replica death
+and heartbeats, hostile values through the backends' API, and raw script calls with values no
+caller should send. After every step: both backends answered alike and delivered the same grants,
+no engine holds more than its slots, the counts equal the entries, every lease was delivered
+once, and the whole Redis state equals the oracle's; a raw call the script refuses wrote nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+
+import pytest
+from admission_twin import Twin
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import RedisServer
+
+from slotserve.contracts.redis_keys import DispatchArgs
+from slotserve.gateway.admission_types import InvalidAdmissionValueError, LevelPolicy, PoolPolicy
+from slotserve.gateway.routing import EndpointOffer
+
+NUM_REPLICAS = 3
+LEASE_TTL_S = 2.0
+URLS = ("http://a", "http://b", "http://c")
+
+replica = st.integers(0, NUM_REPLICAS - 1)
+pick = st.integers(0, 1_000)  # an index into the requests issued so far (modulo their number)
+enqueue = st.tuples(
+    st.just("enqueue"),
+    replica,
+    st.sampled_from([0, 1, 2, 5, 9]),  # priority (0: a retry)
+    st.sampled_from([1, 1, 1, 2, 3, 4, 5]),  # slots (n)
+    st.sampled_from([1, 400_000, 1_500_000, 60_000_000]),  # timeout (us)
+    st.sampled_from([None, 1, 500_000]),  # demote after (us)
+    st.sampled_from([0, 300_000, 10_000_000]),  # aging (us)
+    st.sampled_from([1, 250_000, 1_000_000, 1_500_000]),  # drain gap (us)
+)
+offer = st.tuples(
+    st.sampled_from([1, 2, 3, 4, 4, 4, 0, 5_000]), st.sampled_from([0.0, 0.25, 1.0, math.nan])
+)
+# Each kind of step, as often as it appears here (enqueues and releases most).
+STEPS = [
+    *[enqueue] * 8,
+    st.tuples(st.just("requeue"), replica, pick, st.sampled_from([1, 2, 4])),
+    *[st.tuples(st.just("release"), replica, pick)] * 4,
+    *[st.tuples(st.just("cancel"), replica, pick)] * 2,
+    *[st.tuples(st.just("tick"), replica)] * 3,
+    st.tuples(st.just("offers"), st.lists(offer, max_size=3)),
+    *[st.tuples(st.just("advance"), st.sampled_from([1, 300_000, 1_000_000, 2_500_000]))] * 2,
+    st.tuples(st.just("kill"), replica),
+    st.tuples(st.just("heartbeat"), replica),
+    st.tuples(st.just("hostile"), replica, st.integers(0, 9)),
+    st.tuples(st.just("raw"), replica, st.integers(0, 9)),
+]
+step = st.sampled_from(STEPS).flatmap(lambda kind: kind)
+pools = st.builds(
+    lambda size, timeout_s, level: PoolPolicy(
+        "m",
+        max_queue_size=size,
+        queue_timeout_s=timeout_s,
+        priority_queue_policy=level,
+    ),
+    st.sampled_from([8, 3, 1, 2, 0]),
+    st.sampled_from([1.0, 60.0]),
+    st.sampled_from([(), ((2, LevelPolicy(1, 60.0)),), ((5, LevelPolicy(2, 1.0, "DELAY")),)]),
+)
+
+# Values no caller passes (``check_enqueue``): each must be refused alike by both backends.
+HOSTILE = [
+    {"slots": 10**14},
+    {"slots": 0},
+    {"slots": 1025},
+    {"slots": True},
+    {"priority": 10},
+    {"priority": -1},
+    {"timeout_us": 0},
+    {"timeout_us": 10**20},
+    {"drain_gap_us": 0},
+    {"demote_after_us": 10**20},
+]
+# Raw ARGV a script must refuse before its first write: (index after the shared ones, text).
+RAW_ENQUEUE = [
+    (10, "1e+14"),  # slots, as Lua's %.14g would write 10**14
+    (10, "100000000000000"),
+    (10, "nan"),
+    (1, "0x5"),  # priority
+    (1, " 5"),
+    (2, "-1"),  # timeout
+    (5, "inf"),  # drain gap
+    (0, "a\x1fb"),  # request id with the grant separator
+    (4, "2"),  # only-if-absent flag
+    (7, "1e3"),  # aging
+]
+
+
+def _offers(raw: list[tuple[int, float]]) -> list[EndpointOffer]:
+    return [EndpointOffer(URLS[i], slots, load) for i, (slots, load) in enumerate(raw)]
+
+
+async def run_example(url: str, pool: PoolPolicy, initial: list, steps: list) -> None:
+    twin = Twin(url, f"f{uuid.uuid4().hex[:6]}", NUM_REPLICAS, LEASE_TTL_S)
+    await twin.start()
+    offers = _offers(initial)
+    issued: list[str] = []
+    try:
+        for number, op in enumerate(steps):
+            before = dict(twin.redis_state(pool)["inflight"])  # type: ignore[call-overload]
+            kind = op[0]
+            if kind == "enqueue":
+                _, who, priority, slots, timeout_us, demote_us, aging_us, gap_us = op
+                request_id = f"r{number:04d}"
+                issued.append(request_id)
+                await twin.run(
+                    who,
+                    "enqueue",
+                    pool,
+                    offers,
+                    request_id,
+                    priority,
+                    timeout_us,
+                    drain_gap_us=gap_us,
+                    aging_us=aging_us,
+                    demote_after_us=demote_us,
+                    slots=slots,
+                )
+            elif kind == "requeue" and (waiting := waiters(twin, issued)):
+                # A waiter whose entry may be gone, put back as a restore does (only if absent).
+                _, who, k, slots = op
+                await twin.run(
+                    who,
+                    "enqueue",
+                    pool,
+                    offers,
+                    waiting[k % len(waiting)],
+                    5,
+                    60_000_000,
+                    only_if_absent=True,
+                    slots=slots,
+                )
+            elif kind in ("release", "cancel") and issued:
+                _, who, k = op
+                # Mostly a request that holds a lease (a release, a cancel racing its grant),
+                # else any (repeated, unknown to the backend, still queued).
+                held = [rid for rid in issued if twin.redis_side.delivered.get(rid)]
+                choices = held if held and k % 4 else issued
+                request_id = choices[k % len(choices)]
+                if kind == "release":
+                    await twin.run(who, "release", pool, offers, request_id)
+                else:
+                    await twin.run(who, "cancel", pool, request_id)
+            elif kind == "tick":
+                await twin.run(op[1], "tick", pool, offers)
+            elif kind == "offers":
+                offers = _offers(op[1])
+                continue
+            elif kind == "advance":
+                twin.advance(op[1])
+                continue
+            elif kind == "kill":
+                twin.kill(op[1])
+                continue
+            elif kind == "heartbeat":
+                await heartbeat(twin, pool, op[1])
+            elif kind == "hostile":
+                _, who, which = op
+                values = {
+                    "priority": 5,
+                    "timeout_us": 1_000_000,
+                    "drain_gap_us": 1,
+                    "aging_us": 0,
+                    "demote_after_us": None,
+                    "slots": 1,
+                    **HOSTILE[which],
+                }
+                priority, timeout_us = values.pop("priority"), values.pop("timeout_us")
+                request_id = f"r{number:04d}"
+                await twin.run(
+                    who, "enqueue", pool, offers, request_id, priority, timeout_us, **values
+                )
+            elif kind == "raw":
+                await raw_call(twin, pool, offers, op[1], op[2])
+                continue
+            else:
+                continue
+            twin.check(pool, offers, before)
+    finally:
+        await twin.close()
+
+
+def waiters(twin: Twin, issued: list[str]) -> list[str]:
+    """Requests still waiting for an answer: none delivered (granted or refused) yet."""
+    return [rid for rid in issued if rid not in twin.redis_side.delivered]
+
+
+async def heartbeat(twin: Twin, pool: PoolPolicy, who: int) -> None:
+    """Renew the leases this replica holds (a live heartbeat; restore is tested elsewhere), then
+    keep liveness in the test's hands (no TTL, as ``Twin`` keeps it)."""
+    name = twin.names[who]
+    leases = twin.redis_state(pool)["leases"]
+    assert isinstance(leases, dict)
+    mine = [
+        (rid, endpoint, slots)
+        for rid, (endpoint, slots) in sorted(leases.items())
+        if twin.redis_side.replica_of.get(rid) == name
+    ]
+    await twin.run(who, "heartbeat", {pool.name: mine}, restore=False)
+    twin.sync.persist(twin.keys.replica(name))
+    twin.hub.alive_until[name] = 1 << 62
+
+
+async def raw_call(twin: Twin, pool: PoolPolicy, offers: list, who: int, which: int) -> None:
+    """The enqueue script with one argument no caller sends: refused whole, nothing written."""
+    backend = twin.redis[who]
+    index, text = RAW_ENQUEUE[which]
+    args = backend._args(pool, offers)
+    own: list[str | int] = [f"raw{which}", 5, 1_000_000, pool.max_queue_size, 0, 1, 1_000_000]
+    own += [0, pool.max_queue_size, 0, 1]
+    own[index] = text
+    before = snapshot(twin)
+    with pytest.raises(InvalidAdmissionValueError):
+        await backend._run("enqueue", backend.keys.pool(pool.name), [*args, *own])
+    assert snapshot(twin) == before, f"the refused call {text!r} wrote something"
+    # Shared arguments too: a count of offers that the arguments do not hold.
+    bad = list(args)
+    bad[len(DispatchArgs.__dataclass_fields__) - 1] = "1e3"
+    with pytest.raises(InvalidAdmissionValueError):
+        await backend._run("tick", backend.keys.pool(pool.name), bad)
+    assert snapshot(twin) == before
+
+
+def snapshot(twin: Twin) -> dict[str, bytes | None]:
+    return {key: twin.sync.dump(key) for key in sorted(twin.sync.keys("*"))}
+
+
+@pytest.fixture(scope="module")
+def fuzz_redis(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("fuzz-redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    pool=pools,
+    initial=st.lists(offer, min_size=1, max_size=3),
+    steps=st.lists(step, min_size=20, max_size=50),
+)
+def test_scripts_match_the_oracle_and_keep_every_invariant(fuzz_redis, pool, initial, steps):
+    asyncio.run(run_example(fuzz_redis.url, pool, initial, steps))
