@@ -25,6 +25,7 @@ from slotserve.engine.core.generation_defaults import parse_override
 from slotserve.engine.core.tool_parsers import ToolParserName
 
 LinearBackend = Literal["auto", "onednn", "aten", "native"]
+DecodeStep = Literal["auto", "classic", "static", "compiled"]
 
 
 class EngineSettings(BaseSettings):
@@ -61,6 +62,12 @@ class EngineSettings(BaseSettings):
         "none",
         description="Weight-only quantization of the linear layers: none, int8 (per-channel "
         "scales) or int4 (groups of 32 with scale and minimum); CPU only.",
+    )
+    decode_step: DecodeStep = Field(
+        "auto",
+        description="Decode-only steps: auto (compiled on CUDA, classic elsewhere), classic "
+        "(the native C step on CPU, else transformers' forward), static (the graph-capturable "
+        "step, eager) or compiled (that step through torch.compile; CUDA graphs on CUDA).",
     )
     generation_config: str = Field(
         "auto",

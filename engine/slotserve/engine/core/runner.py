@@ -32,7 +32,9 @@ from slotserve.engine.core.quantize import preflight
 from slotserve.engine.core.sampling import Sampler
 from slotserve.engine.core.scheduler import ScheduledChunk
 from slotserve.engine.core.sequence import SequenceError
-from slotserve.engine.settings import EngineSettings, LinearBackend
+from slotserve.engine.core.static_decoder import StaticDecoder, serves
+from slotserve.engine.core.static_memory import fuse_before_sizing, headroom_bytes, kv_budget_bytes
+from slotserve.engine.settings import DecodeStep, EngineSettings, LinearBackend
 from slotserve.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,14 @@ def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def pick_decode_step(decode_step: DecodeStep, device: torch.device) -> DecodeStep:
+    """``auto``: the compiled static step on CUDA (graphs), the classic path elsewhere (the
+    native C step is the fast one on a CPU)."""
+    if decode_step == "auto":
+        return "compiled" if device.type == "cuda" else "classic"
+    return decode_step
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -129,6 +139,7 @@ class ModelRunner:
         quantization: Quantization = "none",
         use_native_kernels: bool = True,
         native_decode: bool = True,
+        decode_step: DecodeStep = "classic",
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -146,6 +157,15 @@ class ModelRunner:
         self.max_model_len = max_model_len
         model.set_attn_implementation(register_slot_attention())
         self.decoder = model.get_decoder()
+        static = decode_step in ("static", "compiled")
+        if static:
+            # The static step calls the model's own stock modules: no C kernels, no packing.
+            if quantization != "none" or linear_backend not in ("auto", "aten"):
+                raise UnsupportedSettingError(
+                    f"decode_step {decode_step} runs stock products: it needs quantization none "
+                    f"and linear_backend auto or aten (got {quantization}, {linear_backend})"
+                )
+            use_native_kernels, native_decode, linear_backend = False, False, "aten"
         # The engine's own kernels (CPU, fp32, a C compiler): decode attention over the slot
         # rows in place, and decode-sized products where they beat aten. False: torch only.
         self.native = native_kernels(self.device, self.dtype) if use_native_kernels else None
@@ -161,7 +181,9 @@ class ModelRunner:
         )
         self.logits = layers.logits
         self.calibrations: list[CalibrationRecord] = layers.calibrations
-        cache_shape = (num_slots, self.shape.num_kv_heads, max_model_len, self.shape.head_dim)
+        # The static step's padding rows write into one more row (scratch), never read back.
+        num_rows = num_slots + 1 if static else num_slots
+        cache_shape = (num_rows, self.shape.num_kv_heads, max_model_len, self.shape.head_dim)
         # torch.empty: on a CPU, pages are only committed as positions get written.
         self.k_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
         self.v_cache = [self._empty(cache_shape) for _ in range(self.shape.num_layers)]
@@ -177,9 +199,22 @@ class ModelRunner:
         from slotserve.engine.core.engine import eos_token_ids  # the engine's rule, not duplicated
 
         # min_tokens bans the model's EOS ids (the tokenizer's equal them for the models served).
-        self.sampler = Sampler(
-            num_slots, self.shape.vocab_size, self.device, frozenset(eos_token_ids(model, None))
-        )
+        eos_ids = frozenset(eos_token_ids(model, None))
+        self.sampler = Sampler(num_slots, self.shape.vocab_size, self.device, eos_ids)
+        self.static: StaticDecoder | None = None
+        if static:
+            self.static = StaticDecoder(
+                model,
+                self.k_cache,
+                self.v_cache,
+                num_slots=num_slots,
+                max_model_len=max_model_len,
+                eos_token_ids=eos_ids,
+                compile=decode_step == "compiled",
+            )
+            # On CUDA the sampling graphs too: a first sampled request would otherwise wait for
+            # a compile of the whole model.
+            self.static.warm_up(full=self.device.type == "cuda")
         # Per sampling chunk of the last step: its logprobs, for rows that asked (else None).
         self.last_logprobs: list[SampledLogprobs | None] = []
 
@@ -216,6 +251,8 @@ class ModelRunner:
         self.last_logprobs = []
         if not chunks:
             return []
+        if self._statically(chunks):
+            return self._static_decode(chunks)
         if self._natively(chunks):
             hidden, sample_index = self._native_decode(chunks)
         else:
@@ -234,6 +271,31 @@ class ModelRunner:
                 # Its keys and values may hold NaN, which masked attention turns into NaN
                 # (0 * NaN): zero the row again before the slot's next owner reads it.
                 self._num_finite[chunk.seq.slot] = 0
+        return samples
+
+    def _statically(self, chunks: Seq[ScheduledChunk]) -> bool:
+        return self.static is not None and all(
+            chunk.num_tokens == 1
+            and chunk.samples
+            and chunk.seq.prompt_logprobs is None
+            and serves(chunk.seq)
+            for chunk in chunks
+        )
+
+    def _static_decode(self, chunks: Seq[ScheduledChunk]) -> list[int | SequenceError]:
+        assert self.static is not None
+        for chunk in chunks:
+            if chunk.seq.slot is None:
+                raise RuntimeError(f"sequence {chunk.seq.request_id} is scheduled without a slot")
+        positions = [chunk.start for chunk in chunks]
+        seqs = [chunk.seq for chunk in chunks]
+        # Each row attends up to its span bucket: those positions must hold finite numbers.
+        span = min(self.max_model_len, self.static.span_for(max(positions) + 1))
+        self._ensure_finite(max(seq.slot or 0 for seq in seqs) + 1, span)
+        samples, self.last_logprobs = self.static.run(seqs, positions)
+        for seq, sample in zip(seqs, samples, strict=True):
+            if isinstance(sample, SequenceError) and seq.slot is not None:
+                self._num_finite[seq.slot] = 0  # as in execute(): NaN keys may be in the row
         return samples
 
     def _natively(self, chunks: Seq[ScheduledChunk]) -> bool:
@@ -375,6 +437,9 @@ def build_runner(
     dtype = pick_dtype(settings.dtype, device)
     preflight(settings.quantization, device, dtype)
     model, tokenizer = load_model(source, device, dtype)
+    decode_step = pick_decode_step(settings.decode_step, device)
+    if decode_step in ("static", "compiled"):
+        fuse_before_sizing(model)  # the free memory read below is then what stays free
     shape = ModelShape.from_config(model.config)
     max_model_len = settings.max_model_len or min(
         shape.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
@@ -387,11 +452,21 @@ def build_runner(
     available = (
         0 if settings.kv_cache_tokens is not None else available_memory_bytes(device, memory)
     )
+    budget = settings.kv_cache_memory_fraction * available
+    if device.type == "cuda" and settings.kv_cache_tokens is None:
+        headroom = headroom_bytes(
+            model.config,
+            dtype,
+            max_batched_tokens=settings.max_batched_tokens,
+            max_model_len=max_model_len,
+            num_slots=settings.max_batch_size,
+        )
+        budget = kv_budget_bytes(available, headroom, settings.kv_cache_memory_fraction)
     size = size_kv_cache(
         max_batch_size=settings.max_batch_size,
         max_model_len=max_model_len,
         bytes_per_token=shape.kv_bytes_per_token(dtype),
-        budget_bytes=settings.kv_cache_memory_fraction * available,
+        budget_bytes=budget,
         kv_cache_tokens=settings.kv_cache_tokens,
     )
     if size.num_slots < settings.max_batch_size:
@@ -411,7 +486,17 @@ def build_runner(
         linear_backend=settings.linear_backend,
         calibration=CalibrationCache(CommonSettings().home / "calibration"),
         quantization=settings.quantization,
+        decode_step=decode_step,
     )
+    if runner.static is not None:
+        logger.info(
+            "static decode step (%s): %d row buckets %s, %d graphs compiled at load in %.1f s",
+            decode_step,
+            len(runner.static.row_buckets),
+            list(runner.static.row_buckets),
+            runner.static.stats.num_compiles,
+            runner.static.stats.warm_up_seconds,
+        )
     for record in runner.calibrations:
         logger.info(
             "calibrated at load: %s=%s (%s, %.3f s) %s",
