@@ -9,7 +9,8 @@ import pytest
 import torch
 from engine_server_support import module_engine
 
-from slotserve.engine.core.logprobs import MASKED_LOGPROB, SampledLogprobs, TokenTexts
+from slotserve.engine.core.detokenizer import TokenTexts
+from slotserve.engine.core.logprobs import MASKED_LOGPROB, SampledLogprobs
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.sampling import sample
 

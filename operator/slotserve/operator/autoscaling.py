@@ -2,17 +2,17 @@
 the Saturated condition and its events) and the built-in autoscaler, which writes the pool's
 scale subresource as an HPA would (``kubectl scale`` is then overridden by it: documented).
 
-A mixin of ``PoolOperator``: it uses the operator's indexes, status writer and handler context
-(kopf posts events only from a handler's context). The decisions are pure
-(``admission``, ``autoscaler``); this is the glue.
+A component the operator builds at start-up from what it uses, passed in: the operator's kopf
+indexes, its status writer and status refresh, and a handler's context (kopf posts events only
+from one). The decisions are pure (``admission``, ``autoscaler``); this is the glue.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -20,44 +20,43 @@ from kubernetes.client.exceptions import ApiException
 from slotserve.operator.admission import AdmissionReading, Saturation
 from slotserve.operator.admission_monitor import Target
 from slotserve.operator.autoscaler import ScalePolicy, Stabilizer, demand_of, recommend
-from slotserve.operator.settings import OperatorSettings
+from slotserve.operator.handler_context import HandlerContext
 from slotserve.operator.status_writer import StatusWriter
 from slotserve.operator.views import Key, PoolView, all_views, first
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 REWRITE_AFTER_S = 5.0
 NAME_CONFLICT = "ModelNameConflict"
 
 
-class AutoscalingHandlers:
-    """status.admission and the built-in autoscaler (mixed into ``PoolOperator``)."""
+class Autoscaling:
+    """status.admission and the built-in autoscaler: the admission monitor's three callbacks
+    (``targets``, ``publish``, ``autoscale``)."""
 
-    settings: OperatorSettings
-    _indexes: dict[str, Any]
-    _writer: StatusWriter | None
-    _stabilizers: dict[Key, Stabilizer]
-    _scaled_to: dict[Key, tuple[int, float]]  # the last write and when: not repeated at once
-
-    @property
-    def writer(self) -> StatusWriter:
-        raise NotImplementedError
-
-    async def _refresh(self, key: Key, observed_generation: int | None = None) -> None:
-        raise NotImplementedError
-
-    def _can_post_events(self) -> bool:
-        raise NotImplementedError
-
-    async def _in_handler_context(self, work: Coroutine[Any, Any, T]) -> T:
-        raise NotImplementedError
+    def __init__(
+        self,
+        *,
+        indexes: Mapping[str, Any],
+        writer: StatusWriter,
+        refresh: Callable[[Key], Awaitable[None]],
+        handler_context: HandlerContext,
+    ) -> None:
+        # The operator's kopf indexes by id: empty until its first handler has run, then filled
+        # in place (kopf hands every handler the same index objects).
+        self._indexes = indexes
+        self.writer = writer
+        self._refresh = refresh
+        self._handler_context = handler_context
+        self._stabilizers: dict[Key, Stabilizer] = {}
+        # The last write per pool and when: not repeated at once.
+        self._scaled_to: dict[Key, tuple[int, float]] = {}
 
     # --- status.admission -------------------------------------------------------------------
 
-    def _admission_targets(self) -> list[Target]:
+    def targets(self) -> list[Target]:
         """Valid pools that own their model name: the ones whose Redis queue is theirs (a pool
         refused for other reasons still has the gateways' queue, so it is observed)."""
-        if not self._indexes or self._writer is None:
+        if not self._indexes:
             return []
         targets = []
         for view in all_views(self._indexes["pool_index"]):
@@ -71,7 +70,7 @@ class AutoscalingHandlers:
             targets.append(Target(key, view.pool.spec.model.name, slots))
         return targets
 
-    async def _publish_admission(
+    async def publish(
         self,
         target: Target,
         admission: dict[str, Any] | None,
@@ -79,12 +78,12 @@ class AutoscalingHandlers:
         previous: Saturation | None,
     ) -> None:
         """Write the admission status (in a handler's context, for kopf's events)."""
-        if self._can_post_events():
-            await self._in_handler_context(
-                self._publish_admission_in_context(target, admission, saturation, previous)
+        if self._handler_context.can_post_events:
+            await self._handler_context.run(
+                self._publish_in_context(target, admission, saturation, previous)
             )
 
-    async def _publish_admission_in_context(
+    async def _publish_in_context(
         self,
         target: Target,
         admission: dict[str, Any] | None,
@@ -109,7 +108,7 @@ class AutoscalingHandlers:
 
     # --- the built-in autoscaler ------------------------------------------------------------
 
-    async def _autoscale(self, target: Target, reading: AdmissionReading | None) -> None:
+    async def autoscale(self, target: Target, reading: AdmissionReading | None) -> None:
         """One reading of one pool: scale it if its demand and windows say so."""
         view: PoolView | None = first(self._indexes["pool_index"], target.key)
         autoscaling = view.pool.spec.autoscaling if view and view.pool else None
@@ -133,10 +132,10 @@ class AutoscalingHandlers:
             f"{current} -> {desired} replicas: {demand} requests queued or in flight, "
             f"target {policy.target} per replica"
         )
-        if not self._can_post_events():
+        if not self._handler_context.can_post_events:
             return
         try:
-            await self._in_handler_context(self._scale(view, desired, message))
+            await self._handler_context.run(self._scale(view, desired, message))
         except ApiException as error:  # retried on the next reading
             log.warning("scaling %s/%s failed: %s", *target.key, error.reason)
             return

@@ -21,10 +21,9 @@ status write is ``status_writer``'s.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
-from collections.abc import Coroutine, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -33,8 +32,9 @@ from slotserve.contracts.crd import GROUP, PLURAL, VERSION
 from slotserve.operator import builders, drift, kube
 from slotserve.operator.admission_monitor import AdmissionMonitor
 from slotserve.operator.admission_redis import AdmissionReader
-from slotserve.operator.autoscaling import AutoscalingHandlers
+from slotserve.operator.autoscaling import Autoscaling
 from slotserve.operator.gateway_api import build_gateway_inference_pool
+from slotserve.operator.handler_context import HandlerContext
 from slotserve.operator.healer import Healer
 from slotserve.operator.keda import build_scaled_object
 from slotserve.operator.kube_api import KubeApi, api_message
@@ -60,7 +60,6 @@ CHILD_LABELS: Mapping[str, Any] = {
 }
 INDEXES = ("pool_index", "pod_index", "deployment_index")
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def pool_key(namespace: str | None, name: str) -> Key:
@@ -75,7 +74,7 @@ def retry_delay(retry: int) -> float:
     return float(min(60, 2**retry))
 
 
-class PoolOperator(AutoscalingHandlers):
+class PoolOperator:
     """The handlers of one operator process, registered on their own kopf registry."""
 
     def __init__(self, settings: OperatorSettings) -> None:
@@ -84,16 +83,14 @@ class PoolOperator(AutoscalingHandlers):
         self._api: KubeApi | None = None
         self._writer: StatusWriter | None = None
         # kopf passes the same index objects to every handler; the operator's own tasks (healer,
-        # admission monitor) keep them, and a handler's context, in which kopf.warn() can post
-        # events (kopf sets its event queue per watched object, not for the operator's tasks).
+        # admission monitor) keep them (filled in place by the first handler), and a handler's
+        # context, in which kopf.warn() can post events.
         self._indexes: dict[str, Any] = {}
-        self._handler_context: contextvars.Context | None = None
+        self._handler_context = HandlerContext()
         self.healer: Healer[Key] = Healer(
             self._heal, resync_seconds=settings.resync_seconds, keys=self._known_pools
         )
         self.admission_monitor: AdmissionMonitor | None = None
-        self._stabilizers = {}
-        self._scaled_to = {}
 
     @property
     def writer(self) -> StatusWriter:
@@ -135,6 +132,12 @@ class PoolOperator(AutoscalingHandlers):
         self.healer.start()
         if self.settings.redis_url:
             password = self.settings.redis_password
+            autoscaling = Autoscaling(
+                indexes=self._indexes,
+                writer=self._writer,
+                refresh=self._refresh,
+                handler_context=self._handler_context,
+            )
             self.admission_monitor = AdmissionMonitor(
                 AdmissionReader(
                     self.settings.redis_url,
@@ -143,9 +146,9 @@ class PoolOperator(AutoscalingHandlers):
                 ),
                 refresh_s=self.settings.admission_refresh_seconds,
                 max_age_s=self.settings.admission_max_age_seconds,
-                targets=self._admission_targets,
-                publish=self._publish_admission,
-                on_reading=self._autoscale,
+                targets=autoscaling.targets,
+                publish=autoscaling.publish,
+                on_reading=autoscaling.autoscale,
             )
             self.admission_monitor.start()
 
@@ -175,19 +178,9 @@ class PoolOperator(AutoscalingHandlers):
 
     def _keep(self, indexes: Mapping[str, Any]) -> None:
         if not self._indexes:
-            self._indexes = {name: indexes[name] for name in INDEXES}
-            self._handler_context = contextvars.copy_context()
-
-    def _can_post_events(self) -> bool:
-        return self._handler_context is not None
-
-    async def _in_handler_context(self, work: Coroutine[Any, Any, T]) -> T:
-        """Await ``work`` in (a copy of) a handler's context, where kopf.warn() reaches kopf's
-        event poster; for the operator's own tasks, after ``_can_post_events``."""
-        if self._handler_context is None:
-            work.close()
-            raise RuntimeError("no handler has run yet: kopf cannot post events")
-        return await asyncio.create_task(work, context=self._handler_context.copy())
+            # In place: the autoscaling component holds this same dict.
+            self._indexes.update({name: indexes[name] for name in INDEXES})
+            self._handler_context.keep()
 
     def _known_pools(self) -> list[Key]:
         pool_index = self._indexes.get("pool_index")
@@ -290,9 +283,9 @@ class PoolOperator(AutoscalingHandlers):
 
     async def _heal(self, key: Key) -> bool:
         """The healer's work: converge ``key`` again; False = retry later (with backoff)."""
-        if not self._can_post_events():  # no handler has run yet: nothing is known
+        if not self._handler_context.can_post_events:  # no handler has run yet: nothing is known
             return True
-        return await self._in_handler_context(self._heal_in_context(key))
+        return await self._handler_context.run(self._heal_in_context(key))
 
     async def _heal_in_context(self, key: Key) -> bool:
         view: PoolView | None = first(self._indexes["pool_index"], key)

@@ -1,9 +1,17 @@
-"""Incremental detokenization with stop strings: text deltas that are safe to send."""
+"""Incremental detokenization with stop strings: text deltas that are safe to send; and the
+texts of single tokens, for logprobs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slotserve.engine.core.logprobs import (
+    PromptLogprob,
+    PromptTokenLogprobs,
+    SampledLogprobs,
+    TokenLogprobs,
+    finite,
+)
 from slotserve.engine.core.protocols import Tokenizer
 from slotserve.engine.core.stops import StopStringFilter
 
@@ -65,3 +73,35 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
         return full[len(prefix) :]
+
+
+class TokenTexts:
+    """Token id -> its text, cached (called under the engine's tokenizer lock)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id])
+            self._texts[token_id] = text
+        return text
+
+    def decode(self, sampled: SampledLogprobs) -> TokenLogprobs:
+        return TokenLogprobs(
+            token=self(sampled.token_id),
+            logprob=finite(sampled.logprob),
+            top=tuple((self(token_id), finite(lp)) for token_id, lp in sampled.top),
+        )
+
+    def decode_prompt(self, entry: PromptLogprob) -> PromptTokenLogprobs:
+        return PromptTokenLogprobs(
+            token=self(entry.token_id),
+            logprob=finite(entry.logprob),
+            top=tuple((self(token_id), finite(lp)) for token_id, lp in entry.top),
+            token_id=entry.token_id,
+            rank=entry.rank,
+            top_ids=tuple(token_id for token_id, _ in entry.top),
+        )

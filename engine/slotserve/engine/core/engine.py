@@ -14,12 +14,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from slotserve.engine.core.detokenizer import IncrementalDetokenizer
+from slotserve.engine.core.detokenizer import IncrementalDetokenizer, TokenTexts
 from slotserve.engine.core.errors import InvalidRequestError
 from slotserve.engine.core.generation_defaults import GenerationDefaults, load_generation_defaults
 from slotserve.engine.core.kv_cache import KVCacheManager
 from slotserve.engine.core.limits import RequestLimits
-from slotserve.engine.core.logprobs import TokenTexts
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.protocols import Runner, Tokenizer
 from slotserve.engine.core.scheduler import Scheduler, SchedulerConfig, StepPlan

@@ -1,4 +1,5 @@
-"""Log probabilities of sampled tokens, from the sampler to OpenAI's response shapes.
+"""Log probabilities of sampled and prompt tokens, as the sampler returns them and the engine
+hands them on (OpenAI's response shapes are built in ``http/openai_logprobs.py``).
 
 Convention (vLLM's ``--logprobs-mode processed_logprobs``): a logprob is taken from the
 distribution the token was actually drawn from, after ``logit_bias``, ``min_tokens``, the
@@ -11,10 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from pydantic import BaseModel
-
-from slotserve.engine.core.protocols import Tokenizer
 
 # JSON has no -inf: a masked token's logprob is written as this (vLLM's value).
 MASKED_LOGPROB = -9999.0
@@ -62,95 +59,3 @@ class PromptTokenLogprobs(TokenLogprobs):
 
 def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MASKED_LOGPROB
-
-
-class TokenTexts:
-    """Token id -> its text, cached (called under the engine's tokenizer lock)."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._tokenizer.decode([token_id])
-            self._texts[token_id] = text
-        return text
-
-    def decode(self, sampled: SampledLogprobs) -> TokenLogprobs:
-        return TokenLogprobs(
-            token=self(sampled.token_id),
-            logprob=finite(sampled.logprob),
-            top=tuple((self(token_id), finite(lp)) for token_id, lp in sampled.top),
-        )
-
-    def decode_prompt(self, entry: PromptLogprob) -> PromptTokenLogprobs:
-        return PromptTokenLogprobs(
-            token=self(entry.token_id),
-            logprob=finite(entry.logprob),
-            top=tuple((self(token_id), finite(lp)) for token_id, lp in entry.top),
-            token_id=entry.token_id,
-            rank=entry.rank,
-            top_ids=tuple(token_id for token_id, _ in entry.top),
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# OpenAI shapes
-
-
-class ChatTopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-def _top(token: str, logprob: float) -> ChatTopLogprob:
-    return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
-
-
-def chat_logprobs(entries: list[TokenLogprobs]) -> ChatLogprobs:
-    """``choices[].logprobs`` of a chat completion (or of one stream chunk)."""
-    return ChatLogprobs(
-        content=[
-            ChatTokenLogprob(
-                token=entry.token,
-                logprob=entry.logprob,
-                bytes=list(entry.token.encode()),
-                top_logprobs=[_top(token, lp) for token, lp in entry.top],
-            )
-            for entry in entries
-        ]
-    )
-
-
-def completion_logprobs(entries: list[TokenLogprobs], text_offset: int) -> CompletionLogprobs:
-    """``choices[].logprobs`` of a completion; ``text_offset`` is where the first token's text
-    starts in the whole output. As in vLLM, each ``top_logprobs`` entry holds the sampled token
-    as well as the ``logprobs`` most likely ones."""
-    offsets = []
-    for entry in entries:
-        offsets.append(text_offset)
-        text_offset += len(entry.token)
-    return CompletionLogprobs(
-        tokens=[entry.token for entry in entries],
-        token_logprobs=[entry.logprob for entry in entries],
-        top_logprobs=[{**dict(entry.top), entry.token: entry.logprob} for entry in entries],
-        text_offset=offsets,
-    )

@@ -8,15 +8,14 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from slotserve.engine.core.logprobs import (
+from slotserve.engine.core.logprobs import PromptTokenLogprobs, TokenLogprobs
+from slotserve.engine.core.sequence import FinishReason
+from slotserve.engine.core.stats import RequestOutput
+from slotserve.engine.http.openai_logprobs import (
     CompletionLogprobs,
-    PromptTokenLogprobs,
-    TokenLogprobs,
     chat_logprobs,
     completion_logprobs,
 )
-from slotserve.engine.core.sequence import FinishReason
-from slotserve.engine.core.stats import RequestOutput
 from slotserve.engine.http.openai_responses import (
     ChatChoice,
     ChatChunkChoice,

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from slotserve.engine.core.logprobs import ChatLogprobs, CompletionLogprobs
 from slotserve.engine.core.sequence import FinishReason
+from slotserve.engine.http.openai_logprobs import ChatLogprobs, CompletionLogprobs
 from slotserve.engine.http.tool_calls import ToolCall, ToolCallDelta
 
 

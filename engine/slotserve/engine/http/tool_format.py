@@ -8,10 +8,11 @@ call: all its text comes back as content with ``finish_reason: "length"``.
 
 from __future__ import annotations
 
-from slotserve.engine.core.logprobs import TokenLogprobs, chat_logprobs
+from slotserve.engine.core.logprobs import TokenLogprobs
 from slotserve.engine.core.sequence import FinishReason
 from slotserve.engine.core.tool_parsers import ParsedCall
 from slotserve.engine.http.openai_format import ChatFormat, ChoiceOutput
+from slotserve.engine.http.openai_logprobs import chat_logprobs
 from slotserve.engine.http.openai_responses import (
     ChatChoice,
     ChatChunkChoice,
