@@ -1,15 +1,19 @@
-"""GPU decode check: random Llama configs in bf16, our runner vs HF generate() vs the HBM bound.
+"""GPU decode check: random Llama configs in bf16, our engine vs HF generate() vs the HBM bound.
 
     bash bench/gpu_check.sh                                   # on a CUDA machine (docs/engine.md)
     .venv/bin/python bench/gpu_decode_bench.py --dry-run      # the same code on CPU, tiny config
 
 For a ~1B and a ~8B Llama (Llama-3-8B's shape), initialised at random on the device (nothing is
 downloaded), it measures decode tokens/s at each batch size for HF ``generate()`` (greedy,
-``min_new_tokens`` so nothing stops early, prefill subtracted) and for our engine stepping its
-``ModelRunner`` in-process (bench/engine_bench.py's helpers), and sets both against the bound
-that reading the weights and KV rows once per step at the measured copy bandwidth allows.
-Prints a table and writes JSON (after each model, so a run cut short keeps what it measured).
-Without CUDA it prints one line and exits 2, unless ``--dry-run``.
+``min_new_tokens`` so nothing stops early, prefill subtracted; eager with its dynamic cache, and
+with a static cache, which transformers compiles) and for our engine stepping in-process with
+the static decode step compiled into CUDA graphs (``--decode-step compiled``) and the same step
+eager (``static``: graphs off), and sets them against the bound that reading the weights and KV
+rows once per step at the measured copy bandwidth allows. Our batch-1 tokens are checked against
+HF's (the equal prefix is reported: bf16 sums in another order may flip a near-tie of a random
+model). Prints a table and writes JSON (after each model, so a run cut short keeps what it
+measured). Without CUDA it prints one line and exits 2, unless ``--dry-run`` (CPU, both of our
+sides eager: inductor's CPU compile would take most of the test's time).
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ from typing import Any
 
 import torch
 import transformers
-from engine_bench import Bench, hf_generate, ours_decode
+from engine_bench import Bench, hf_generate
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from slotserve.engine.core.runner import ModelShape
+from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.runner import ModelRunner, ModelShape
+from slotserve.engine.settings import EngineSettings
 
 CONFIGS: dict[str, dict[str, int]] = {
     "llama-1b": {
@@ -125,6 +132,110 @@ def best_rate(measure: Any, repeats: int) -> float:
     return max(measure() for _ in range(repeats))
 
 
+def hf_tokens(bench: Bench, new_tokens: int, prompt: list[int]) -> list[int]:
+    """HF generate()'s greedy tokens for one copy of the prompt (the reference for ours)."""
+    ids = torch.tensor([prompt], device=bench.device)
+    with torch.inference_mode():
+        out = bench.hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def ours_engine(bench: Bench, batch: int, prompt_len: int, decode_step: str) -> LLMEngine:
+    """One engine per batch and side, reused across its runs: a compiled step is compiled for
+    this runner's buffers once, on the warm-up run (the runner's own warm-up of every bucket is
+    skipped: a benchmark at one batch size uses one bucket)."""
+    settings = EngineSettings(
+        model="bench",
+        max_batch_size=batch,
+        max_batched_tokens=batch * prompt_len,
+        max_model_len=1024,
+        enable_prefix_caching=False,
+        decode_step=decode_step,  # type: ignore[arg-type]
+    )
+    runner = ModelRunner(
+        bench.model,
+        num_slots=batch,
+        max_model_len=1024,
+        decode_step=decode_step,  # type: ignore[arg-type]
+        static_warm_up=False,
+    )
+    return LLMEngine(
+        settings, runner, bench.tokenizer, kv_cache_tokens=batch * 1024, model_name="bench"
+    )
+
+
+def ours_run(engine: LLMEngine, batch: int, new_tokens: int, prompt: list[int]) -> tuple:
+    """Decode tokens/s of ``batch`` copies (prefill excluded) and the first copy's tokens."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(f"g{i}", prompt, params) for i in range(batch)]
+    engine.step()  # every prefill and first token
+    synchronize(engine.runner.device)
+    start = time.perf_counter()
+    num_tokens = 0
+    while engine.has_unfinished():
+        num_tokens += sum(len(out.token_ids) for out in engine.step())
+    synchronize(engine.runner.device)
+    return num_tokens / (time.perf_counter() - start), seqs[0].generated_token_ids
+
+
+def equal_prefix(ours: list[int], theirs: list[int]) -> int:
+    count = 0
+    for a, b in zip(ours, theirs, strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
+def measure_hf(bench: Bench, row: dict, key: str, args: argparse.Namespace) -> None:
+    batch, new, prompt_ids = row["batch"], args.new_tokens, bench.prompt_ids
+    try:
+        # Warm-up. A static cache is sized by the generate's length, and each size is compiled
+        # anew: warm the measured one.
+        hf_generate(bench, batch, new if key == "hf_static" else 2, prompt_ids)
+
+        def hf_rate() -> float:
+            # Prefill dropped: a long generate minus a one-token one.
+            first = hf_generate(bench, batch, 1, prompt_ids)
+            full = hf_generate(bench, batch, new, prompt_ids)
+            return batch * (new - 1) / max(1e-9, full - first)
+
+        row[f"{key}_tok_s"] = best_rate(hf_rate, args.repeats)
+    except Exception as error:  # record it and go on: the other sides may still run
+        traceback.print_exc()
+        row[f"{key}_error"] = f"{type(error).__name__}: {error}"
+
+
+def measure_ours(bench: Bench, row: dict, key: str, step: str, args: argparse.Namespace) -> list:
+    batch, prompt_ids = row["batch"], bench.prompt_ids
+    tokens: list[int] = []
+    try:
+        engine = ours_engine(bench, batch, len(prompt_ids), step)
+        ours_run(engine, batch, 4, prompt_ids)  # warm-up: compiles this batch's bucket
+        rates = []
+        for _ in range(args.repeats):
+            rate, tokens = ours_run(engine, batch, args.new_tokens, prompt_ids)
+            rates.append(rate)
+        row[f"{key}_tok_s"] = max(rates)
+        row[f"{key}_ms_per_step"] = 1e3 * batch / row[f"{key}_tok_s"]
+        static = engine.runner.static
+        if static is not None:
+            row[f"{key}_compiles"] = static.stats.num_compiles
+            row[f"{key}_compile_s"] = static.stats.compile_seconds
+    except Exception as error:
+        traceback.print_exc()
+        row[f"{key}_error"] = f"{type(error).__name__}: {error}"
+    gc.collect()  # the engine holds a runner and its KV rows
+    return tokens
+
+
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, bw: float) -> dict:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     shape = CONFIGS[name]
@@ -140,9 +251,6 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bw: f
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, shape["vocab_size"], (args.prompt_tokens,), generator=generator)
     bench = Bench(model, word_tokenizer(shape["vocab_size"]), model, prompt.tolist(), device)
-    if args.hf_static_cache:
-        # transformers compiles the decode forward itself when the cache is static.
-        model.generation_config.cache_implementation = "static"
     report: dict[str, Any] = {
         "name": name,
         "config": shape,
@@ -152,53 +260,59 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bw: f
         "kv_bytes_per_token": kv_bytes_per_token,
         "init_s": init_s,
         "hf_attn_implementation": model.config._attn_implementation,
+        "ours_decode_step": args.graphs_on,
+        "ours_nographs_decode_step": args.graphs_off,
         "rows": [],
     }
     print(
         f"{name}: {report['params'] / 1e9:.2f}B params, {weight_bytes / 1e9:.1f} GB, "
         f"built in {init_s:.1f} s"
     )
-    new, prompt_ids = args.new_tokens, bench.prompt_ids
-    rows = {batch: {"batch": batch} for batch in args.batches}
+    rows = [{"batch": batch} for batch in args.batches]
     # HF first: the runner switches the model's attention to its slot attention for good.
-    for batch, row in rows.items():
-        try:
-            hf_generate(bench, batch, 2, prompt_ids)  # warm-up (a compile, with a static cache)
-
-            def hf_rate(batch: int = batch) -> float:
-                # Prefill dropped: a long generate minus a one-token one.
-                first = hf_generate(bench, batch, 1, prompt_ids)
-                full = hf_generate(bench, batch, new, prompt_ids)
-                return batch * (new - 1) / max(1e-9, full - first)
-
-            row["hf_generate_tok_s"] = best_rate(hf_rate, args.repeats)
-        except Exception as error:  # record it and go on: the other side may still run
-            traceback.print_exc()
-            row["hf_error"] = f"{type(error).__name__}: {error}"
-    for batch, row in rows.items():
-        try:
-            ours_decode(bench, batch, 4, prompt_ids)  # warm-up: this batch's kernel shapes
-            row["ours_tok_s"] = best_rate(
-                lambda batch=batch: ours_decode(bench, batch, new, prompt_ids)[0], args.repeats
-            )
-            row["ours_ms_per_step"] = 1e3 * batch / row["ours_tok_s"]
-        except Exception as error:
-            traceback.print_exc()
-            row["ours_error"] = f"{type(error).__name__}: {error}"
-        gc.collect()  # each measurement's engine holds a runner and its KV rows
-    mean_context = args.prompt_tokens + new / 2
-    for batch, row in rows.items():
+    reference = hf_tokens(bench, args.new_tokens, bench.prompt_ids)
+    for row in rows:
+        measure_hf(bench, row, "hf_generate", args)
+    for row in rows:
+        for key, step in (("ours", args.graphs_on), ("ours_nographs", args.graphs_off)):
+            if time.perf_counter() > args.deadline:
+                row[f"{key}_error"] = "skipped: past --budget-s"
+                continue
+            tokens = measure_ours(bench, row, key, step, args)
+            if row["batch"] == args.batches[0] and tokens:
+                # bf16 products in another order may flip a near-tie: count the equal prefix.
+                row[f"{key}_tokens_equal_hf"] = equal_prefix(tokens, reference)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.hf_static_cache:
+        # Last, on a fresh copy (same seed, same weights): ours changed this one's attention
+        # and fused its products. transformers compiles the forward when the cache is static.
+        del bench, model
+        gc.collect()
+        fresh = build_model(shape, device, dtype)
+        fresh.generation_config.cache_implementation = "static"
+        bench = Bench(fresh, word_tokenizer(shape["vocab_size"]), fresh, prompt.tolist(), device)
+        for row in rows:
+            if time.perf_counter() > args.deadline:
+                row["hf_static_note"] = "skipped: past --budget-s"
+            else:
+                measure_hf(bench, row, "hf_static", args)
+        del bench, fresh
+    mean_context = args.prompt_tokens + args.new_tokens / 2
+    for row in rows:
+        batch = row["batch"]
         step_bytes = step_weight_bytes + batch * kv_bytes_per_token * mean_context
         row["bound_step_ms"] = 1e3 * step_bytes / bw
         row["bound_tok_s"] = batch * bw / step_bytes
         if device.type == "cuda":
             row["bound_nominal_tok_s"] = batch * NOMINAL_H200_BYTES_S / step_bytes
-        for side in ("ours", "hf_generate"):
+        for side in ("ours", "ours_nographs", "hf_generate", "hf_static"):
             if f"{side}_tok_s" in row:
                 row[f"{side}_fraction_of_bound"] = row[f"{side}_tok_s"] / row["bound_tok_s"]
         if "ours_tok_s" in row and "hf_generate_tok_s" in row:
             row["ratio"] = row["ours_tok_s"] / row["hf_generate_tok_s"]
         report["rows"].append(row)
+    report["new_tokens_checked"] = args.new_tokens
     return report
 
 
@@ -206,21 +320,25 @@ def fmt(row: dict, key: str, spec: str) -> str:
     return format(row[key], spec) if key in row else "-"
 
 
-def print_table(models: list[dict]) -> None:
+def print_table(models: list[dict], new_tokens: int) -> None:
     header = (
-        f"{'model':<9} {'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8} "
-        f"{'bound tok/s':>12} {'ours/bound':>10} {'HF/bound':>9} {'ours ms/step':>13}"
+        f"{'model':<9} {'batch':>5} {'ours tok/s':>11} {'no graphs':>10} {'HF tok/s':>9} "
+        f"{'HF static':>10} {'ours/HF':>8} {'bound tok/s':>12} {'ours/bound':>10} "
+        f"{'ours ms/step':>13} {'=HF':>6}"
     )
     print(header)
     print("-" * len(header))
     for model in models:
         for row in model.get("rows", []):
+            equal = row.get("ours_tokens_equal_hf")
             print(
                 f"{model['name']:<9} {row['batch']:>5} {fmt(row, 'ours_tok_s', '11.1f')} "
-                f"{fmt(row, 'hf_generate_tok_s', '10.1f')} {fmt(row, 'ratio', '7.2f')}x "
-                f"{fmt(row, 'bound_tok_s', '12.1f')} {fmt(row, 'ours_fraction_of_bound', '10.1%')}"
-                f" {fmt(row, 'hf_generate_fraction_of_bound', '9.1%')} "
-                f"{fmt(row, 'ours_ms_per_step', '13.2f')}"
+                f"{fmt(row, 'ours_nographs_tok_s', '10.1f')} "
+                f"{fmt(row, 'hf_generate_tok_s', '9.1f')} {fmt(row, 'hf_static_tok_s', '10.1f')} "
+                f"{fmt(row, 'ratio', '7.2f')}x {fmt(row, 'bound_tok_s', '12.1f')} "
+                f"{fmt(row, 'ours_fraction_of_bound', '10.1%')} "
+                f"{fmt(row, 'ours_ms_per_step', '13.2f')} "
+                f"{'-' if equal is None else f'{equal}/{new_tokens}':>6}"
             )
         if "error" in model:
             print(f"{model['name']:<9} {model['error']}")
@@ -239,11 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="best of N per side")
     parser.add_argument(
         "--hf-static-cache",
-        action="store_true",
-        help="HF generate() with a static cache (transformers compiles it: minutes)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also HF generate() with a static cache, compiled (default: on CUDA)",
     )
+    parser.add_argument("--graphs-on", default=None, help="our side's --decode-step")
+    parser.add_argument("--graphs-off", default="static", help="our eager side's --decode-step")
     parser.add_argument(
-        "--budget-s", type=float, default=240.0, help="start no further model past this"
+        "--budget-s", type=float, default=300.0, help="start no further model past this"
     )
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
@@ -253,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         args.batches = args.batches or [1, 2]
         args.prompt_tokens = args.prompt_tokens or 16
         args.new_tokens = args.new_tokens or 8
+        args.graphs_on = args.graphs_on or "static"
+        args.hf_static_cache = bool(args.hf_static_cache)
         copy_bytes = 1 << 25
     else:
         if not torch.cuda.is_available():
@@ -266,10 +389,13 @@ def main(argv: list[str] | None = None) -> int:
         args.batches = args.batches or [1, 32]
         args.prompt_tokens = args.prompt_tokens or 128
         args.new_tokens = args.new_tokens or 64
+        args.graphs_on = args.graphs_on or "compiled"
+        args.hf_static_cache = args.hf_static_cache is not False
         copy_bytes = 1 << 32
     out: Path = args.out or default_out()
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    args.deadline = started + args.budget_s
     bw = copy_bandwidth(device, copy_bytes)
     report: dict[str, Any] = {
         "dry_run": args.dry_run,
@@ -284,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
-        "hf_cache": "static (compiled)" if args.hf_static_cache else "dynamic",
+        "hf_cache": "dynamic",  # hf_generate_*; hf_static_* (when run) used a compiled static one
+        "hf_static_cache": args.hf_static_cache,
         "models": [],
     }
     print(
@@ -292,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, best of {args.repeats}"
     )
     for name in args.models:
-        if time.perf_counter() - started > args.budget_s:
+        if time.perf_counter() > args.deadline:
             report["models"].append({"name": name, "error": "skipped: past --budget-s"})
         else:
             try:
@@ -305,13 +432,13 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         report["total_s"] = time.perf_counter() - started
         out.write_text(json.dumps(report, indent=2))
-    print_table(report["models"])
+    print_table(report["models"], args.new_tokens)
     print(f"wrote {out} ({report['total_s']:.0f} s)")
     failed = [m["name"] for m in report["models"] if "error" in m] + [
         f"{m['name']} batch {row['batch']}"
         for m in report["models"]
         for row in m.get("rows", [])
-        if {"hf_error", "ours_error"} & set(row)
+        if {"hf_generate_error", "ours_error"} & set(row)
     ]
     if failed:
         print(f"gpu_decode_bench: errors in {', '.join(failed)} (see the JSON and traceback)")

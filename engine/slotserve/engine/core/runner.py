@@ -140,6 +140,7 @@ class ModelRunner:
         use_native_kernels: bool = True,
         native_decode: bool = True,
         decode_step: DecodeStep = "classic",
+        static_warm_up: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -214,7 +215,8 @@ class ModelRunner:
             )
             # On CUDA the sampling graphs too: a first sampled request would otherwise wait for
             # a compile of the whole model.
-            self.static.warm_up(full=self.device.type == "cuda")
+            if static_warm_up:  # benchmarks skip it: they compile the buckets they use
+                self.static.warm_up(full=self.device.type == "cuda")
         # Per sampling chunk of the last step: its logprobs, for rows that asked (else None).
         self.last_logprobs: list[SampledLogprobs | None] = []
 

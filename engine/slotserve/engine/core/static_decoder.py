@@ -60,6 +60,7 @@ StepKey = tuple[int, int, bool]  # (rows bucket, kv bucket, full sampling)
 @dataclass
 class StaticStats:
     num_compiles: int = 0  # graphs compiled (warm-up included); CUDA graphs recorded with them
+    compile_seconds: float = 0.0
     warm_up_seconds: float = 0.0
     num_steps: int = 0
     steps_per_bucket: dict[StepKey, int] = field(default_factory=dict)
@@ -178,6 +179,7 @@ class StaticDecoder:
         if self.device.type == "cuda":
             run()
         self.stats.num_compiles += 1
+        self.stats.compile_seconds += time.perf_counter() - start
         logger.info(
             "compiled the static decode step for %d rows, %d positions, %s sampling in %.1f s",
             rows,
