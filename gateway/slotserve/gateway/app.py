@@ -28,6 +28,7 @@ from slotserve.gateway.api_keys import ApiKeys
 from slotserve.gateway.app_keys import (
     ADMISSION,
     API_KEYS,
+    BUDGET,
     COLD_STARTS,
     METRICS,
     MONITOR,
@@ -43,8 +44,10 @@ from slotserve.gateway.discovery import PoolCatalog, start_kubernetes_watch
 from slotserve.gateway.engines import EngineMonitor
 from slotserve.gateway.errors import error_response
 from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub
+from slotserve.gateway.memory_budget import MemoryBudget, default_budget_bytes
 from slotserve.gateway.metrics import GatewayMetrics
 from slotserve.gateway.proxy import ProxyContext
+from slotserve.gateway.request_limits import request_limits_middleware
 from slotserve.gateway.settings import GatewaySettings
 from slotserve.gateway.tokenize_proxy import (
     TOKENIZER_INFO_PATH,
@@ -130,6 +133,7 @@ async def metrics(request: web.Request) -> web.Response:
     for name in request.app[REGISTRY].pools:
         m.queue_size.labels(name).set(admission.queue_depth(name))
     m.backend_up.set(1 if admission.backend_ok else 0)
+    m.held_bytes.set(request.app[BUDGET].held_bytes)
     return web.Response(
         body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )
@@ -242,7 +246,8 @@ def create_app(
     """Build the gateway app; resources start with the app and stop with it. With a
     ``tracer_provider`` the completion requests are traced (slotserve/tracing.py)."""
     app = web.Application(
-        middlewares=[auth_middleware], client_max_size=settings.max_request_body_bytes
+        middlewares=[auth_middleware, request_limits_middleware],
+        client_max_size=settings.max_request_body_bytes,
     )
     app[SETTINGS] = settings
     registry = app[REGISTRY] = PoolRegistry()
@@ -261,6 +266,11 @@ def create_app(
         priority_aging_s=settings.priority_aging_seconds,
     )
     app[COLD_STARTS] = ColdStarts(settings.cold_start_seconds)
+    budget_bytes = settings.memory_budget_bytes or default_budget_bytes(
+        settings.memory_budget_fraction
+    )
+    app[BUDGET] = MemoryBudget(budget_bytes)
+    app[METRICS].memory_budget.set(budget_bytes)
     app[WINDOW] = None
     if settings.redis_url:
         from slotserve.gateway.redis_backend import make_client

@@ -10,6 +10,7 @@ from slotserve.gateway.api_keys import ApiKeys
 from slotserve.gateway.cold_start import ColdStarts
 from slotserve.gateway.config import PoolRegistry
 from slotserve.gateway.engines import EngineMonitor
+from slotserve.gateway.memory_budget import MemoryBudget
 from slotserve.gateway.metrics import GatewayMetrics
 from slotserve.gateway.proxy import ProxyContext
 from slotserve.gateway.settings import GatewaySettings
@@ -22,5 +23,6 @@ ADMISSION = web.AppKey("admission", Admission)
 PROXY = web.AppKey("proxy", ProxyContext)
 API_KEYS = web.AppKey("api_keys", ApiKeys)
 COLD_STARTS = web.AppKey("cold_starts", ColdStarts)
+BUDGET = web.AppKey("budget", MemoryBudget)  # bytes held by waiting and streaming requests
 # Admission counts for the operator's status.admission: with Redis only (None without).
 WINDOW: web.AppKey[AdmissionWindowWriter | None] = web.AppKey("admission_window")

@@ -102,12 +102,15 @@ def requested_slots(payload: dict[str, Any]) -> int:
 async def completions(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     m = request.app[METRICS]
-    body = await request.read()
+    body = await request.read()  # read (within its timeout and budget) by request_limits.py
     try:
         payload = parse_json_object(body)
     except ValueError as exc:
         return error_response(400, str(exc), "invalid_json")
-    model = payload.get("model")
+    # A waiting request keeps its raw bytes (for the engine) and these two, never the parsed
+    # tree, which can be many times its body's size.
+    model, slots = payload.get("model"), requested_slots(payload)
+    del payload
     if not isinstance(model, str) or not model:
         return error_response(400, "'model' (a string) is required", "missing_model", param="model")
     pool = request.app[REGISTRY].get(model)
@@ -148,7 +151,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return error_response(
             503, f"no engine of pool {model!r} is ready", "no_ready_endpoint", retry_after_s=1
         )
-    slots = requested_slots(payload)
     bound = slots_bound(pool, offers)
     if slots > bound:
         # Refused before queueing, as the engine would: no endpoint could ever hold it.

@@ -55,6 +55,16 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.held_bytes = Gauge(
+            "slotserve_gateway_held_bytes",
+            "Bytes this replica's waiting and streaming requests hold (its memory budget's use).",
+            registry=r,
+        )
+        self.memory_budget = Gauge(
+            "slotserve_gateway_memory_budget_bytes",
+            "The most bytes this replica's requests may hold; past it 503.",
+            registry=r,
+        )
         self.backend_up = Gauge(
             "slotserve_gateway_admission_backend_up",
             "1 when the admission backend (Redis or in-process) answers.",

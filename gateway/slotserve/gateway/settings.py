@@ -56,6 +56,28 @@ class GatewaySettings(BaseSettings):
         0.25, gt=0, le=60, description="How often each engine's GET /load is read."
     )
     max_request_body_bytes: int = Field(1_048_576, ge=1024, description="Larger bodies get 413.")
+    body_read_timeout_seconds: float = Field(
+        30.0, gt=0, le=3600, description="A request body must arrive within this long (408)."
+    )
+    max_json_nodes: int = Field(
+        200_000,
+        ge=100,
+        description="Most JSON values in a request body (a token-id prompt counts one per id); "
+        "more: 400 before it is parsed.",
+    )
+    max_json_depth: int = Field(
+        64, ge=4, le=900, description="Deepest nesting of a request body's JSON; deeper: 400."
+    )
+    memory_budget_bytes: int | None = Field(
+        None,
+        ge=1_048_576,
+        description="Bytes this replica's waiting and streaming requests may hold (bodies, "
+        "buffered answers); past it 503 with Retry-After. Unset: memory_budget_fraction of the "
+        "memory the container may still use at start (its cgroup limit less its working set).",
+    )
+    memory_budget_fraction: float = Field(
+        0.5, gt=0, le=1, description="The default memory budget's share of that memory."
+    )
     upstream_connect_timeout_seconds: float = Field(2.0, gt=0)
     upstream_read_timeout_seconds: float = Field(
         600.0,
