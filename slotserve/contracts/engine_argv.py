@@ -9,14 +9,10 @@ test parses what this builds with the engine's own parser.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 from slotserve.contracts.pool_spec import BatchingSpec
+from slotserve.contracts.weights import DType, Quantization  # core imports these from here too
 
-DType = Literal["auto", "float32", "bfloat16", "float16"]
-DTYPES: tuple[DType, ...] = get_args(DType)
-Quantization = Literal["none", "int8", "int4"]
-QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
 ENGINE_PORT = 8000
 
 

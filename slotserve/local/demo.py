@@ -22,13 +22,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slotserve.contracts.engine_argv import DTYPES, QUANTIZATIONS
 from slotserve.contracts.pool_spec import (
     BATCHING_POLICIES,
     AdmissionSpec,
     BatchingPolicy,
     BatchingSpec,
 )
+from slotserve.contracts.weights import DTYPES, QUANTIZATIONS
 from slotserve.local.phases import run_phase, sample_interval, warm_up
 from slotserve.local.processes import ChildExitedError, Supervisor, interrupt_on_signals
 from slotserve.local.report import PhaseResult, build_table, write_results

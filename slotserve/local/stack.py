@@ -21,9 +21,10 @@ from typing import Literal
 import yaml
 from rich.console import Console
 
-from slotserve.contracts.engine_argv import DType, EngineLaunch, Quantization
+from slotserve.contracts.engine_argv import EngineLaunch
 from slotserve.contracts.engine_argv import engine_argv as contract_engine_argv
 from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec
+from slotserve.contracts.weights import DType, Quantization
 from slotserve.local.processes import Child, ChildSpec, Supervisor, http_ready, redis_ready
 
 DEMO_MODEL = "smollm2"

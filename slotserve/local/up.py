@@ -15,7 +15,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slotserve.contracts.engine_argv import DTYPES, QUANTIZATIONS
 from slotserve.contracts.pool_spec import (
     BATCHING_POLICIES,
     DEFAULT_MAX_BATCH_SIZE,
@@ -24,6 +23,7 @@ from slotserve.contracts.pool_spec import (
     AdmissionSpec,
     BatchingSpec,
 )
+from slotserve.contracts.weights import DTYPES, QUANTIZATIONS
 from slotserve.local.processes import ChildExitedError, Supervisor, interrupt_on_signals
 from slotserve.local.stack import (
     DEMO_MODEL,

@@ -10,25 +10,27 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import jsonschema
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from slotserve.contracts import crd as coordinates
-from slotserve.contracts.engine_argv import QUANTIZATIONS, EngineLaunch, engine_argv
+from slotserve.contracts.engine_argv import EngineLaunch, engine_argv
 from slotserve.contracts.engine_load import EngineLoadReport
 from slotserve.contracts.headers import SLOTS_FREE_HEADER, SLOTS_TOTAL_HEADER
 from slotserve.contracts.pool_spec import BATCHING_POLICIES, BatchingSpec
 from slotserve.contracts.redis_keys import DispatchArgs
+from slotserve.contracts.weights import QUANTIZATIONS, WeightDType, WeightQuantization
 from slotserve.engine.cli import build_parser
 from slotserve.engine.core.scheduler import SchedulerConfig
 from slotserve.engine.settings import EngineSettings
 from slotserve.local import stack
 from slotserve.operator import builders, crd
-from slotserve.operator.models import InferencePoolSpec
+from slotserve.operator.models import InferencePoolSpec, ModelSpec
 from slotserve.settings import settings_from_args
 
 # (field, values every part accepts, values every part refuses): the edges of each bound.
@@ -204,6 +206,32 @@ def test_an_unknown_quantization_is_refused_by_crd_operator_and_engine() -> None
             {"model": {"name": "m", "source": {"builtin": "smollm2"}, "quantization": "int3"}}
         )
     assert not accepted_by_engine("quantization", "int3")
+
+
+@pytest.mark.parametrize(
+    ("field", "declared"), [("dtype", WeightDType), ("quantization", WeightQuantization)]
+)
+def test_weight_fields_are_declared_once(field: str, declared: Any) -> None:
+    values, *metadata = get_args(declared)
+    description = next(item.description for item in metadata if isinstance(item, FieldInfo))
+    model = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    in_crd = model["properties"]["spec"]["properties"]["model"]["properties"][field]
+    # The CRD, the operator's model and the engine's settings (its --help) say the same thing.
+    assert in_crd["description"] == description
+    assert ModelSpec.model_fields[field].description == description
+    assert EngineSettings.model_fields[field].description == description
+    assert in_crd["enum"] == list(get_args(values))
+    help_text = " ".join(build_parser().format_help().split())
+    assert f"--{field} {{{','.join(get_args(values))}}} {description}" in help_text
+
+
+def test_the_quantization_description_says_what_the_kernels_do() -> None:
+    from slotserve.engine.core.kernels import GROUP_SIZE  # the C source's group (torch loads)
+
+    description = ModelSpec.model_fields["quantization"].description or ""
+    assert "per-channel" not in description
+    assert f"int8 (one scale per group of {GROUP_SIZE} weights" in description
+    assert f"int4 (a scale and a minimum per group of {GROUP_SIZE} weights" in description
 
 
 def test_the_generated_crd_lives_where_the_gateway_looks() -> None:

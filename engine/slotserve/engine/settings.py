@@ -7,7 +7,6 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from slotserve.contracts.engine_argv import DType, Quantization
 from slotserve.contracts.pool_spec import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_BATCHED_TOKENS,
@@ -21,6 +20,7 @@ from slotserve.contracts.pool_spec import (
     PreferredBatchSizes,
     preferred_sizes_fit,
 )
+from slotserve.contracts.weights import WeightDType, WeightQuantization
 from slotserve.engine.core.generation_defaults import parse_override
 from slotserve.engine.core.tool_parsers import ToolParserName
 
@@ -41,7 +41,7 @@ class EngineSettings(BaseSettings):
         description="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps; told cuda, "
         "the engine exits 2 when it finds no usable GPU",
     )
-    dtype: DType = Field("auto", description="auto = float32 on CPU, bfloat16 on GPU.")
+    dtype: WeightDType = "auto"
     # The batching fields: declared once in slotserve.contracts.pool_spec (the CRD's too).
     policy: Policy = DEFAULT_POLICY
     max_batch_size: MaxBatchSize = DEFAULT_MAX_BATCH_SIZE
@@ -58,11 +58,7 @@ class EngineSettings(BaseSettings):
         description="CPU matrix products: auto (measured at start), onednn, aten, or native "
         "(the engine's own kernels for every decode step).",
     )
-    quantization: Quantization = Field(
-        "none",
-        description="Weight-only quantization of the linear layers: none, int8 (per-channel "
-        "scales) or int4 (groups of 32 with scale and minimum); CPU only.",
-    )
+    quantization: WeightQuantization = "none"
     decode_step: DecodeStep = Field(
         "auto",
         description="Decode-only steps: auto (compiled on CUDA, classic elsewhere), classic "

@@ -18,8 +18,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StringConstraints, WithJsonSchema, model_validator
 
-from slotserve.contracts.engine_argv import DType, Quantization
 from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec, WireModel
+from slotserve.contracts.weights import WeightDType, WeightQuantization
 from slotserve.operator.platform_models import AutoscalingSpec, GatewayAPISpec
 
 # Models baked into the engine image (``slotserve model pull`` at image build time).
@@ -156,14 +156,8 @@ class ModelSpec(WireModel):
         description='The name clients send in the OpenAI "model" field.',
     )
     source: ModelSource
-    dtype: DType = Field(
-        "auto", description="Weight dtype; auto = float32 on CPU, bfloat16 on GPU."
-    )
-    quantization: Quantization = Field(
-        "none",
-        description="Weight-only quantization of the linear layers: none, int8 (per-channel "
-        "scales) or int4 (groups of 32); CPU only.",
-    )
+    dtype: WeightDType = "auto"
+    quantization: WeightQuantization = "none"
     max_model_len: int = Field(
         2048, ge=16, le=1_048_576, description="Longest prompt + completion, in tokens."
     )
