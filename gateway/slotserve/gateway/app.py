@@ -234,7 +234,12 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
     app[PROXY] = ProxyContext(
-        app[ADMISSION], app[MONITOR], session, app[METRICS], settings.max_attempts
+        app[ADMISSION],
+        app[MONITOR],
+        session,
+        app[METRICS],
+        settings.max_attempts,
+        settings.max_upstream_answer_bytes,
     )
     yield
     await session.close()

@@ -4,13 +4,20 @@ The slot count the gateway enforces is the engine's own ``slots_total``
 (``slotserve.contracts.engine_load``); an endpoint that does
 not answer, reports ``draining`` or failed a proxied request is offered to nobody until its next
 good report.
+
+Engines are untrusted input: a report longer than ``MAX_LOAD_REPORT_BYTES``, or with values no
+engine reports (slots outside 0..1024, a load that is not a finite number, NaN), makes the engine
+broken: offered to nobody for ``BROKEN_HOLD_S``, whatever it reports meanwhile; so does an
+answer or stream that breaks the proxy's limits (``mark_broken``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -22,6 +29,34 @@ from slotserve.gateway.routing import EndpointOffer, load_score
 
 log = logging.getLogger(__name__)
 FAILURES_BEFORE_DOWN = 2
+MAX_LOAD_REPORT_BYTES = 64 * 1024  # a report is a few hundred bytes
+MAX_REPORTED_SLOTS = 1024  # MaxBatchSize's bound
+BROKEN_HOLD_S = 30.0  # how long an engine that broke the gateway's limits is offered to nobody
+
+
+class BadReportError(ValueError):
+    """A /load answer no sound engine sends."""
+
+
+def _reject_constant(name: str) -> None:
+    raise BadReportError(f"{name} is not a JSON number")
+
+
+def parse_load_report(data: bytes) -> EngineLoadReport:
+    """An engine's /load body, checked: raises BadReportError for what no engine sends."""
+    if len(data) > MAX_LOAD_REPORT_BYTES:
+        raise BadReportError(f"a /load body longer than {MAX_LOAD_REPORT_BYTES} bytes")
+    try:
+        report = EngineLoadReport.model_validate(json.loads(data, parse_constant=_reject_constant))
+    except (ValueError, RecursionError) as exc:
+        raise BadReportError(f"a /load body that does not parse: {exc}") from None
+    numbers = (report.kv_cache_usage, report.mean_request_seconds)
+    if not all(math.isfinite(value) and value >= 0 for value in numbers):
+        raise BadReportError("a load that is not a finite number")
+    counts = (report.slots_total, report.running, report.waiting)
+    if not 0 <= report.slots_total <= MAX_REPORTED_SLOTS or min(counts) < 0:
+        raise BadReportError(f"slots_total {report.slots_total} (at most {MAX_REPORTED_SLOTS})")
+    return report
 
 
 @dataclass
@@ -37,6 +72,7 @@ class EngineLoad:
     mean_request_s: float = 0.0
     num_failures: int = FAILURES_BEFORE_DOWN  # unknown until the first good report
     failed_by_proxy: bool = False
+    broken_until: float = 0.0  # monotonic: broke the gateway's limits, offered to nobody
 
     @property
     def usable(self) -> bool:
@@ -45,6 +81,7 @@ class EngineLoad:
             and not self.failed_by_proxy
             and not self.draining
             and self.slots_total > 0
+            and time.monotonic() >= self.broken_until
         )
 
 
@@ -87,6 +124,13 @@ class EngineMonitor:
                 offers.append(EndpointOffer(url, load.slots_total, score, load.mean_request_s))
         return offers
 
+    def mark_broken(self, url: str, hold_s: float = BROKEN_HOLD_S) -> None:
+        """``url`` broke the gateway's limits: offer it to nobody for ``hold_s``, whatever it
+        reports meanwhile."""
+        load = self.loads.get(url)
+        if load is not None:
+            load.broken_until = time.monotonic() + hold_s
+
     def mark_failed(self, url: str) -> None:
         """A proxied request could not reach ``url``: offer it to nobody until it reports again."""
         load = self.loads.get(url)
@@ -115,13 +159,19 @@ class EngineMonitor:
         try:
             async with self._session.get(f"{url}/load") as resp:
                 resp.raise_for_status()
-                report = EngineLoadReport.model_validate(await resp.json())
+                report = parse_load_report(await resp.content.read(MAX_LOAD_REPORT_BYTES + 1))
             load.slots_total = report.slots_total
             load.running = report.running
             load.waiting = report.waiting
             load.kv_cache_usage = report.kv_cache_usage
             load.draining = report.draining
             load.mean_request_s = max(0.0, report.mean_request_seconds)
+        except BadReportError as exc:
+            if time.monotonic() >= load.broken_until:
+                log.warning("engine %s is broken: %s; marked down", url, exc)
+            load.broken_until = time.monotonic() + BROKEN_HOLD_S
+            load.num_failures = max(load.num_failures + 1, FAILURES_BEFORE_DOWN)
+            return
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             load.num_failures += 1
             if load.num_failures == FAILURES_BEFORE_DOWN:

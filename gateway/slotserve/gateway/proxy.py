@@ -9,6 +9,12 @@ or the gateway's when the engine went away, fell silent past the read timeout, o
 When the client goes away, the handler is cancelled: closing the upstream connection aborts the
 request at the engine, and the slot is released in a task that the cancellation cannot
 interrupt.
+
+Engines are untrusted input: a stream is cut into events in linear time (``SseFramer``: each
+chunk is searched once), an event longer than ``SSE_MAX_EVENT_BYTES`` or a whole answer longer
+than ``max_answer_bytes`` marks the engine broken (offered to nobody for a while) and ends the
+request with the gateway's error (an SSE error event, or 502); what a request buffers grows its
+reservation in the replica's memory budget, and past the budget it ends the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from slotserve.gateway.admission import Admission, Lease
 from slotserve.gateway.admission_types import RETRY_PRIORITY, AdmissionError
 from slotserve.gateway.engines import EngineMonitor
 from slotserve.gateway.errors import error_response, sse_error_event
+from slotserve.gateway.memory_budget import Reservation, request_reservation
 from slotserve.gateway.metrics import GatewayMetrics
 from slotserve.gateway.tracing import traced_upstream
 
@@ -54,17 +61,58 @@ FORWARD_RESPONSE_HEADERS = (
 RETRYABLE_STATUSES = frozenset({502, 503})
 SSE_CONTENT_TYPE = "text/event-stream"
 SSE_TAIL_BYTES = 8192  # enough to hold the engine's last event, error message included
-SSE_MAX_PENDING_BYTES = 1 << 20  # an "event" this long without a blank line is passed on anyway
+# One event (a token's chunk, logprobs included, is a few KiB): longer, the engine is broken.
+SSE_MAX_EVENT_BYTES = 1 << 20
 _SSE_DONE = re.compile(rb"\Adata: ?\[DONE\]\Z")
 _SSE_ERROR = re.compile(rb'\Adata: ?\{\s*"error"\s*:')
 
 
-def last_event_end(data: bytes) -> int:
-    """Offset just past the last complete SSE event in ``data`` (0: none complete yet)."""
-    if len(data) > SSE_MAX_PENDING_BYTES:
-        return len(data)
-    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+def last_event_end(data: bytes | bytearray, start: int = 0) -> int:
+    """Offset just past the last complete SSE event in ``data`` that ends after ``start`` (0:
+    none)."""
+    lf, crlf = data.rfind(b"\n\n", start), data.rfind(b"\r\n\r\n", start)
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+class EngineBrokeLimitsError(Exception):
+    """The engine sent more than the gateway takes from one (an event, a whole answer)."""
+
+
+class SseFramer:
+    """Cuts an engine's byte stream into whole SSE events, looking at each byte once or twice:
+    only the bytes since the last search are searched (rescanning all that was pending on every
+    chunk cost 1.45 s of event loop for 256 KiB of 16-byte chunks)."""
+
+    def __init__(self, max_event_bytes: int = SSE_MAX_EVENT_BYTES) -> None:
+        self.pending = bytearray()
+        self.max_event_bytes = max_event_bytes
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events that ``chunk`` completes (b"": none yet)."""
+        start = max(0, len(self.pending) - 3)  # a blank line may straddle the two
+        self.pending += chunk
+        cut = last_event_end(self.pending, start)
+        if len(self.pending) > self.max_event_bytes:  # rare: then every event is measured
+            self._check_events(cut)
+        events = b""
+        if cut:
+            events = bytes(self.pending[:cut])
+            del self.pending[:cut]
+        return events
+
+    def _check_events(self, cut: int) -> None:
+        """Raise unless every event before ``cut``, and what is pending after it, is short."""
+        begin, limit = 0, self.max_event_bytes
+        while begin < cut:
+            window = min(cut, begin + limit + 4)
+            lf = self.pending.rfind(b"\n\n", begin, window)
+            crlf = self.pending.rfind(b"\r\n\r\n", begin, window)
+            end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+            if end <= begin:
+                break
+            begin = end
+        if (cut if begin < cut else len(self.pending)) - begin > limit:
+            raise EngineBrokeLimitsError(f"an event longer than {limit} bytes (no blank line)")
 
 
 class SseEnding:
@@ -97,6 +145,7 @@ class ProxyContext:
     session: aiohttp.ClientSession
     metrics: GatewayMetrics
     max_attempts: int
+    max_answer_bytes: int = 64 * 1024 * 1024  # a whole (non-streaming) answer at most
 
 
 class _UpstreamFailedError(Exception):
@@ -167,12 +216,13 @@ async def _forward_once(
         if upstream.status in RETRYABLE_STATUSES:
             ctx.metrics.upstream_errors.labels(lease.endpoint, "status").inc()
             raise _UpstreamFailedError(f"HTTP {upstream.status}")
+        reservation = request_reservation(request)
         if upstream.content_type != SSE_CONTENT_TYPE:
-            return await _forward_whole(ctx, lease, upstream)
+            return await _forward_whole(ctx, lease, upstream, reservation)
         response = web.StreamResponse(status=upstream.status)
         _copy_headers(upstream, response, lease)
         await response.prepare(request)
-        finished = await _forward_stream(ctx, lease, upstream, response)
+        finished = await _forward_stream(ctx, lease, upstream, response, reservation)
         await response.write_eof()
         return response
     finally:
@@ -196,14 +246,40 @@ def _silence_message(ctx: ProxyContext, lease: Lease) -> str:
     return f"engine {lease.endpoint} sent nothing for {timeout_s:g} s"
 
 
+def _broken(ctx: ProxyContext, lease: Lease, what: str) -> str:
+    """An engine that broke the gateway's limits: offered to nobody for a while."""
+    ctx.metrics.upstream_errors.labels(lease.endpoint, "limits").inc()
+    ctx.monitor.mark_broken(lease.endpoint)
+    log.warning("engine %s broke the gateway's limits: %s; marked down", lease.endpoint, what)
+    return f"engine {lease.endpoint} sent {what}"
+
+
+OVER_BUDGET = "the answer does not fit this gateway replica's memory budget now; try again shortly"
+
+
 async def _forward_whole(
-    ctx: ProxyContext, lease: Lease, upstream: aiohttp.ClientResponse
+    ctx: ProxyContext,
+    lease: Lease,
+    upstream: aiohttp.ClientResponse,
+    reservation: Reservation | None,
 ) -> web.StreamResponse:
     """A non-streaming answer, read whole before anything is sent: the engine sends it at once
     anyway, and a failure half-way can still become a proper error status instead of a
-    truncated body behind a 200."""
+    truncated body behind a 200. At most ``max_answer_bytes``, within the memory budget."""
+    limit = ctx.max_answer_bytes
+    base = reservation.num_bytes if reservation is not None else 0
+    data = bytearray()
     try:
-        data = await upstream.read()
+        if upstream.content_length is not None and upstream.content_length > limit:
+            message = _broken(ctx, lease, f"an answer of {upstream.content_length} bytes")
+            return error_response(502, f"{message} (at most {limit})", "upstream_too_large")
+        while chunk := await upstream.content.readany():
+            data += chunk
+            if len(data) > limit:
+                message = _broken(ctx, lease, f"an answer longer than {limit} bytes")
+                return error_response(502, message, "upstream_too_large")
+            if reservation is not None and not reservation.resize(base + len(data)):
+                return error_response(503, OVER_BUDGET, "memory_budget_exceeded", retry_after_s=1)
     except aiohttp.SocketTimeoutError:
         ctx.metrics.upstream_errors.labels(lease.endpoint, "timeout").inc()
         return error_response(504, _silence_message(ctx, lease), "upstream_timeout")
@@ -212,7 +288,7 @@ async def _forward_whole(
         log.warning("engine %s failed mid-answer: %s", lease.endpoint, exc)
         message = f"engine {lease.endpoint} failed before its answer was complete"
         return error_response(502, message, "upstream_failed")
-    response = web.Response(status=upstream.status, body=data)
+    response = web.Response(status=upstream.status, body=bytes(data))
     _copy_headers(upstream, response, lease)
     return response
 
@@ -222,6 +298,7 @@ async def _forward_stream(
     lease: Lease,
     upstream: aiohttp.ClientResponse,
     response: web.StreamResponse,
+    reservation: Reservation | None,
 ) -> bool:
     """Pass an SSE stream through, event by event, as it arrives. Returns whether it ended with
     ``[DONE]``; otherwise the client's stream ends with an error event (the engine's own when it
@@ -231,7 +308,8 @@ async def _forward_stream(
     sees half an event glued to the error event.
     """
     ending = SseEnding()
-    pending = b""
+    framer = SseFramer()
+    base = reservation.num_bytes if reservation is not None else 0
     failure: str | None = None
     while True:
         try:
@@ -246,17 +324,23 @@ async def _forward_stream(
             log.warning("engine %s failed mid-stream: %s", lease.endpoint, exc)
             break
         if not chunk:  # the engine ended the stream
+            pending = bytes(framer.pending)
             if pending:  # a last event without its blank line: pass it on as it is
                 ending.feed(pending)
                 await response.write(pending if pending.endswith(b"\n") else pending + b"\n")
                 await response.write(b"\n")
             break
-        pending += chunk
-        cut = last_event_end(pending)
-        if cut:
-            ending.feed(pending[:cut])
-            await response.write(pending[:cut])
-            pending = pending[cut:]
+        try:
+            events = framer.feed(chunk)
+        except EngineBrokeLimitsError as exc:
+            failure, code = _broken(ctx, lease, str(exc)), "upstream_too_large"
+            break
+        if reservation is not None and not reservation.resize(base + len(framer.pending)):
+            failure, code = OVER_BUDGET, "memory_budget_exceeded"
+            break
+        if events:
+            ending.feed(events)
+            await response.write(events)
     if failure is None:
         if ending.done:
             return True
@@ -268,5 +352,6 @@ async def _forward_stream(
             "upstream_incomplete",
         )
         ctx.metrics.upstream_errors.labels(lease.endpoint, "incomplete").inc()
-    await response.write(sse_error_event(502, failure, code))
+    status = 503 if code == "memory_budget_exceeded" else 502
+    await response.write(sse_error_event(status, failure, code))
     return False

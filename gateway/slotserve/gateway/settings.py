@@ -86,6 +86,12 @@ class GatewaySettings(BaseSettings):
         "between two stream chunks. Not a total, so long generations are never cut.",
     )
     max_attempts: int = Field(3, ge=1, le=10, description="Engines tried before the first byte.")
+    max_upstream_answer_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Longest whole (non-streaming) answer taken from an engine; longer: 502 and "
+        "the engine is marked down.",
+    )
     shutdown_timeout_seconds: float = Field(
         10.0,
         gt=0,
