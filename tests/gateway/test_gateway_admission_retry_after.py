@@ -16,7 +16,7 @@ import time
 from admission_cluster import Cluster
 
 from slotserve.gateway.admission import Admission
-from slotserve.gateway.admission_types import PoolPolicy, QueueFullError
+from slotserve.gateway.admission_types import PoolPolicy, QueueFullError, QueueTimeoutError
 from slotserve.gateway.drain import DrainRate, HoldTime, promise_gap_us, service_rate_per_s
 
 NUM_CLIENTS = 60
@@ -86,3 +86,44 @@ def test_the_drain_is_the_engines_speed_then_the_dispatch_rate():
     assert service_rate_per_s(drain, hold, 8) == 30
     hold.observe(0.5)  # engines answered in 0.5 s: 8 full slots drain 16 requests/s
     assert service_rate_per_s(drain, hold, 8) == 16
+
+
+async def test_places_promised_to_clients_that_never_come_back_expire(cluster):
+    """A burst is told to come back (429 + Retry-After, one place a second up to 20 s ahead) and
+    never does. Once the queue drained, newcomers that must wait still get a place at once
+    (before: the whole queue was held, 429 with Retry-After up to 20 s while it was empty): only
+    promises due within 5 s hold a place, and never more than 3/4 of the queue."""
+    pool = cluster.serve(
+        PoolPolicy("m", max_queue_size=4, queue_timeout_s=30), ("http://a", 1, 0.0)
+    )
+    replica = await cluster.replica()
+    holder = await replica.acquire(pool, priority=5, timeout_s=5)
+    waiting = [
+        asyncio.create_task(replica.acquire(pool, priority=5, timeout_s=20)) for _ in range(4)
+    ]
+    await asyncio.sleep(0.2)
+    told = []
+    for _ in range(20):
+        try:
+            await replica.acquire(pool, priority=5, timeout_s=5)
+        except QueueFullError as exc:
+            told.append(exc.retry_after_s)
+    assert len(told) == 20 and max(told) >= 10
+    await replica.release(holder)
+    for task in waiting:  # the queue drains; none of the 20 comes back
+        await replica.release(await asyncio.wait_for(task, 5))
+    busy = await replica.acquire(pool, priority=5, timeout_s=5)  # newcomers must wait now
+
+    async def newcomer() -> str:
+        try:
+            lease = await replica.acquire(pool, priority=5, timeout_s=0.5)
+        except QueueFullError:
+            return "429"
+        except QueueTimeoutError:
+            return "queued"
+        await replica.release(lease)
+        return "granted"
+
+    outcomes = await asyncio.gather(*(newcomer() for _ in range(4)))
+    assert outcomes.count("queued") >= 1, outcomes  # at most 3 of the 4 places are held
+    await replica.release(busy)

@@ -27,6 +27,9 @@ DEMOTION_OFFSET_US = 1_000_000_000_000_000
 MAX_LEASE_SLOTS = 1024  # a lease's slots (a request's n): MaxBatchSize's bound, no engine has more
 MAX_WAIT_US = 86_400_000_000  # a wait, aging step, drain gap or promise horizon: one day at most
 MAX_QUEUE_SIZE = 1_000_000  # AdmissionSpec.max_queue_size's bound
+# A place freed while clients were told to come back (429 + Retry-After) is held for one of them
+# only while its return is at most this far ahead; at most 3/4 of the queue is ever held.
+PROMISE_WINDOW_US = 5_000_000
 # The endpoint of a "grant" that refuses its request: no engine of the pool can ever hold its
 # slots (``Admission._on_grant`` raises ``NoEngineFitsError`` in its waiter, nothing is held).
 REFUSED = ""

@@ -37,7 +37,12 @@ from dataclasses import fields
 
 from slotserve.contracts.pool_spec import MAX_PRIORITY_LEVELS
 from slotserve.contracts.redis_keys import DispatchArgs
-from slotserve.gateway.admission_types import DEMOTION_OFFSET_US, MAX_QUEUE_SIZE, MAX_WAIT_US
+from slotserve.gateway.admission_types import (
+    DEMOTION_OFFSET_US,
+    MAX_QUEUE_SIZE,
+    MAX_WAIT_US,
+    PROMISE_WINDOW_US,
+)
 from slotserve.gateway.lua_epoch import EPOCH, HEARTBEAT
 from slotserve.gateway.lua_slots import SLOTS
 from slotserve.gateway.lua_values import VALUES
@@ -96,8 +101,8 @@ for i = 0, (INVALID and 0 or NUM_OFFERS) - 1 do
   end
 end
 local REST = FIRST_OFFER + (INVALID and 0 or NUM_OFFERS) * 3
-local DEMOTION_OFFSET, MAX_LEVEL = """
-    + f"{DEMOTION_OFFSET_US}, {MAX_PRIORITY_LEVELS}"
+local DEMOTION_OFFSET, MAX_LEVEL, PROMISE_WINDOW_US = """
+    + f"{DEMOTION_OFFSET_US}, {MAX_PRIORITY_LEVELS}, {PROMISE_WINDOW_US}"
     + r"""
 """
     + EPOCH
@@ -232,18 +237,22 @@ end
 
 -- Places held for clients told to come back later (Retry-After): capacity that frees (a lease
 -- released) while promises are outstanding is held for them, and opens when a promise is due,
--- so that the client who comes back when told finds it and a newcomer does not take it.
+-- so that the client who comes back when told finds it and a newcomer does not take it. Held
+-- places expire: only promises due within PROMISE_WINDOW_US hold one (a client that never comes
+-- back holds nothing for longer), and at most 3/4 of the queue is ever held (newcomers keep the
+-- rest, however many clients were told to come back).
+local NEAR = 0  -- promises due within the window
 local function settle_promises(now)
   if HELD ~= nil then return end
-  local due = redis.call('ZREMRANGEBYSCORE', K_RETRIES, '-inf', now)
-  HELD = stat('held')
-  HELD = math.min(math.max(0, HELD - due), redis.call('ZCARD', K_RETRIES))
+  local due = redis.call('ZREMRANGEBYSCORE', K_RETRIES, '-inf', int(now))
+  NEAR = redis.call('ZCOUNT', K_RETRIES, int(now), int(now + PROMISE_WINDOW_US))
+  HELD = math.min(math.max(0, stat('held') - due), NEAR, math.floor(MAX_QUEUE * 3 / 4))
 end
 
 local function hold_freed_places()
   if HELD == nil or FREED == 0 then return end
   local room = MAX_QUEUE - redis.call('ZCARD', K_QUEUE)
-  HELD = math.max(0, math.min(HELD + FREED, redis.call('ZCARD', K_RETRIES), room))
+  HELD = math.max(0, math.min(HELD + FREED, NEAR, room, math.floor(MAX_QUEUE * 3 / 4)))
   FREED = 0
 end
 

@@ -8,6 +8,7 @@ awaits in the middle, so every step is atomic just like a Lua script.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -18,6 +19,7 @@ from slotserve.gateway.admission_types import (
     DEFAULT_AGING_US,
     DEMOTION_OFFSET_US,
     MAX_LEASE_SLOTS,
+    PROMISE_WINDOW_US,
     REFUSED,
     CancelOutcome,
     DispatchResult,
@@ -78,8 +80,9 @@ class _PoolState:
     inflight: dict[str, int] = field(default_factory=dict)  # endpoint -> slots held
     num_dispatched: int = 0
     retry_horizon_us: int = 0
-    promised: list[int] = field(default_factory=list)  # heap of promised return times (us)
+    promised: list[int] = field(default_factory=list)  # promised return times (us), sorted
     num_held: int = 0  # queue places held for promised clients
+    num_near: int = 0  # promises due within PROMISE_WINDOW_US (the step's settle_promises)
     num_freed: int = 0  # leases released in the current step
     num_refused: int = 0  # queued requests refused: no offered engine had their slots
 
@@ -184,20 +187,22 @@ class _PoolState:
             if not request_ids:
                 del self.by_replica[replica]
 
-    def settle_promises(self, now_us: int) -> None:
-        """Promises now due open the places held for them (as ``settle_promises`` in Lua)."""
-        num_due = 0
-        while self.promised and self.promised[0] <= now_us:
-            heapq.heappop(self.promised)
-            num_due += 1
-        self.num_held = min(max(0, self.num_held - num_due), len(self.promised))
+    def settle_promises(self, now_us: int, max_queue_size: int) -> None:
+        """Promises now due open the places held for them; only promises due within the
+        window hold one, and at most 3/4 of the queue (as ``settle_promises`` in Lua)."""
+        num_due = bisect.bisect_right(self.promised, now_us)
+        del self.promised[:num_due]
+        self.num_near = bisect.bisect_right(self.promised, now_us + PROMISE_WINDOW_US)
+        held = min(max(0, self.num_held - num_due), self.num_near, max_queue_size * 3 // 4)
+        self.num_held = held
 
     def hold_freed_places(self, max_queue_size: int) -> None:
         """Capacity freed by released leases is held for promised clients (``lua.py``)."""
         if self.num_freed == 0:
             return
         room = max_queue_size - len(self.queue)
-        self.num_held = max(0, min(self.num_held + self.num_freed, len(self.promised), room))
+        held = min(self.num_held + self.num_freed, self.num_near, room, max_queue_size * 3 // 4)
+        self.num_held = max(0, held)
         self.num_freed = 0
 
     def promise_place(self, now_us: int, drain_gap_us: int, max_ahead_us: int) -> int:
@@ -207,7 +212,7 @@ class _PoolState:
             return math.ceil((self.retry_horizon_us - now_us) / 1_000_000) * 1_000_000
         self.retry_horizon_us = max(now_us, self.retry_horizon_us) + drain_gap_us
         retry_us = math.ceil((self.retry_horizon_us - now_us) / 1_000_000) * 1_000_000
-        heapq.heappush(self.promised, now_us + retry_us)
+        bisect.insort(self.promised, now_us + retry_us)
         return retry_us
 
 
@@ -236,7 +241,7 @@ class InProcessHub:
         self, policy: PoolPolicy, offers: Sequence[EndpointOffer], caller: str, now_us: int
     ) -> DispatchResult:
         state = self.pool(policy.name)
-        state.settle_promises(now_us)
+        state.settle_promises(now_us, policy.max_queue_size)
         offers = sound_offers(offers)
         most = most_slots(offers)
         budget = _StepBudget()
@@ -328,7 +333,7 @@ class InProcessBackend:
             if ranked:
                 self.hub.grant(pool.name, request_id, self.replica_id, slots, ranked[0].url, now)
                 return DispatchResult(len(state.queue), state.num_dispatched, 0)
-        state.settle_promises(now)
+        state.settle_promises(now, pool.max_queue_size)
         entry = _Entry(self.replica_id, now + timeout_us, now, priority, slots)
         demote_at = 0
         if demote_after_us is not None and 0 < demote_after_us < timeout_us:
