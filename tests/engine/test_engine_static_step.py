@@ -134,6 +134,51 @@ def test_logprobs_equal_the_eager_sampler(sharp_model_dir):
             assert a == pytest.approx(b, abs=1e-4)
 
 
+def test_penalties_on_the_device_equal_the_eager_sampler(tiny_model_dir):
+    """Penalized greedy rows next to plain ones, arriving staggered so that slots change
+    owners: the same tokens as the classic path's eager penalties, and count rows rebuilt only
+    when a slot changes owner. The tiny random model echoes its input, so penalties bite."""
+    prompts = make_prompts(8, seed=4)
+    kinds = [
+        SamplingParams(max_tokens=14, temperature=0.0, repetition_penalty=2.0, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True),
+        SamplingParams(
+            max_tokens=17,
+            temperature=0.0,
+            frequency_penalty=2.0,
+            presence_penalty=1.5,
+            ignore_eos=True,
+        ),
+    ]
+    results = {}
+    for mode in ("classic", "static"):
+        engine = make_engine(tiny_model_dir, max_batch_size=3, decode_step=mode)
+        seqs, step = [], 0
+        while len(seqs) < len(prompts) or engine.has_unfinished():
+            if step % 3 == 0 and len(seqs) < len(prompts):
+                i = len(seqs)
+                seqs.append(engine.add_request(f"p{i}", prompts[i], kinds[i % 3]))
+            engine.step()
+            step += 1
+        results[mode] = [seq.generated_token_ids for seq in seqs]
+        if mode == "static":
+            static = engine.runner.static
+            assert sum(n for (_r, _s, full), n in static.stats.steps_per_bucket.items() if full)
+            assert 0 < static.transfers.num_set_ups <= 4 * len(prompts)
+    assert results["static"] == results["classic"]
+    # The penalties change the answer (else the test could not fail).
+    plain = make_engine(tiny_model_dir, max_batch_size=3, decode_step="static")
+    neutral = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    unpenalized = [
+        run_staggered(plain, [prompts[i]], kinds[i].model_copy(update=neutral), every=1, per=1)
+        for i in (0, 2)
+    ]
+    assert [seqs[0].generated_token_ids for seqs in unpenalized] != [
+        results["static"][0],
+        results["static"][2],
+    ]
+
+
 def test_min_tokens_bans_eos_on_the_device(sharp_model_dir, reference_model):
     prompt = make_prompts(3)[2]
     # Make EOS the model's first greedy choice: min_tokens must push it out.

@@ -1,6 +1,7 @@
 """Sampling inside the static decode step: fixed shapes, no host round trip, one result tensor.
 
-The same rules as :mod:`slotserve.engine.core.sampling` (temperature after a shift by the row's
+The same rules as :mod:`slotserve.engine.core.sampling` (the penalties of
+:mod:`device_penalties`, temperature after a shift by the row's
 maximum, ``top_k`` then ``top_p`` renormalised over the kept tokens, then ``min_p``, an inverse-CDF
 draw, vLLM's processed logprobs), written for a captured graph: every row runs every operation
 (a greedy row's masks are identities: ``top_k`` 0, ``top_p`` 1, ``min_p`` 0, temperature 1), the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from slotserve.engine.core.device_penalties import count_and_apply
 from slotserve.engine.core.static_buffers import (
     BAN_EOS,
     FLAGS,
@@ -65,13 +67,17 @@ def full_result(
     ints: torch.Tensor,
     floats: torch.Tensor,
     eos_mask: torch.Tensor,
+    prompt_seen: torch.Tensor,
+    output_counts: torch.Tensor,
     num_top: int,
 ) -> torch.Tensor:
-    """``[rows, 3 + 2 * num_top]``: every row sampled by its own parameters (see module doc)."""
+    """``[rows, 3 + 2 * num_top]``: every row sampled by its own parameters (see module doc);
+    the penalties count each row's input token in ``output_counts`` first."""
     raw = logits.float()
     vocab_size = raw.shape[1]
     usable = torch.isfinite(raw.amax(dim=-1))
     scores = raw.masked_fill(~usable.unsqueeze(1), 0.0)
+    scores = count_and_apply(scores, ints, floats, prompt_seen, output_counts)
     flags = ints[FLAGS]
     ban = (flags & BAN_EOS) != 0
     scores = scores.masked_fill(ban.unsqueeze(1) & eos_mask.unsqueeze(0), float("-inf"))

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 # Row layout of an input block (int64 columns, then float64 bits).
-TOKEN, POSITION, SLOT, TOP_K, SEED, FLAGS = range(6)
-TEMPERATURE, TOP_P, MIN_P = range(6, 9)
-NUM_COLUMNS = 9
+TOKEN, POSITION, SLOT, TOP_K, SEED, FLAGS, PROMPT_LEN = range(7)
+TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE = range(7, 13)
+NUM_COLUMNS = 13
 # FLAGS bits.
 GREEDY = 1
 BAN_EOS = 2  # min_tokens not reached: EOS ids are banned for this row
@@ -64,6 +64,7 @@ class Transfers:
 
     num_to_device: int = 0
     num_to_host: int = 0
+    num_set_ups: int = 0  # penalty rows rebuilt for a new owner (not in the steady state)
     active: bool = field(default=False, repr=False)  # inside an allowed transfer
 
     @contextmanager
@@ -80,6 +81,11 @@ class Transfers:
             # only after the step's result came back, when this copy has long finished.
             device_block.copy_(host, non_blocking=host.is_pinned())
         self.num_to_device += 1
+
+    def set_up(self, host: torch.Tensor, device_row: torch.Tensor) -> None:
+        with self._allowed():
+            device_row.copy_(host)
+        self.num_set_ups += 1
 
     def to_host(self, result: torch.Tensor) -> list[list[float]]:
         with self._allowed():
@@ -132,3 +138,6 @@ class StepBuffers:
             reals[TEMPERATURE, n:] = 1.0
             reals[TOP_P, n:] = 1.0
             reals[MIN_P, n:] = 0.0
+            reals[REPETITION, n:] = 1.0
+            reals[FREQUENCY, n:] = 0.0
+            reals[PRESENCE, n:] = 0.0

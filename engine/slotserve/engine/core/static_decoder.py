@@ -7,8 +7,8 @@ result back in one transfer. Warm-up at load compiles the greedy graph of every 
 the shortest span; the others compile on first use. Both are counted (``num_compiles``).
 
 Which rows it serves: decodes whose sampling :mod:`device_sampling` does (greedy, temperature,
-top_k/top_p/min_p, seeds, logprobs, min_tokens without stop_token_ids). Penalties, logit_bias
-and grammars keep the eager sampler (the runner's transformers path) for that step.
+top_k/top_p/min_p, seeds, logprobs, the three penalties, min_tokens without stop_token_ids).
+logit_bias and grammars keep the eager sampler (the runner's transformers path) for that step.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from slotserve.engine.core.device_penalties import PenaltyRows
 from slotserve.engine.core.device_sampling import seed_column
 from slotserve.engine.core.logprobs import SampledLogprobs
 from slotserve.engine.core.params import MAX_LOGPROBS
@@ -32,9 +33,13 @@ from slotserve.engine.core.sequence import SequenceError
 from slotserve.engine.core.static_buffers import (
     BAN_EOS,
     FLAGS,
+    FREQUENCY,
     GREEDY,
     MIN_P,
     POSITION,
+    PRESENCE,
+    PROMPT_LEN,
+    REPETITION,
     SEED,
     SLOT,
     TEMPERATURE,
@@ -73,7 +78,6 @@ def serves(seq: Sequence) -> bool:
     return (
         seq.matcher is None
         and not params.logit_bias
-        and not params.has_penalties
         and not (min_tokens_active and params.stop_token_ids)
     )
 
@@ -112,6 +116,7 @@ class StaticDecoder:
         if ids:
             self.eos_mask[torch.tensor(ids, device=self.device)] = True
         self.num_top = min(MAX_LOGPROBS, vocab_size)
+        self.penalties = PenaltyRows(num_slots + 1, vocab_size, self.device)
         self.kv_positions = {
             span: torch.arange(span, device=self.device) for span in self.kv_buckets
         }
@@ -135,7 +140,8 @@ class StaticDecoder:
         if self.device.type == "cuda":
             # Graph replays write the cache in place: it and the input blocks must keep their
             # addresses (no copy into graph-owned memory) for the writes to land.
-            for tensor in (*self.k_cache, *self.v_cache, self.eos_mask):
+            penalties = (self.penalties.prompt_seen, self.penalties.output_counts)
+            for tensor in (*self.k_cache, *self.v_cache, self.eos_mask, *penalties):
                 torch._dynamo.mark_static_address(tensor)
             for buffers in self.buffers.values():
                 torch._dynamo.mark_static_address(buffers.device_block)
@@ -156,6 +162,8 @@ class StaticDecoder:
             buffers.device_block,
             buffers.device_floats,
             self.eos_mask,
+            self.penalties.prompt_seen,
+            self.penalties.output_counts,
             self.kv_positions[span],
             full,
             self.num_top,
@@ -217,10 +225,14 @@ class StaticDecoder:
         num_rows = len(seqs)
         rows = pick(self.row_buckets, num_rows)
         span = self.span_for(max(positions) + 1)
-        full = not all(seq.params.is_greedy and seq.params.logprobs is None for seq in seqs)
+        full = not all(
+            p.is_greedy and p.logprobs is None and not p.has_penalties
+            for p in (seq.params for seq in seqs)
+        )
         ints: dict[int, list[int]] = {TOKEN: [], POSITION: list(positions), SLOT: [], TOP_K: []}
-        ints[SEED], ints[FLAGS] = [], []
+        ints[SEED], ints[FLAGS], ints[PROMPT_LEN] = [], [], []
         floats: dict[int, list[float]] = {TEMPERATURE: [], TOP_P: [], MIN_P: []}
+        floats[REPETITION], floats[FREQUENCY], floats[PRESENCE] = [], [], []
         for seq, position in zip(seqs, positions, strict=True):
             params = seq.params
             assert seq.slot is not None  # the runner refuses slotless chunks first
@@ -239,6 +251,12 @@ class StaticDecoder:
             floats[TEMPERATURE].append(1.0 if greedy else params.temperature)
             floats[TOP_P].append(1.0 if greedy else params.top_p)
             floats[MIN_P].append(0.0 if greedy else params.min_p)
+            ints[PROMPT_LEN].append(seq.num_prompt_tokens)
+            floats[REPETITION].append(params.repetition_penalty)
+            floats[FREQUENCY].append(params.frequency_penalty)
+            floats[PRESENCE].append(params.presence_penalty)
+        if full:
+            self.penalties.prepare(seqs, positions, self.transfers)
         buffers = self.buffers[rows]
         buffers.stage(ints, floats, self.scratch_slot)
         key = (rows, span, full)

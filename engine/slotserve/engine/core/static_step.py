@@ -135,6 +135,8 @@ def decode_step(
     ints: torch.Tensor,
     floats: torch.Tensor,
     eos_mask: torch.Tensor,
+    prompt_seen: torch.Tensor,
+    output_counts: torch.Tensor,
     kv_positions: torch.Tensor,
     full: bool,
     num_top: int,
@@ -175,5 +177,5 @@ def decode_step(
         x = x + layer.mlp(layer.post_norm(x))
     logits = model.lm_head(model.norm(x))
     if full:
-        return full_result(logits, ints, floats, eos_mask, num_top)
+        return full_result(logits, ints, floats, eos_mask, prompt_seen, output_counts, num_top)
     return greedy_result(logits)
