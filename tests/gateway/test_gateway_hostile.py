@@ -168,3 +168,31 @@ async def test_metrics_behind_keys_by_setting(gw, client, tmp_path, protect):
     for probe in ("/health", "/ready"):
         async with client.get(f"{url}{probe}") as resp:
             assert resp.status != 401
+
+
+async def test_ready_details_only_with_a_key(gw, client, tmp_path):
+    """Probes carry no key: /ready answers them the bare status; the pools and their endpoint
+    counts only to a caller with a key (without a keys file, to everyone, as before)."""
+    keys = tmp_path / "keys"
+    keys.write_text("ops-key\n")
+    url = await gw([pool("secret-model", [DEAD])], api_keys_file=keys)
+    async with client.get(f"{url}/ready") as resp:
+        assert resp.status in (200, 503)
+        assert await resp.json() == {"ready": resp.status == 200}
+    async with client.get(f"{url}/ready", headers={"Authorization": "Bearer ops-key"}) as resp:
+        assert "secret-model" in (await resp.json())["pools"]
+    async with client.get(f"{url}/ready", headers={"Authorization": "Bearer wrong"}) as resp:
+        assert "pools" not in await resp.json()
+
+
+def test_keys_compare_digests_whatever_the_lengths(tmp_path):
+    from slotserve.gateway.api_keys import ApiKeys
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-the-real-key\nshort\n")
+    api_keys = ApiKeys(keys)
+    assert api_keys.accepts("Bearer sk-the-real-key") and api_keys.accepts("Bearer short")
+    for wrong in ("sk-the-real-ke", "sk-the-real-key!", "", "x" * 10_000, "shor"):
+        assert not api_keys.accepts(f"Bearer {wrong}")
+    # Every comparison is of two SHA-256 digests: equal lengths, whatever the token's length.
+    assert {len(digest) for digest in api_keys._digests} == {32}

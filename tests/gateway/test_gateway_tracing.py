@@ -229,8 +229,9 @@ async def test_off_without_a_provider_the_answer_is_the_same(tmp_path):
             await gateway.close()
             await engine.close()
         if not traced:
-            # Not taking part, the gateway passes the client's context on as it came.
-            assert seen["traceparent"] == TRACEPARENT
+            # Not taking part, the gateway drops the client's context: a client does not choose
+            # the trace (or the sampling) of engines every tenant shares.
+            assert "traceparent" not in seen
     assert answers[False] == answers[True]
 
 

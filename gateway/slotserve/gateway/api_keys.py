@@ -1,4 +1,8 @@
-"""API keys: one per line in a file, checked with constant-time comparison, reloaded on change.
+"""API keys: one per line in a file, checked in constant time, reloaded on change.
+
+A token and each key are compared as SHA-256 digests (``hmac.compare_digest`` on two equal-length
+digests), so neither the comparison's time nor its early exit on unequal lengths says anything
+about a key's length or content.
 
 A line is a key, optionally followed by the priority levels it may ask for:
 ``sk-batch-team  levels=5-9`` (or ``levels=3``); a key without ``levels=`` may ask for any.
@@ -12,6 +16,7 @@ size), which changes on that swap and on an ordinary rewrite alike.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import os
@@ -35,6 +40,14 @@ class ApiKeysError(Exception):
 class ApiKey:
     secret: str = field(repr=False)  # never in a log line
     levels: range  # the priority levels this key may ask for
+
+    @property
+    def digest(self) -> bytes:
+        return _digest(self.secret.encode())
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
 
 
 def _parse_levels(value: str, where: str) -> range:
@@ -95,19 +108,25 @@ class ApiKeys:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self.keys: tuple[ApiKey, ...] = ()
+        self._digests: tuple[bytes, ...] = ()
         self._identity: FileIdentity | None = None
         if path is not None:
-            self.keys, self._identity = read_api_keys(path)
+            keys, self._identity = read_api_keys(path)
+            self._use(keys)
 
     @property
     def enabled(self) -> bool:
         return self.path is not None
 
+    def _use(self, keys: tuple[ApiKey, ...]) -> None:
+        self.keys, self._digests = keys, tuple(key.digest for key in keys)
+
     def _matching(self, authorization: str) -> list[ApiKey]:
         scheme, _, token = authorization.partition(" ")
-        token_bytes = token.strip().encode()
-        # Compare against every key (no early exit), so timing says nothing about which matched.
-        matches = [hmac.compare_digest(token_bytes, key.secret.encode()) for key in self.keys]
+        token_digest = _digest(token.strip().encode())
+        # Digests of equal length, against every key (no early exit): timing says nothing about
+        # which key matched, nor how long any key is.
+        matches = [hmac.compare_digest(token_digest, digest) for digest in self._digests]
         if scheme.lower() != "bearer":
             return []
         return [key for key, match in zip(self.keys, matches, strict=True) if match]
@@ -142,7 +161,7 @@ class ApiKeys:
         except ApiKeysError as exc:
             log.error("keeping the previous API keys: %s", exc)
             return False
-        self.keys = keys
+        self._use(keys)
         log.info("reloaded API keys from %s: %d keys", self.path, len(keys))
         return True
 

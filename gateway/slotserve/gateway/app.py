@@ -117,6 +117,10 @@ async def ready(request: web.Request) -> web.Response:
     # Ready once the first full list of pools is in and all its endpoints were polled once.
     synced_version = registry.synced_version
     is_ready = synced_version is not None and monitor.polled_version >= synced_version
+    keys = request.app[API_KEYS]
+    if keys.enabled and not keys.accepts(request.headers.get("Authorization", "")):
+        # Probes carry no key: they get the status alone, never the pools and their engines.
+        return web.json_response({"ready": is_ready}, status=200 if is_ready else 503)
     body = {
         "admission_backend": "up" if admission.backend_ok else "down",
         "pools_listed": synced_version is not None,

@@ -39,17 +39,11 @@ from slotserve.gateway.tracing import traced_upstream
 
 log = logging.getLogger(__name__)
 
-# Headers passed to the engine; everything else (Authorization included) stays here. The W3C
-# trace context passes through unchanged with tracing off (with it on, the upstream span's
-# replaces it), so an engine that traces still joins the client's trace.
-FORWARD_REQUEST_HEADERS = (
-    "Content-Type",
-    "Accept",
-    "X-Request-Id",
-    "User-Agent",
-    "traceparent",
-    "tracestate",
-)
+# Headers passed to the engine; everything else (Authorization included) stays here. A client's
+# W3C trace context is dropped: with tracing on, the gateway's upstream span sends its own
+# (tracing.py); off, a client must not choose the trace (and sampling) of engines every tenant
+# shares.
+FORWARD_REQUEST_HEADERS = ("Content-Type", "Accept", "X-Request-Id", "User-Agent")
 FORWARD_RESPONSE_HEADERS = (
     "Content-Type",
     "Content-Encoding",
