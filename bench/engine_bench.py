@@ -13,65 +13,34 @@ import json
 import math
 import os
 import random
-import sys
 import time
 
 from slotserve.engine.core.openmp import openmp_environment
 
 os.environ.update(openmp_environment())  # libgomp reads it when torch loads
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
-from engine_plots import plot_decode, plot_occupancy, plot_poisson
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from slotserve.engine.core.engine import LLMEngine
-from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.runner import ModelRunner, load_model, pick_device, pick_dtype
-from slotserve.engine.settings import EngineSettings
+from bench.lib.engine import (
+    Bench,
+    decode_prompt,
+    greedy,
+    hf_decode_rate,
+    hf_generate,
+    make_engine,
+    ours_decode,
+)
+from bench.lib.output import line_buffered_stdout
+from bench.lib.plots import plot_decode, plot_occupancy, plot_poisson
+from slotserve.engine.core.runner import load_model, pick_device, pick_dtype
+from slotserve.engine.core.stats import RequestMetrics
 from slotserve.models.resolve import resolve_model
 
 SEED_LENGTHS = (20, 50, 100, 500)
-
-
-@dataclass
-class Bench:
-    model: object
-    tokenizer: object
-    hf_model: object
-    prompt_ids: list[int]
-    device: torch.device
-    # Slots of every runner built on ``model``: the first runner replaces the model's linear
-    # layers once, calibrated for this many rows, and later runners (other batch sizes) keep
-    # them; a real engine sizes them for its max_batch_size. 0: each batch's own size.
-    slots: int = 0
-
-
-def make_engine(bench: Bench, **settings) -> LLMEngine:
-    settings.setdefault("max_model_len", 1024)
-    # Every request here has the same prompt: with the prefix cache, all but the first would
-    # skip their prefill, and the policies and HF would no longer do the same work
-    # (bench/prefix_bench.py measures the cache).
-    settings.setdefault("enable_prefix_caching", False)
-    engine_settings = EngineSettings(model="bench", **settings)
-    runner = ModelRunner(
-        bench.model,
-        num_slots=max(bench.slots, engine_settings.max_batch_size),
-        max_model_len=engine_settings.max_model_len,
-    )
-    return LLMEngine(
-        engine_settings,
-        runner,
-        bench.tokenizer,
-        kv_cache_tokens=engine_settings.max_batch_size * engine_settings.max_model_len,
-        model_name="bench",
-        record_steps=True,
-    )
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -82,31 +51,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def hf_generate(
-    bench: Bench, batch: int, new_tokens: int, prompt: list[int] | None = None
-) -> float:
-    """Seconds for one HF generate() of ``batch`` copies of the prompt, ignoring EOS."""
-    ids = torch.tensor([prompt or bench.prompt_ids] * batch, device=bench.device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        bench.hf_model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=bench.tokenizer.pad_token_id or 0,
-        )
-    return time.perf_counter() - start
-
-
 # -- 1. the seed workload ------------------------------------------------------------------
 
 
 def seed_workload(bench: Bench, lengths: tuple[int, ...], num_cycles: int, out: Path) -> dict:
     stream = [n for _ in range(num_cycles) for n in lengths]
     useful = sum(stream)
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     records = {}
     for policy in ("static", "dynamic", "continuous"):
         engine = make_engine(bench, policy=policy, max_batch_size=4)
@@ -183,7 +134,8 @@ def poisson_run(bench: Bench, rate: float, lengths: list[int], seed: int, policy
     )
     start = time.perf_counter()
     engine.clock = lambda: time.perf_counter() - start
-    metrics, next_index = [], 0
+    metrics: list[RequestMetrics] = []
+    next_index = 0
     while next_index < len(lengths) or engine.has_unfinished():
         now = engine.clock()
         while next_index < len(lengths) and arrivals[next_index] <= now:
@@ -194,7 +146,7 @@ def poisson_run(bench: Bench, rate: float, lengths: list[int], seed: int, policy
             wait = arrivals[next_index] - now if next_index < len(lengths) else delay
             time.sleep(max(0.0, min(delay, wait)))
             continue
-        metrics.extend(out.metrics for out in engine.step() if out.finished)
+        metrics.extend(out.metrics for out in engine.step() if out.finished and out.metrics)
     duration = engine.clock()
     ttft = [m.time_to_first_token for m in metrics]
     itl = [x for m in metrics for x in m.inter_token_latencies]
@@ -242,35 +194,6 @@ def poisson_workload(bench: Bench, rates: list[float], num: int, high: int, out:
 # -- 3. decode speed -----------------------------------------------------------------------
 
 
-def ours_decode(
-    bench: Bench, batch: int, new_tokens: int, prompt: list[int]
-) -> tuple[float, float]:
-    """Aggregate tokens/s of ``batch`` copies of the prompt: decode only, and prefill included."""
-    engine = make_engine(bench, max_batch_size=batch, max_batched_tokens=batch * len(prompt))
-    for i in range(batch):
-        engine.add_request(f"d{i}", prompt, greedy(new_tokens))
-    start = time.perf_counter()
-    num_tokens = sum(len(out.token_ids) for out in engine.step())  # every prefill, 1st token
-    decode_start = time.perf_counter()
-    while engine.has_unfinished():
-        num_tokens += sum(len(out.token_ids) for out in engine.step())
-    end = time.perf_counter()
-    return (num_tokens - batch) / (end - decode_start), num_tokens / (end - start)
-
-
-def hf_decode_rate(bench: Bench, batch: int, new_tokens: int, prompt: list[int]) -> float:
-    """HF generate()'s decode tokens/s: a long minus a one-token generate (drops prefill)."""
-    first = hf_generate(bench, batch, 1, prompt)
-    full = hf_generate(bench, batch, new_tokens, prompt)
-    return batch * (new_tokens - 1) / max(1e-9, full - first)
-
-
-def decode_prompt(length: int = 128) -> list[int]:
-    """The decode tests' prompt: fixed random token ids (no prefix for a cache to share)."""
-    generator = torch.Generator().manual_seed(0)
-    return torch.randint(100, 40_000, (length,), generator=generator).tolist()
-
-
 def hf_generate_batch(bench: Bench, batch: int, new_tokens: int, prompt: list[int]) -> float:
     """Aggregate tokens/s of transformers' own continuous batching, prefill included."""
     config = GenerationConfig(
@@ -288,7 +211,7 @@ def decode_speed(
     bench: Bench, batches: list[int], new_tokens: int, repeats: int, out: Path
 ) -> list:
     prompt = decode_prompt()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for batch in batches:
         # Best of `repeats` for each side, alternating: a busy moment on a shared machine
         # should not decide the ratio.
@@ -349,7 +272,7 @@ def main() -> None:
         "--decode-repeats", type=int, help="best of N per side (default 2, or 1 with --quick)"
     )
     args = parser.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)
+    line_buffered_stdout()
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -357,7 +280,8 @@ def main() -> None:
     dtype = pick_dtype("auto", device)
     source = resolve_model(args.model)
     model, tokenizer = load_model(source, device, dtype)
-    hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device).eval()
+    # transformers types .to() for a model class, not for the auto class's result.
+    hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     chat = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))

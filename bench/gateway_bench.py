@@ -32,9 +32,9 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from bench.lib.services import RedisServer, free_port, http_ok, wait_until
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from support import RedisServer, free_port, http_ok, wait_until  # noqa: E402
 
 DOUBLE = ROOT / "tests" / "gateway" / "gateway_engine_double.py"
 SLOTSERVE = ROOT / ".venv" / "bin" / "slotserve"

@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import llama_cpp  # type: ignore[import-not-found]
@@ -158,7 +159,7 @@ def main() -> int:
     for num in args.batches:
         rates[f"batch_{num}"], runs[f"batch_{num}"] = median_of(
             args.repeats,
-            lambda num=num: batched_rate(llm.model, prompts[:num], args.new_tokens, args.threads),
+            partial(batched_rate, llm.model, prompts[:num], args.new_tokens, args.threads),
         )
     result = {
         "tokens_per_s": rates,

@@ -20,7 +20,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 
 from slotserve.engine.core.openmp import openmp_environment
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench.lib.output import line_buffered_stdout
 from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.runner import ModelRunner, load_model, pick_device, pick_dtype
@@ -47,7 +47,8 @@ RULES = (
 
 def system_prompt(tokenizer, num_tokens: int) -> list[int]:
     """A deterministic system prompt of exactly ``num_tokens`` tokens (numbered house rules)."""
-    lines, ids = [], []
+    lines: list[str] = []
+    ids: list[int] = []
     while len(ids) < num_tokens:
         index = len(lines)
         lines.append(f"Rule {index + 1}: {RULES[index % len(RULES)]} (section {index // 7 + 1})")
@@ -112,7 +113,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per setting (alternated)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     args = parser.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)
+    line_buffered_stdout()
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)

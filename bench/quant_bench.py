@@ -25,14 +25,20 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from slotserve.engine.core.openmp import openmp_environment
 
 os.environ.update(openmp_environment())  # libgomp reads it when torch loads
 
 import torch
-from engine_bench import Bench, decode_prompt, hf_decode_rate, ours_decode
-from quant_quality import (
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from bench.lib.engine import Bench, decode_prompt, hf_decode_rate, interleaved_step_ms, ours_decode
+from bench.lib.output import line_buffered_stdout
+from bench.lib.quality import (
     DEFAULT_TEXT,
     STEP,
     THRESHOLDS,
@@ -43,11 +49,7 @@ from quant_quality import (
     score,
     text_token_ids,
 )
-from rich.console import Console
-from rich.table import Table
-from step_cost import interleaved_step_ms
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
+from slotserve.contracts.weights import Quantization
 from slotserve.engine.core.kernels import load_kernels
 from slotserve.models.resolve import resolve_model
 from slotserve.settings import CommonSettings
@@ -82,7 +84,7 @@ def weight_bytes(model) -> int:
     the module tree)."""
     tensors = [*model.parameters(), *model.buffers()]
     sizes = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
-    layers: dict[int, object] = {}
+    layers: dict[int, Any] = {}  # quantized layers (each has nbytes())
 
     def quantized(obj: object) -> bool:
         return isinstance(obj, torch.nn.Module) and callable(getattr(obj, "nbytes", None))
@@ -119,7 +121,9 @@ def read_llama_cpp(path: Path) -> dict[int, float]:
     }
 
 
-def load_modes(source: str, modes: list[str], reference, token_ids: list[int], window: int):
+def load_modes(
+    source: str, modes: list[Quantization], reference, token_ids: list[int], window: int
+):
     """Each mode's model, loaded fresh and quantized, with its quality against ``reference``."""
     quantized = any(mode != "none" for mode in modes)
     ref_scores = score(reference, token_ids, window) if quantized else None
@@ -262,9 +266,9 @@ def print_tables(console: Console, runs: list[ModeRun], rows: list[dict], target
             cells.append(cell + (f", x{vs_llama:.2f})" if vs_llama else ")"))
         speed.add_row(*cells)
     console.print(speed)
-    for target in targets:
-        ratio = "no baseline" if target["ratio"] is None else f"x{target['ratio']:.2f}"
-        console.print(f"  {target['target']}: {ratio} {verdict(target['pass'])}")
+    for goal in targets:
+        ratio = "no baseline" if goal["ratio"] is None else f"x{goal['ratio']:.2f}"
+        console.print(f"  {goal['target']}: {ratio} {verdict(goal['pass'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--out", type=Path, default=Path("bench/results/quant_bench.json"))
     args = parser.parse_args(argv)
-    sys.stdout.reconfigure(line_buffering=True)
+    line_buffered_stdout()
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = args.batches or ([1, 4] if args.quick else [1, 4, 8, 32])

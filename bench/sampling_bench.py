@@ -28,6 +28,7 @@ import torch
 
 from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.protocols import Tokenizer
 from slotserve.engine.core.sampling import Sampler
 from slotserve.engine.core.sequence import Sequence
 from slotserve.engine.core.structured import Grammars, json_schema_grammar
@@ -73,7 +74,7 @@ def params_for(name: str, max_tokens: int) -> SamplingParams:
     if extra.pop("grammar_schema", None):
         extra["grammar"] = json_schema_grammar(ITEMS_SCHEMA)
     extra.setdefault("min_tokens", 0)
-    extra["min_tokens"] = min(int(extra["min_tokens"]), max_tokens)  # type: ignore[arg-type]
+    extra["min_tokens"] = min(int(extra["min_tokens"]), max_tokens)  # type: ignore[call-overload]
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)  # type: ignore[arg-type]
 
 
@@ -107,7 +108,7 @@ def engine_step_ms(engine: LLMEngine, batch: int, name: str, steps: int) -> tupl
     """Median milliseconds of a decode step of ``batch`` sequences using ``name``'s params, and
     of the sampler's part of it (timed inside the step, on the model's real logits: on a
     shared machine whole steps vary more than the sampler costs)."""
-    sampler = engine.runner.sampler
+    sampler = engine.runner.sampler  # type: ignore[attr-defined]  # ModelRunner's, not the protocol's
     sample = sampler.sample
     sampler_times: list[float] = []
 
@@ -137,7 +138,7 @@ def engine_step_ms(engine: LLMEngine, batch: int, name: str, steps: int) -> tupl
     return 1000 * statistics.median(times[1:-1]), 1000 * statistics.median(sampler_times[1:-1])
 
 
-def grammar_compile_ms(tokenizer: object) -> dict[str, float]:
+def grammar_compile_ms(tokenizer: Tokenizer) -> dict[str, float]:
     """What a structured request costs before it runs: the one-off tokenizer view, checking a
     new schema, a matcher per sequence."""
     grammars = Grammars(tokenizer)

@@ -16,41 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 from slotserve.engine.core.openmp import openmp_environment
 
 os.environ.update(openmp_environment())  # libgomp reads it when torch loads
 from pathlib import Path
 
-from engine_bench import Bench, decode_prompt, greedy, make_engine
-
+from bench.lib.engine import Bench, interleaved_step_ms
 from slotserve.engine.core.kernels import ISAS, load_kernels
 from slotserve.engine.core.runner import load_model, pick_device, pick_dtype
 from slotserve.models.resolve import resolve_model
 from slotserve.settings import CommonSettings
-
-
-def interleaved_step_ms(bench: Bench, batches: list[int], rounds: int) -> dict[int, float]:
-    """Median ms of a decode-only step at each batch size, the sizes' steps interleaved."""
-    prompt = decode_prompt()
-    engines = {}
-    for batch in batches:
-        engine = make_engine(bench, max_batch_size=batch, max_batched_tokens=batch * len(prompt))
-        for i in range(batch):
-            engine.add_request(f"s{i}", prompt, greedy(rounds + 8))
-        engine.step()  # every prefill
-        engine.step()  # a first decode step (warm caches)
-        engines[batch] = engine
-    times: dict[int, list[float]] = {batch: [] for batch in batches}
-    for _ in range(rounds):
-        for batch, engine in engines.items():
-            start = time.perf_counter()
-            engine.step()
-            times[batch].append(time.perf_counter() - start)
-    return {batch: statistics.median(values) * 1e3 for batch, values in times.items()}
 
 
 def main() -> int:

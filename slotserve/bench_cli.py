@@ -13,7 +13,7 @@ def available() -> list[str]:
     """Benchmark names (script stems) found in bench/."""
     if not BENCH_DIR.is_dir():
         return []
-    # Helper modules (plotting, shared code) sit beside the scripts; only runnable ones count.
+    # The shared library is bench/lib/; a module here counts only if it runs as a script.
     return sorted(
         p.stem
         for p in BENCH_DIR.glob("*.py")
@@ -34,9 +34,11 @@ def main(argv: list[str]) -> int:
         return 2
     script = BENCH_DIR / f"{name}.py"
     sys.argv = [str(script), *rest]
-    # As `python bench/NAME.py` would: the scripts import their helpers from beside them.
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
+    # The scripts import their shared library as the package `bench.lib`, from the checkout's
+    # root (on the path already through the editable install; added for any other install).
+    root = str(BENCH_DIR.parent)
+    if root not in sys.path:
+        sys.path.append(root)
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import quant_bench
+from bench import quant_bench
 
 
 def run_bench(model_dir: Path, tmp_path: Path, *modes: str, batches: str = "1 2") -> dict:

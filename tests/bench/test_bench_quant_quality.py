@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_quality import DEFAULT_TEXT, compare, evaluate, score, text_token_ids, windows
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.lib.quality import DEFAULT_TEXT, compare, evaluate, score, text_token_ids, windows
 
 VOCAB = 1000
 

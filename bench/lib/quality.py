@@ -1,0 +1,153 @@
+"""Teacher-forced quality of a model against a reference on a fixed text: top-1 agreement and
+perplexity (``bench/quant_quality.py`` and ``bench/quant_bench.py`` report them).
+
+A window is fed ``step`` tokens a call, its KV cache carried over: every matrix product has at
+most that many rows, as in a decode step, so a quantized model is measured on the kernels that
+decode runs; and logits over the vocabulary are held for one step at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slotserve.contracts.weights import Quantization
+
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "data" / "quality_text.txt"
+# Issue 16's quality targets: (minimum top-1 agreement, maximum relative perplexity increase).
+THRESHOLDS = {"int8": (0.97, 0.02), "int4": (0.90, 0.08)}
+# Tokens per forward call (the KV cache carries a window across calls): every matrix product
+# sees at most this many rows, as in a decode step of a large batch, so quantized layers run the
+# kernels decode runs (a long prefill may take another route). It also bounds the logits held:
+# 32 x 49,152 fp32 = 6 MB.
+STEP = 32
+
+
+@dataclass
+class Scores:
+    """One model's teacher-forced reading of a text: argmax and NLL at every scored position."""
+
+    argmax: torch.Tensor  # int64 [num_predictions]
+    nll: torch.Tensor  # float64 [num_predictions]
+    num_tokens: int
+    window: int
+    step: int
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll.mean().item())
+
+
+@dataclass
+class QualityResult:
+    num_tokens: int  # tokens of the text
+    num_predictions: int  # positions scored (each window's first token has nothing to predict it)
+    window: int
+    step: int
+    top1_agreement: float
+    reference_perplexity: float
+    candidate_perplexity: float
+    perplexity_increase: float  # candidate / reference - 1
+    reference_seconds: float
+    candidate_seconds: float
+
+    def passes(self, mode: str) -> bool | None:
+        """Whether the issue's thresholds for ``mode`` hold; None when it has none."""
+        if mode not in THRESHOLDS:
+            return None
+        min_agreement, max_increase = THRESHOLDS[mode]
+        return self.top1_agreement >= min_agreement and self.perplexity_increase <= max_increase
+
+
+def text_token_ids(tokenizer, path: Path = DEFAULT_TEXT) -> list[int]:
+    """The text at ``path`` as token ids, without special tokens."""
+    return list(tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False))
+
+
+def effective_window(model, window: int) -> int:
+    limit = getattr(model.config, "max_position_embeddings", None) or window
+    return max(2, min(window, limit))
+
+
+def windows(num_tokens: int, window: int) -> list[tuple[int, int]]:
+    """Non-overlapping [start, end) spans covering the text; a last span of 1 token is dropped."""
+    spans = [(start, min(start + window, num_tokens)) for start in range(0, num_tokens, window)]
+    return [(start, end) for start, end in spans if end - start >= 2]
+
+
+@torch.inference_mode()
+def score(model, token_ids: list[int], window: int = 1024, step: int = STEP) -> Scores:
+    """Teacher-forced argmax and NLL of ``model`` at every position of ``token_ids``."""
+    window = effective_window(model, window)
+    device = next(model.parameters()).device
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    argmax, nll = [], []
+    start_time = time.perf_counter()
+    for start, end in windows(len(token_ids), window):
+        past = None
+        # The window's last token predicts nothing, so it is never fed.
+        for first in range(start, end - 1, step):
+            last = min(first + step, end - 1)
+            out = decoder(input_ids=ids[first:last].unsqueeze(0), past_key_values=past)
+            past = out.past_key_values
+            logits = head(out.last_hidden_state[0]).float()
+            argmax.append(logits.argmax(dim=-1).cpu())
+            log_probs = torch.log_softmax(logits, dim=-1)
+            picked = log_probs.gather(1, ids[first + 1 : last + 1].unsqueeze(1))
+            nll.append(-picked.squeeze(1).double().cpu())
+    seconds = time.perf_counter() - start_time
+    return Scores(torch.cat(argmax), torch.cat(nll), len(token_ids), window, step, seconds)
+
+
+def compare(reference: Scores, candidate: Scores) -> QualityResult:
+    """Agreement and perplexities of two readings of the same tokens."""
+    setup = (reference.num_tokens, reference.window, reference.step)
+    if setup != (candidate.num_tokens, candidate.window, candidate.step):
+        raise ValueError("the two readings scored different tokens, windows or steps")
+    ref_ppl, cand_ppl = reference.perplexity, candidate.perplexity
+    return QualityResult(
+        num_tokens=reference.num_tokens,
+        num_predictions=int(reference.argmax.numel()),
+        window=reference.window,
+        step=reference.step,
+        top1_agreement=(reference.argmax == candidate.argmax).double().mean().item(),
+        reference_perplexity=ref_ppl,
+        candidate_perplexity=cand_ppl,
+        perplexity_increase=cand_ppl / ref_ppl - 1.0,
+        reference_seconds=reference.seconds,
+        candidate_seconds=candidate.seconds,
+    )
+
+
+def evaluate(
+    reference, candidate, token_ids: list[int], window: int = 1024, step: int = STEP
+) -> QualityResult:
+    """Top-1 agreement and perplexities of ``candidate`` against ``reference`` on the tokens."""
+    window = min(effective_window(reference, window), effective_window(candidate, window))
+    return compare(
+        score(reference, token_ids, window, step), score(candidate, token_ids, window, step)
+    )
+
+
+def load_quantized(source: str, mode: Quantization) -> tuple[Any, object | None, float]:
+    """A fresh fp32 CPU copy of ``source``, quantized in place unless ``mode`` is ``none``.
+
+    Returns the model, the QuantizationReport (None for ``none``) and the load+quantize seconds.
+    """
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    report = None
+    if mode != "none":
+        from slotserve.engine.core.quantize import quantize_model
+
+        report = quantize_model(model, mode)
+    return model, report, time.perf_counter() - start
