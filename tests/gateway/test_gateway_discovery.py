@@ -105,3 +105,54 @@ def test_watch_events_delete_and_rename_take_effect_at_once():
     catalog.apply_event("", "ADDED", OLD)
     catalog.apply_event("", "ADDED", NEW)
     assert counted == ["m", "m"]
+
+
+def degraded(obj: dict, reason: str) -> dict:
+    condition = {"type": "Degraded", "status": "True", "reason": reason, "message": "x"}
+    return {**obj, "status": {**obj["status"], "conditions": [condition]}}
+
+
+def owner_of(objects: list[dict], **catalog_options) -> dict[str, tuple[str, ...]]:
+    registry = PoolRegistry()
+    catalog = PoolCatalog(registry, ["a", "b"], **catalog_options)
+    for namespace, slices in SLICES.items():
+        catalog.replace_slices(namespace, slices)
+    for namespace in ("a", "b"):
+        catalog.replace_list(
+            namespace, [o for o in objects if o["metadata"]["namespace"] == namespace]
+        )
+    return served(registry)
+
+
+def test_a_pool_the_operator_refused_owns_no_model_name():
+    # b/old is the oldest, but the operator refused it (its image is not allowed): a/twin, the
+    # oldest accepted pool, serves the name; trouble that is not a refusal keeps the owner.
+    assert owner_of([degraded(OLD, "ImageNotAllowed"), NEW, TWIN]) == {
+        "m": ("http://10.0.0.3:8000",)
+    }
+    assert owner_of([degraded(OLD, "ImageNotAllowed"), degraded(TWIN, "EnvNotAllowed"), NEW]) == {
+        "m": ("http://10.0.0.2:8000",)
+    }
+    assert owner_of([OLD, degraded(TWIN, "Unschedulable"), NEW]) == {"m": ("http://10.0.0.3:8000",)}
+    refused_alone = degraded(OLD, "HostPathNotAllowed")
+    assert owner_of([refused_alone]) == {}
+
+
+def test_model_namespaces_keep_a_name_to_the_namespaces_allowed_for_it():
+    # A tenant's pool in "a" claimed "m" first (a/twin is as old as b/old and sorts first): with
+    # "m" kept to namespace "b", the platform's b/old serves it; other names stay open to all.
+    allowed = (("m", frozenset({"b"})), ("other-*", frozenset({"a"})))
+    assert owner_of([OLD, NEW, TWIN], model_namespaces=allowed) == {"m": ("http://10.0.0.1:8000",)}
+    assert owner_of([NEW, TWIN], model_namespaces=allowed) == {}
+    assert owner_of([NEW], model_namespaces=(("x*", frozenset({"b"})),)) == {
+        "m": ("http://10.0.0.2:8000",)
+    }
+
+
+def test_model_namespaces_setting_parses_globs_and_lists():
+    from slotserve.gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(model_namespaces="llama-*=platform, ml ; smollm2=platform")
+    assert settings.model_namespaces == {"llama-*": ["platform", "ml"], "smollm2": ["platform"]}
+    with pytest.raises(ValueError, match="GLOB=NS1,NS2"):
+        GatewaySettings(model_namespaces="no-equals-sign")

@@ -174,7 +174,10 @@ async def pools_ctx(app: web.Application) -> AsyncIterator[None]:
     if settings.discovery == "kubernetes":
         sources = settings.namespaces or [""]  # "": every namespace
         conflicts = app[METRICS].pool_conflicts
-        catalog = PoolCatalog(registry, sources, lambda model: conflicts.labels(model).inc())
+        allowed = tuple((glob, frozenset(ns)) for glob, ns in settings.model_namespaces.items())
+        catalog = PoolCatalog(
+            registry, sources, lambda model: conflicts.labels(model).inc(), allowed
+        )
         start_kubernetes_watch(catalog, sources, asyncio.get_running_loop())
     elif settings.config is not None:
         registry.replace(load_pools(settings.config))

@@ -29,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--discovery", choices=["file", "kubernetes"], default=None)
     p.add_argument("--namespaces", default=None, help="comma list (kubernetes discovery)")
     p.add_argument(
+        "--model-namespaces",
+        default=None,
+        help="which namespaces may serve which model names: 'llama-*=platform,ml;smollm2=platform'",
+    )
+    p.add_argument(
         "--api-keys-file", default=None, help="one API key per line, reloaded when it changes"
     )
     p.add_argument(

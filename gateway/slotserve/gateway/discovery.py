@@ -7,6 +7,12 @@ the pool's Service (same name and namespace), so only pods that the Service sele
 ready get traffic. ``status.endpoints`` is information for people and is never routed to: anyone
 allowed to patch ``inferencepools/status`` could otherwise steer prompts anywhere.
 
+Who may own a model name: only a pool the operator has not refused (a ``Degraded`` condition whose
+reason ends in ``NotAllowed``: an image, env, host path... its policy forbids), and, with
+``model_namespaces`` set, only a pool in a namespace allowed for that name (so a tenant cannot
+claim a name the platform has not deployed yet and receive its prompts once it does). Pools that
+may not own their name are ignored, with a warning.
+
 The pure part: ``pool_from_inference_pool``, ``rank_claims`` (when several pools claim one model
 name, the oldest wins, then namespace/name) and ``PoolCatalog`` (full lists and watch events of
 both kinds in, the registry out). The I/O part lists, then watches from the list's
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fnmatch
 import json
 import logging
 import os
@@ -81,6 +88,31 @@ def cold_start_seconds(obj: dict[str, Any]) -> float | None:
     return float(value)
 
 
+def refusal(obj: dict[str, Any]) -> str:
+    """The operator's refusal of this pool (its Degraded reason, e.g. ``ImageNotAllowed``), or
+    "" when it has not refused it. Only policy refusals count: a pod that crashes or cannot be
+    scheduled is trouble, not a refusal, and must not move a model name between pools."""
+    for condition in (obj.get("status") or {}).get("conditions") or []:
+        if not isinstance(condition, dict) or condition.get("type") != "Degraded":
+            continue
+        reason = condition.get("reason")
+        if condition.get("status") == "True" and isinstance(reason, str):
+            return reason if reason.endswith("NotAllowed") else ""
+    return ""
+
+
+ModelNamespaces = tuple[tuple[str, frozenset[str]], ...]  # (model name glob, namespaces)
+
+
+def namespace_allowed(model: str, namespace: str, allowed: ModelNamespaces) -> bool:
+    """Whether a pool in ``namespace`` may serve ``model``: the first entry whose glob matches
+    the name decides; a name no entry matches may be served from any namespace."""
+    for pattern, namespaces in allowed:
+        if fnmatch.fnmatchcase(model, pattern):
+            return namespace in namespaces
+    return True
+
+
 @dataclass(frozen=True)
 class Claim:
     """One InferencePool's claim on a model name."""
@@ -88,6 +120,11 @@ class Claim:
     key: str  # "namespace/name"
     created: str  # metadata.creationTimestamp: RFC 3339 in UTC, so text order is time order
     pool: Pool
+    refused: str = ""  # the operator's refusal reason ("": accepted)
+
+    @property
+    def namespace(self) -> str:
+        return self.key.partition("/")[0]
 
     @property
     def rank(self) -> tuple[str, str]:
@@ -106,7 +143,7 @@ def claim_from(obj: dict[str, Any]) -> Claim:
     created = meta.get("creationTimestamp")
     if not isinstance(created, str) or not created:
         raise InvalidPoolObjectError("metadata.creationTimestamp is missing")
-    return Claim(object_key(obj), created, pool_from_inference_pool(obj))
+    return Claim(object_key(obj), created, pool_from_inference_pool(obj), refusal(obj))
 
 
 def rank_claims(claims: Iterable[Claim]) -> dict[str, list[Claim]]:
@@ -134,8 +171,11 @@ class PoolCatalog:
         registry: PoolRegistry,
         sources: Iterable[str],
         on_conflict: Callable[[str], None] = lambda model: None,
+        model_namespaces: ModelNamespaces = (),
     ) -> None:
         self.registry = registry
+        self.model_namespaces = model_namespaces
+        self._ignored: set[tuple[str, str]] = set()  # (key, why) already logged
         self.claims: dict[str, dict[str, Claim]] = {source: {} for source in sources}
         self.endpoints = EndpointIndex()
         self.listed: set[tuple[str, str]] = set()  # (POOLS or SLICES, source) listed once
@@ -179,8 +219,21 @@ class PoolCatalog:
         if self.listed >= everything:
             self.registry.mark_synced()
 
+    def _may_own(self, claim: Claim) -> bool:
+        model = claim.pool.model
+        why = ""
+        if claim.refused:
+            why = f"the operator refused it ({claim.refused})"
+        elif not namespace_allowed(model, claim.namespace, self.model_namespaces):
+            why = f"namespace {claim.namespace!r} may not serve model {model!r} (model_namespaces)"
+        if why and (claim.key, why) not in self._ignored:
+            self._ignored.add((claim.key, why))
+            log.warning("InferencePool %s is ignored: %s", claim.key, why)
+        return not why
+
     def _publish(self) -> None:
-        ranked = rank_claims(claim for claims in self.claims.values() for claim in claims.values())
+        claims = (claim for claims in self.claims.values() for claim in claims.values())
+        ranked = rank_claims(claim for claim in claims if self._may_own(claim))
         # The pool's Service has the pool's own name and namespace (slotserve/operator/builders.py).
         self.registry.replace(
             dataclasses.replace(owner.pool, endpoints=self.endpoints.endpoints_for(owner.key))

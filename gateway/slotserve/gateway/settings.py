@@ -24,6 +24,12 @@ class GatewaySettings(BaseSettings):
     namespaces: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Namespaces to watch (comma list); empty = all."
     )
+    model_namespaces: Annotated[dict[str, list[str]], NoDecode] = Field(
+        default_factory=dict,
+        description="Which namespaces' pools may serve which model names (kubernetes "
+        "discovery): 'llama-*=platform,ml;smollm2=platform' (a glob, then namespaces; the "
+        "first matching glob decides; a name none matches: any namespace).",
+    )
     api_keys_file: Path | None = Field(
         None,
         description="File with one API key per line (reloaded when it changes); unset = no "
@@ -119,6 +125,19 @@ class GatewaySettings(BaseSettings):
         if self.metrics_require_api_key and self.api_keys_file is None:
             raise ValueError("metrics_require_api_key needs api_keys_file")
         return self
+
+    @field_validator("model_namespaces", mode="before")
+    @classmethod
+    def _parse_model_namespaces(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        parsed: dict[str, list[str]] = {}
+        for entry in filter(None, (part.strip() for part in value.split(";"))):
+            pattern, sep, namespaces = entry.partition("=")
+            if not sep or not pattern.strip():
+                raise ValueError(f"model_namespaces entry {entry!r} is not GLOB=NS1,NS2")
+            parsed[pattern.strip()] = [ns.strip() for ns in namespaces.split(",") if ns.strip()]
+        return parsed
 
     @field_validator("namespaces", mode="before")
     @classmethod
