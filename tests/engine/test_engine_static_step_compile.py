@@ -91,12 +91,31 @@ def test_every_bucket_compiles_whole_and_never_again(sharp_model_dir):
     assert static.stats.num_steps >= 200, static.stats.num_steps
     used = {(rows, full) for rows, _span, full in static.stats.steps_per_bucket}
     assert used == {(rows, full) for rows in (1, 2, 4) for full in (False, True)}
-    assert static.stats.num_compiles == 6
+    assert static.stats.num_compiles == 6 and static.stats.num_compile_failures == 0
     assert counters["stats"]["unique_graphs"] == 0
     assert not counters["graph_break"] and not counters["recompiles"]
     # The eager step (no dynamo at all) gives the same tokens.
     eager = make_engine(sharp_model_dir, max_batch_size=4, max_model_len=256, decode_step="static")
     assert workload(eager) == tokens
+
+
+def test_a_compile_during_traffic_leaves_live_rows_alone(sharp_model_dir):
+    """Without warm-up, buckets compile while sequences hold slots: the compiling calls run
+    on padding rows, so the tokens (penalty counts included) are the eager step's."""
+    engine = compiled_engine(sharp_model_dir, max_batch_size=2, backend="eager")
+    eager = make_engine(sharp_model_dir, max_batch_size=2, max_model_len=256, decode_step="static")
+    prompts = [[5, 900, 31_000, 77], [12, 4_000, 8]]
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, repetition_penalty=1.5, frequency_penalty=1.0
+    )
+    outputs = []
+    for each in (engine, eager):
+        seqs = [each.add_request(f"t{i}", p, params) for i, p in enumerate(prompts)]
+        while each.has_unfinished():
+            each.step()
+        outputs.append([seq.generated_token_ids for seq in seqs])
+    assert engine.runner.static.stats.num_compiles >= 1
+    assert outputs[0] == outputs[1]
 
 
 def test_inductor_compiled_step_equals_generate(sharp_model_dir):

@@ -66,6 +66,7 @@ StepKey = tuple[int, int, bool]  # (rows bucket, kv bucket, full sampling)
 class StaticStats:
     num_compiles: int = 0  # graphs compiled (warm-up included); CUDA graphs recorded with them
     compile_seconds: float = 0.0
+    num_compile_failures: int = 0  # those buckets run eagerly (logged)
     warm_up_seconds: float = 0.0
     num_steps: int = 0
     steps_per_bucket: dict[StepKey, int] = field(default_factory=dict)
@@ -183,9 +184,21 @@ class StaticDecoder:
             return compiled()
 
         start = time.perf_counter()
-        run()  # compiles (and on CUDA warms, then records the graph on a later call)
-        if self.device.type == "cuda":
-            run()
+        # The compiling calls run the step: on padding rows only, which write the scratch slot
+        # (whatever the block held last would write those rows' keys and counts again).
+        buffers.stage({TOKEN: []}, {}, self.scratch_slot)
+        self.transfers.to_device(buffers.host_block, buffers.device_block)
+        try:
+            run()  # compiles (and on CUDA warms, then records the graph on a later call)
+            if self.device.type == "cuda":
+                run()
+        except Exception:  # a compiler fault must not take the engine down: run it eagerly
+            logger.exception(
+                "compiling the static decode step for %d rows failed; it runs eagerly", rows
+            )
+            self.stats.num_compile_failures += 1
+            self._steps[key] = eager
+            return eager
         self.stats.num_compiles += 1
         self.stats.compile_seconds += time.perf_counter() - start
         logger.info(
@@ -207,10 +220,11 @@ class StaticDecoder:
         span = self.kv_buckets[0]
         for mode in (False, True) if full else (False,):
             for rows in self.row_buckets:
+                step = self._step((rows, span, mode))  # compiling stages padding rows
                 buffers = self.buffers[rows]
                 buffers.stage({TOKEN: []}, {}, self.scratch_slot)
                 self.transfers.to_device(buffers.host_block, buffers.device_block)
-                self.transfers.to_host(self._step((rows, span, mode))())
+                self.transfers.to_host(step())
         self.stats.warm_up_seconds += time.perf_counter() - start
 
     def span_for(self, num_positions: int) -> int:
@@ -255,12 +269,12 @@ class StaticDecoder:
             floats[REPETITION].append(params.repetition_penalty)
             floats[FREQUENCY].append(params.frequency_penalty)
             floats[PRESENCE].append(params.presence_penalty)
+        key = (rows, span, full)
+        step = self._step(key)  # first, as a compile runs the step on padding rows
         if full:
             self.penalties.prepare(seqs, positions, self.transfers)
         buffers = self.buffers[rows]
         buffers.stage(ints, floats, self.scratch_slot)
-        key = (rows, span, full)
-        step = self._step(key)
         self.transfers.to_device(buffers.host_block, buffers.device_block)
         result = self.transfers.to_host(step())
         self.stats.num_steps += 1
