@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 import transformers
-from engine_bench import Bench, hf_generate
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
+from bench.lib.engine import Bench, hf_generate
 from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.runner import ModelRunner, ModelShape

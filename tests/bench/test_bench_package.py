@@ -15,9 +15,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
-# Not benchmarks of this package: being reworked by issue 30 (imports engine_bench by bare name
-# until its import line becomes `from bench.lib.engine import Bench, hf_generate`).
-NOT_YET = {"gpu_decode_bench"}
 
 
 def scripts() -> list[Path]:
@@ -70,8 +67,6 @@ def test_the_package_and_its_library_exist() -> None:
     ids=lambda path: str(path.relative_to(BENCH)),
 )
 def test_no_script_imports_another_script_or_the_tests(path: Path) -> None:
-    if path.stem in NOT_YET:
-        pytest.skip(f"{path.name}: owned by issue 30 while it is reworked")
     script_names = {script.stem for script in scripts()}
     bad = [name for name in imported_modules(path) if forbidden(name, script_names)]
     assert bad == [], f"{path.name} imports scripts or test helpers: {bad}"
