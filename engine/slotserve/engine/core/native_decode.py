@@ -7,10 +7,18 @@ runs every layer in C on the weights the linear setup already prepared (fp32, in
 :class:`NativeLinear` layers), writes keys and values into the runner's slot cache and returns
 the final-normed hidden states; the runner's output layer and sampler take it from there.
 
+Prefill chunks run through the same call (issue 24, item 1): a chunk is one row per token,
+every row of a sequence at its own position in the sequence's slot. The C code writes all rows'
+keys and values into the cache before any row attends, and row i attends to its slot's cache up
+to its own position, so attention within a chunk is causal over the slot's earlier positions (a
+previous chunk, a prefix-cache copy) and the chunk's own. Decode rows and prefill chunks mix
+freely in one call; every row's final-normed hidden state comes back (the prompt-logprobs hook
+reads them as it reads the transformers path's).
+
 Only models whose layers are exactly what the C code computes get it (:func:`native_step`):
 Llama, Mistral and Qwen2 decoder layers with SiLU, RMSNorm, fused q/k/v and gate/up on native
-layers. Anything else (Qwen3's q/k norms, Gemma's scaled norms, ...), and every step with a
-prefill chunk, runs through transformers as before.
+layers. Anything else (Qwen3's q/k norms, Gemma's scaled norms, ...) runs through transformers
+as before, and so does a decode-only step wider than the native layers' row limit.
 """
 
 from __future__ import annotations
@@ -186,6 +194,8 @@ class NativeDecodeStep:
             layers=layers,
         )
         self._layers = layers  # the struct points into it
+        # Steps with prefill chunks run here too (False: through transformers, as before).
+        self.prefill = True
         # The cache rows the C code writes: [slots, kv_heads, max_len, head_dim] per layer.
         self.num_slots = k_cache[0].shape[0]
         if tuple(k_cache[0].shape[1:]) != (kv_heads, self.struct.max_len, head_dim):
@@ -197,17 +207,30 @@ class NativeDecodeStep:
         calibration may change while the engine runs)."""
         return min(linear.max_native_rows for linear in self._linears)
 
+    def takes(self, num_tokens: list[int]) -> bool:
+        """Whether a step of chunks of these sizes runs here: a decode-only step up to
+        :attr:`max_rows` rows (wider ones are faster on aten's products), any step with a
+        prefill chunk when :attr:`prefill` is on (its products are compute-bound: the native
+        panels, AVX-512 where present, against the transformers path's fp32 GEMMs plus its
+        per-op work)."""
+        if all(n == 1 for n in num_tokens):
+            return len(num_tokens) <= self.max_rows
+        return self.prefill
+
     def __call__(
         self, token_ids: list[int], positions: list[int], slots: list[int]
     ) -> torch.Tensor:
         """The final-normed hidden states [rows, hidden] of one token per row, each at its
-        position in its slot's cache row (distinct slots, positions below max_len)."""
+        position in its slot's cache row (positions below max_len, no (slot, position) twice).
+        Rows of one slot are a prefill chunk: each attends to the positions before its own,
+        those of earlier steps and of this one's rows alike."""
         if not (0 <= min(slots) <= max(slots) < self.num_slots) or not (
             0 <= min(positions) <= max(positions) < self.struct.max_len
         ):
             raise ValueError("a slot or position outside the cache")
-        if len(set(slots)) != len(slots):
-            raise ValueError("two rows of one step in the same slot")
+        decode = len(set(slots)) == len(slots)
+        if not decode and len(set(zip(slots, positions, strict=True))) != len(slots):
+            raise ValueError("two rows of one step at the same slot and position")
         started = time.perf_counter()
         ids = torch.tensor(token_ids)
         positions_t = torch.tensor(positions)
@@ -221,7 +244,7 @@ class NativeDecodeStep:
             torch.tensor(slots),
             positions_t,
         )
-        if self.observe is not None:
+        if self.observe is not None and decode:  # the watch compares decode steps only
             self.observe(len(token_ids), time.perf_counter() - started)
         return hidden
 

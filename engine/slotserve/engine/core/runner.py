@@ -301,10 +301,9 @@ class ModelRunner:
         return samples
 
     def _natively(self, chunks: Seq[ScheduledChunk]) -> bool:
-        return (
-            self.native_step is not None
-            and len(chunks) <= self.native_step.max_rows
-            and all(chunk.num_tokens == 1 for chunk in chunks)
+        # Decode rows and prefill chunks alike (native_decode.NativeDecodeStep.takes decides).
+        return self.native_step is not None and self.native_step.takes(
+            [chunk.num_tokens for chunk in chunks]
         )
 
     def _transformers_forward(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
@@ -319,15 +318,19 @@ class ModelRunner:
 
     def _native_decode(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         assert self.native_step is not None
-        token_ids, positions, slots, sample_index = [], [], [], []
-        for index, chunk in enumerate(chunks):
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_index: list[int] = []
+        for chunk in chunks:
             if chunk.seq.slot is None:
                 raise RuntimeError(f"sequence {chunk.seq.request_id} is scheduled without a slot")
-            token_ids.append(chunk.seq.token_ids[chunk.start])
-            positions.append(chunk.start)
-            slots.append(chunk.seq.slot)
+            end = chunk.start + chunk.num_tokens  # a prefill chunk: one row per token
+            token_ids.extend(chunk.seq.token_ids[chunk.start : end])
+            positions.extend(range(chunk.start, end))
+            slots.extend([chunk.seq.slot] * chunk.num_tokens)
             if chunk.samples:
-                sample_index.append(index)
+                sample_index.append(len(token_ids) - 1)
         # The torch path of a later step may read these rows up to its longest decode.
         self._ensure_finite(max(slots) + 1, max(positions) + 1)
         return self.native_step(token_ids, positions, slots), sample_index

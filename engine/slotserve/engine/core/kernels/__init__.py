@@ -124,6 +124,9 @@ class NativeKernels:
             ptr,
         ]
         lib.slotserve_decode_attention.restype = c_int
+        lib.slotserve_attend.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr]
+        lib.slotserve_attend.argtypes += [ctypes.c_float, ptr, c_int, ptr]
+        lib.slotserve_attend.restype = c_int
         lib.slotserve_llama_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, c_int, ptr]
         lib.slotserve_llama_step.restype = c_int
         lib.slotserve_kernel_set_isa.argtypes = [c_int]
@@ -300,6 +303,57 @@ class NativeKernels:
             group,
             d,
             max_len,
+            lens.data_ptr(),
+            scale,
+            out.data_ptr(),
+            _threads(),
+        )
+        return out
+
+    def slot_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """:meth:`decode_attention` with row r reading cache row ``slots[r]`` (int64 [rows]):
+        what the native step runs, where the rows of a prefill chunk share one slot and row r
+        attends to positions [0, lens[r]) (its own included: causal within the chunk)."""
+        rows, kv_heads, group, d = q.shape
+        if (
+            slots.dtype != torch.int64
+            or slots.shape != (rows,)
+            or not slots.is_contiguous()
+            or (rows and not 0 <= int(slots.min()) <= int(slots.max()) < k_cache.shape[0])
+        ):
+            raise ValueError("slot_attention: slots must be int64 [rows] inside the cache")
+        # The other checks are decode_attention's (a cache of at least one slot per row aside).
+        if (
+            q.dtype != torch.float32
+            or k_cache.dtype != torch.float32
+            or v_cache.shape != k_cache.shape
+            or v_cache.dtype != torch.float32
+            or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+            or tuple(k_cache.shape[1::2]) != (kv_heads, d)
+            or lens.dtype != torch.int64
+            or lens.shape != (rows,)
+        ):
+            raise ValueError("slot_attention: tensors of the wrong shape, layout or dtype")
+        out = torch.empty_like(q)
+        self._run(
+            self._lib.slotserve_attend,
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            rows,
+            slots.data_ptr(),
+            kv_heads,
+            group,
+            d,
+            k_cache.shape[2],
             lens.data_ptr(),
             scale,
             out.data_ptr(),
