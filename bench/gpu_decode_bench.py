@@ -42,7 +42,7 @@ from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.runner import ModelRunner, ModelShape
 from slotserve.engine.settings import EngineSettings
 
-CONFIGS: dict[str, dict[str, int]] = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "llama-1b": {
         "hidden_size": 2048,
         "num_hidden_layers": 16,
@@ -111,7 +111,7 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(shape: dict[str, int], device: torch.device, dtype: torch.dtype) -> Any:
+def build_model(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
     config = LlamaConfig(
         **shape,
         max_position_embeddings=2048,
@@ -147,7 +147,9 @@ def hf_tokens(bench: Bench, new_tokens: int, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def ours_engine(bench: Bench, batch: int, prompt_len: int, decode_step: str) -> LLMEngine:
+def ours_engine(
+    bench: Bench, batch: int, prompt_len: int, decode_step: str
+) -> tuple[LLMEngine, ModelRunner]:
     """One engine per batch and side, reused across its runs: a compiled step is compiled for
     this runner's buffers once, on the warm-up run (the runner's own warm-up of every bucket is
     skipped: a benchmark at one batch size uses one bucket)."""
@@ -166,22 +168,25 @@ def ours_engine(bench: Bench, batch: int, prompt_len: int, decode_step: str) -> 
         decode_step=decode_step,  # type: ignore[arg-type]
         static_warm_up=False,
     )
-    return LLMEngine(
+    engine = LLMEngine(
         settings, runner, bench.tokenizer, kv_cache_tokens=batch * 1024, model_name="bench"
     )
+    return engine, runner
 
 
-def ours_run(engine: LLMEngine, batch: int, new_tokens: int, prompt: list[int]) -> tuple:
+def ours_run(
+    engine: LLMEngine, device: torch.device, batch: int, new_tokens: int, prompt: list[int]
+) -> tuple[float, list[int]]:
     """Decode tokens/s of ``batch`` copies (prefill excluded) and the first copy's tokens."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     seqs = [engine.add_request(f"g{i}", prompt, params) for i in range(batch)]
     engine.step()  # every prefill and first token
-    synchronize(engine.runner.device)
+    synchronize(device)
     start = time.perf_counter()
     num_tokens = 0
     while engine.has_unfinished():
         num_tokens += sum(len(out.token_ids) for out in engine.step())
-    synchronize(engine.runner.device)
+    synchronize(device)
     return num_tokens / (time.perf_counter() - start), seqs[0].generated_token_ids
 
 
@@ -217,18 +222,19 @@ def measure_ours(bench: Bench, row: dict, key: str, step: str, args: argparse.Na
     batch, prompt_ids = row["batch"], bench.prompt_ids
     tokens: list[int] = []
     try:
-        engine = ours_engine(bench, batch, len(prompt_ids), step)
-        ours_run(engine, batch, 4, prompt_ids)  # warm-up: compiles this batch's bucket
+        engine, runner = ours_engine(bench, batch, len(prompt_ids), step)
+        ours_run(engine, bench.device, batch, 4, prompt_ids)  # warm-up: compiles the bucket
         rates = []
         for _ in range(args.repeats):
-            rate, tokens = ours_run(engine, batch, args.new_tokens, prompt_ids)
+            rate, tokens = ours_run(engine, bench.device, batch, args.new_tokens, prompt_ids)
             rates.append(rate)
         row[f"{key}_tok_s"] = max(rates)
         row[f"{key}_ms_per_step"] = 1e3 * batch / row[f"{key}_tok_s"]
-        static = engine.runner.static
+        static = runner.static
         if static is not None:
             row[f"{key}_compiles"] = static.stats.num_compiles
             row[f"{key}_compile_s"] = static.stats.compile_seconds
+            row[f"{key}_compile_failures"] = static.stats.num_compile_failures
     except Exception as error:
         traceback.print_exc()
         row[f"{key}_error"] = f"{type(error).__name__}: {error}"
