@@ -203,6 +203,7 @@ class ModelRunner:
         eos_ids = frozenset(eos_token_ids(model, None))
         self.sampler = Sampler(num_slots, self.shape.vocab_size, self.device, eos_ids)
         self.static: StaticDecoder | None = None
+        self.num_split_steps = 0  # steps whose decodes ran static beside a classic forward
         if static:
             self.static = StaticDecoder(
                 model,
@@ -253,8 +254,16 @@ class ModelRunner:
         self.last_logprobs = []
         if not chunks:
             return []
-        if self._statically(chunks):
-            return self._static_decode(chunks)
+        if self.static is not None:
+            decodes = [chunk for chunk in chunks if self._static_row(chunk)]
+            if len(decodes) == len(chunks):
+                return self._static_decode(chunks)
+            if decodes:
+                return self._split(chunks, decodes)
+        return self._classic(chunks)
+
+    def _classic(self, chunks: Seq[ScheduledChunk]) -> list[int | SequenceError]:
+        """One forward of every chunk (native step or transformers), the eager sampler."""
         if self._natively(chunks):
             hidden, sample_index = self._native_decode(chunks)
         else:
@@ -275,14 +284,38 @@ class ModelRunner:
                 self._num_finite[chunk.seq.slot] = 0
         return samples
 
-    def _statically(self, chunks: Seq[ScheduledChunk]) -> bool:
-        return self.static is not None and all(
+    @staticmethod
+    def _static_row(chunk: ScheduledChunk) -> bool:
+        return (
             chunk.num_tokens == 1
             and chunk.samples
             and chunk.seq.prompt_logprobs is None
             and serves(chunk.seq)
-            for chunk in chunks
         )
+
+    def _split(
+        self, chunks: Seq[ScheduledChunk], decodes: list[ScheduledChunk]
+    ) -> list[int | SequenceError]:
+        """A step that mixes prefill chunks (or rows the device sampler does not serve) with
+        static decode rows: the others run the classic way, the decodes through the static
+        step (different slots: neither reads what the other writes); results in chunk order."""
+        self.num_split_steps += 1
+        static_ids = {id(chunk) for chunk in decodes}
+        others = [chunk for chunk in chunks if id(chunk) not in static_ids]
+        other_samples = iter(self._classic(others))
+        other_logprobs = iter(self.last_logprobs or [None] * len(others))
+        static_samples = iter(self._static_decode(decodes))
+        static_logprobs = iter(self.last_logprobs)
+        samples: list[int | SequenceError] = []
+        logprobs: list[SampledLogprobs | None] = []
+        for chunk in chunks:
+            if not chunk.samples:
+                continue
+            static = id(chunk) in static_ids
+            samples.append(next(static_samples if static else other_samples))
+            logprobs.append(next(static_logprobs if static else other_logprobs))
+        self.last_logprobs = logprobs
+        return samples
 
     def _static_decode(self, chunks: Seq[ScheduledChunk]) -> list[int | SequenceError]:
         assert self.static is not None
