@@ -14,7 +14,8 @@
 # built from PyPI: torch==2.13.0 (the CUDA build PyPI serves for Linux) and the project
 # (pip install ./ ./engine, which pins it). Without PyPI it falls back to the machine's python3
 # if that imports torch, transformers and tokenizers, installing the rest from .whl/ (made by
-# --fetch-wheels where there is network; the device tool carries it). Results go to $OUT (the
+# --fetch-wheels where there is network; the device tool carries it), or from PyPI when only
+# the venv could not be made (no venv module). Results go to $OUT (the
 # device tool's folder that comes back) or bench/results/: gpu_check.json and gpu_check.log.
 #
 # Environment: PYTHON, GPU_CHECK_VENV, GPU_CHECK_TIMEOUT (seconds for the benchmark, default
@@ -96,14 +97,21 @@ print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))'
 echo "gpu_check: $(head -n 1 <<<"$preflight")"
 missing=$(tail -n +2 <<<"$preflight")
 if [[ -n $missing ]]; then
-    if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
-        echo "gpu_check: $PY lacks $missing; run 'bench/gpu_check.sh --fetch-wheels' where there" \
-            "is network, and carry $WHEELS along"
-        exit 2
-    fi
     site=$(mktemp -d /tmp/gpu-check-site.XXXXXX)
-    "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
-        --target "$site" "$WHEELS"/*.whl || { echo "gpu_check: installing $WHEELS failed"; exit 2; }
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+        "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+            --target "$site" "$WHEELS"/*.whl || { echo "gpu_check: installing $WHEELS failed"; exit 2; }
+    else
+        # The pins of the root pyproject.toml, from PyPI if it answers.
+        pins=$(grep -oE '"pydantic(-settings)?==[^"]+"' pyproject.toml | tr -d '"')
+        # shellcheck disable=SC2086  # one argument per pin
+        "$PY" -m pip install --quiet --disable-pip-version-check --timeout 30 --target "$site" \
+            $pins >/dev/null 2>&1 || {
+            echo "gpu_check: $PY lacks $missing and PyPI did not answer; run" \
+                "'bench/gpu_check.sh --fetch-wheels' where there is network, and carry $WHEELS along"
+            exit 2
+        }
+    fi
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # `slotserve` is a namespace package spread over the repo root and engine/: this checkout's
