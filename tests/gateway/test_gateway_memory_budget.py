@@ -157,4 +157,5 @@ async def test_a_body_that_does_not_arrive_is_408(gw):
     assert b" 408 " in status and time.monotonic() - started < 3
     rest = await asyncio.wait_for(reader.read(4096), 5)
     assert b'"code": "body_timeout"' in rest
+    assert b'"type": "invalid_request_error"' in rest
     writer.close()

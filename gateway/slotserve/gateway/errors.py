@@ -12,6 +12,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",
