@@ -155,3 +155,12 @@ async def test_entries_that_do_not_parse_are_dropped_and_counted(redis_server):
         assert r.hgetall(f"{key}:inflight") == {}
     finally:
         await cluster.close()
+
+
+def test_the_gateways_n_bound_is_the_engines():
+    """The gateway image does not ship the engine, so it keeps its own copy of the engine's
+    bound on ``n``; they must agree."""
+    from slotserve.engine.http.choices import MAX_CHOICES as ENGINE_MAX_CHOICES
+    from slotserve.gateway.completions import MAX_CHOICES
+
+    assert MAX_CHOICES == ENGINE_MAX_CHOICES
