@@ -12,3 +12,7 @@ PRIORITY_HEADER = "x-slotserve-priority"
 DEADLINE_MS_HEADER = "x-slotserve-deadline-ms"
 # Gateway -> client: how long the request waited for its slot, in milliseconds.
 QUEUE_WAIT_MS_HEADER = "x-slotserve-queue-wait-ms"
+# Gateway -> engine: the request's tenant, mixed into the engine's prefix-cache match so that one
+# tenant's cached prompts never shorten another's time to first token. The gateway always sets it
+# (a client's own value is never forwarded); an engine combines it with a body's ``cache_salt``.
+CACHE_SALT_HEADER = "x-slotserve-cache-salt"

@@ -5,7 +5,9 @@ digests), so neither the comparison's time nor its early exit on unequal lengths
 about a key's length or content.
 
 A line is a key, optionally followed by the priority levels it may ask for:
-``sk-batch-team  levels=5-9`` (or ``levels=3``); a key without ``levels=`` may ask for any.
+``sk-batch-team  levels=5-9`` (or ``levels=3``); a key without ``levels=`` may ask for any. It may
+also name its tenant and the tenant's weight and limits (``tenant=team-a weight=2 rpm=600``,
+``tenants.py``); a key without ``tenant=`` belongs to the tenant ``default``.
 
 In Kubernetes the file is a mounted Secret. The kubelet updates it in place by writing a new
 timestamped folder and swapping a ``..data`` symlink to it, so the path's own mtime never
@@ -24,6 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slotserve.contracts.pool_spec import MAX_PRIORITY_LEVELS
+from slotserve.gateway.tenants import (
+    DEFAULT,
+    DEFAULT_TENANT,
+    LIMIT_OPTIONS,
+    Tenant,
+    TenantBook,
+    TenantError,
+    check_tenant_name,
+    parse_limit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +52,7 @@ class ApiKeysError(Exception):
 class ApiKey:
     secret: str = field(repr=False)  # never in a log line
     levels: range  # the priority levels this key may ask for
+    tenant: str = DEFAULT_TENANT
 
     @property
     def digest(self) -> bytes:
@@ -61,28 +74,53 @@ def _parse_levels(value: str, where: str) -> range:
     return levels
 
 
+KEY_OPTIONS = ("levels", "tenant", *LIMIT_OPTIONS)
+
+
+def _parse_line(options: list[str], where: str, book: TenantBook) -> tuple[range, str]:
+    levels, tenant, limits = ALL_LEVELS, DEFAULT_TENANT, {}
+    try:
+        for option in options:
+            name, _, value = option.partition("=")
+            if name == "levels":
+                levels = _parse_levels(value, where)
+            elif name == "tenant":
+                tenant = check_tenant_name(value)
+            elif name in LIMIT_OPTIONS:
+                field_name, number = parse_limit(name, value)
+                limits[field_name] = number
+            else:
+                raise ApiKeysError(f"{where}: unknown option (only {'=, '.join(KEY_OPTIONS)}=)")
+        book.add(tenant, limits)
+    except TenantError as exc:
+        raise ApiKeysError(f"{where}: {exc}") from None
+    return levels, tenant
+
+
 def parse_api_keys(text: str, source: str) -> tuple[ApiKey, ...]:
-    """One key per line, optionally with ``levels=LOW-HIGH``; blank lines and lines starting
-    with # are ignored. Messages name the line, never the key.
+    """The keys of a keys file (``parse_keys_file`` without the tenants)."""
+    return parse_keys_file(text, source)[0]
+
+
+def parse_keys_file(text: str, source: str) -> tuple[tuple[ApiKey, ...], dict[str, Tenant]]:
+    """One key per line, optionally with ``levels=LOW-HIGH`` and tenant options; blank lines
+    and lines starting with # are ignored. Messages name the line, never the key. Returns the
+    keys and the tenants they declare (``default`` always among them).
 
     A file without any key is an error, not "authentication off": an empty Secret is almost
     always a mistake, and failing open would let anyone in.
     """
     keys = []
+    book = TenantBook()
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         secret, *options = line.split()
-        levels = ALL_LEVELS
-        for option in options:
-            name, _, value = option.partition("=")
-            if name != "levels":
-                raise ApiKeysError(f"{source} line {number}: unknown option (only levels=)")
-            levels = _parse_levels(value, f"{source} line {number}")
-        keys.append(ApiKey(secret, levels))
+        levels, tenant = _parse_line(options, f"{source} line {number}", book)
+        keys.append(ApiKey(secret, levels, tenant))
     if not keys:
         raise ApiKeysError(f"API keys file {source} holds no key (empty or only comments)")
-    return tuple(keys)
+    return tuple(keys), book.tenants()
 
 
 def file_identity(path: Path) -> FileIdentity:
@@ -91,7 +129,10 @@ def file_identity(path: Path) -> FileIdentity:
     return (stat.st_dev, stat.st_ino, stat.st_mtime_ns, stat.st_size)
 
 
-def read_api_keys(path: Path) -> tuple[tuple[ApiKey, ...], FileIdentity]:
+KeysAndTenants = tuple[tuple[ApiKey, ...], dict[str, Tenant]]
+
+
+def read_api_keys(path: Path) -> tuple[KeysAndTenants, FileIdentity]:
     try:
         identity = file_identity(path)
         if identity[3] > MAX_KEYS_FILE_BYTES:
@@ -99,7 +140,7 @@ def read_api_keys(path: Path) -> tuple[tuple[ApiKey, ...], FileIdentity]:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ApiKeysError(f"cannot read API keys file {path}: {exc}") from exc
-    return parse_api_keys(text, str(path)), identity
+    return parse_keys_file(text, str(path)), identity
 
 
 class ApiKeys:
@@ -108,6 +149,7 @@ class ApiKeys:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self.keys: tuple[ApiKey, ...] = ()
+        self.tenants: dict[str, Tenant] = {DEFAULT_TENANT: DEFAULT}
         self._digests: tuple[bytes, ...] = ()
         self._identity: FileIdentity | None = None
         if path is not None:
@@ -118,7 +160,8 @@ class ApiKeys:
     def enabled(self) -> bool:
         return self.path is not None
 
-    def _use(self, keys: tuple[ApiKey, ...]) -> None:
+    def _use(self, parsed: KeysAndTenants) -> None:
+        keys, self.tenants = parsed
         self.keys, self._digests = keys, tuple(key.digest for key in keys)
 
     def _matching(self, authorization: str) -> list[ApiKey]:
@@ -143,6 +186,14 @@ class ApiKeys:
         matching = self._matching(authorization)
         return matching[0].levels if matching else range(0)
 
+    def tenant_of(self, authorization: str) -> Tenant:
+        """The caller's tenant: its key's, else (no keys configured) the default tenant."""
+        if not self.enabled:
+            return self.tenants[DEFAULT_TENANT]
+        matching = self._matching(authorization)
+        name = matching[0].tenant if matching else DEFAULT_TENANT
+        return self.tenants.get(name, DEFAULT)
+
     def reload_if_changed(self) -> bool:
         """Re-read the file if it changed; a file that is now bad keeps the old keys (logged)."""
         if self.path is None:
@@ -162,7 +213,12 @@ class ApiKeys:
             log.error("keeping the previous API keys: %s", exc)
             return False
         self._use(keys)
-        log.info("reloaded API keys from %s: %d keys", self.path, len(keys))
+        log.info(
+            "reloaded API keys from %s: %d keys, %d tenants",
+            self.path,
+            len(keys[0]),
+            len(keys[1]),
+        )
         return True
 
     async def watch(self, interval_s: float) -> None:

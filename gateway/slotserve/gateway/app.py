@@ -49,6 +49,7 @@ from slotserve.gateway.metrics import GatewayMetrics
 from slotserve.gateway.proxy import ProxyContext
 from slotserve.gateway.request_limits import request_limits_middleware
 from slotserve.gateway.settings import GatewaySettings
+from slotserve.gateway.tenant_gate import install_tenants
 from slotserve.gateway.tokenize_proxy import (
     TOKENIZER_INFO_PATH,
     TOKENIZER_PATHS,
@@ -291,6 +292,7 @@ def create_app(
     app.cleanup_ctx.extend(
         [api_keys_ctx, pools_ctx, monitor_ctx, admission_ctx, admission_window_ctx, upstream_ctx]
     )
+    install_tenants(app, settings, app[API_KEYS], app[METRICS])  # quotas, cache salt
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -70,3 +70,23 @@ class GatewayMetrics:
             "1 when the admission backend (Redis or in-process) answers.",
             registry=r,
         )
+        # Tenants (tenant_gate.py): labels come from the keys file, bounded there (tenants.py).
+        self.tenant_requests = Counter(
+            "slotserve_gateway_tenant_requests",
+            "Requests per tenant by outcome: answered, a quota refusal (max_inflight, "
+            "requests_per_minute, tokens_per_minute, zero_quota) or the error's code.",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "slotserve_gateway_tenant_tokens",
+            "Tokens per tenant: estimated (charged at admission), counted (answers' usage).",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_inflight = Gauge(
+            "slotserve_gateway_tenant_inflight_requests",
+            "Requests of each limited tenant this replica has in flight (past its quotas).",
+            ["tenant"],
+            registry=r,
+        )

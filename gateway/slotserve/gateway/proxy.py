@@ -28,13 +28,19 @@ from functools import partial
 import aiohttp
 from aiohttp import web
 
-from slotserve.contracts.headers import QUEUE_WAIT_MS_HEADER, SLOTS_FREE_HEADER, SLOTS_TOTAL_HEADER
+from slotserve.contracts.headers import (
+    CACHE_SALT_HEADER,
+    QUEUE_WAIT_MS_HEADER,
+    SLOTS_FREE_HEADER,
+    SLOTS_TOTAL_HEADER,
+)
 from slotserve.gateway.admission import Admission, Lease
 from slotserve.gateway.admission_types import RETRY_PRIORITY, AdmissionError
 from slotserve.gateway.engines import EngineMonitor
 from slotserve.gateway.errors import error_response, sse_error_event
 from slotserve.gateway.memory_budget import Reservation, request_reservation
 from slotserve.gateway.metrics import GatewayMetrics
+from slotserve.gateway.tenants import CACHE_SALT, DEFAULT_TENANT
 from slotserve.gateway.tracing import traced_upstream
 
 log = logging.getLogger(__name__)
@@ -162,6 +168,7 @@ async def proxy_request(
     """Send ``body`` to the lease's engine (retrying elsewhere on early failure) and stream back."""
     pool = lease.pool
     headers = {h: request.headers[h] for h in FORWARD_REQUEST_HEADERS if h in request.headers}
+    headers[CACHE_SALT_HEADER] = request.get(CACHE_SALT, DEFAULT_TENANT)  # never the client's
     attempt = 1
     while True:
         ctx.metrics.inflight.labels(pool.name, lease.endpoint).inc(lease.slots)
