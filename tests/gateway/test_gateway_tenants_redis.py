@@ -1,0 +1,88 @@
+"""Tenant quotas fleet-wide: two gateway processes sharing one real Redis hold each tenant to one
+limit, and a replica killed with places held loses them after one lease TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import aiohttp
+import redis
+from gateway_support import pool, write_pools
+
+LEASE_TTL = 2.0
+KEYS = """\
+sk-a tenant=team-a rpm=4
+sk-b tenant=team-b max-inflight=2
+sk-c tenant=team-c tpm=0
+"""
+
+
+async def post(session: aiohttp.ClientSession, url: str, key: str, **extra):
+    payload = {"model": "m", "prompt": "hi", "max_tokens": 2, **extra}
+    headers = {"Authorization": f"Bearer {key}"}
+    async with session.post(f"{url}/v1/completions", json=payload, headers=headers) as resp:
+        answer = await resp.json()
+        code = answer["error"]["code"] if resp.status != 200 else ""
+        return resp.status, resp.headers.get("Retry-After"), code
+
+
+def fleet(spawn, redis_server, tmp_path, delay: float = 0.02):
+    engine = spawn.double(slots=16, delay=delay)
+    pools = write_pools(tmp_path / "p.yaml", [pool("m", [engine.url])])
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS)
+    extra = ["--api-keys-file", str(keys)]
+    return [
+        spawn.gateway(pools, redis_server.url, lease_ttl=LEASE_TTL, extra=extra) for _ in range(2)
+    ]
+
+
+def session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+
+
+async def test_rpm_holds_across_replicas_with_the_refill_s_retry_after(
+    spawn, redis_server, tmp_path
+):
+    gateways = fleet(spawn, redis_server, tmp_path)
+    async with session() as s:
+        results = [await post(s, gateways[i % 2].url, "sk-a") for i in range(6)]
+        zero = await post(s, gateways[1].url, "sk-c")
+    assert [status for status, *_ in results] == [200] * 4 + [429] * 2
+    for _, retry_after, code in results[4:]:
+        # 4 per minute: one request refills in 15 s, on either replica.
+        assert code == "requests_per_minute" and 14 <= int(retry_after) <= 15
+    assert zero == (429, None, "insufficient_quota")
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    tenant_keys = client.keys("slotserve:tenant:*")
+    assert tenant_keys == ["slotserve:tenant:team-a:rpm"]  # prefixed; nothing for the others
+    assert 0 < client.pttl(tenant_keys[0]) <= 61_000  # absent again once it would be full
+    level, at = client.hmget(tenant_keys[0], "level", "at")
+    # Exact integers, never an exponent: less than one request left (in 1/60,000 units).
+    assert level.isdigit() and int(level) < 60_000 and at.isdigit()
+
+
+async def test_max_inflight_across_replicas_and_a_killed_replica_s_places_expire(
+    spawn, redis_server, tmp_path
+):
+    gateways = fleet(spawn, redis_server, tmp_path, delay=1.0)
+    async with session() as s:
+        results = await asyncio.gather(*(post(s, gateways[i % 2].url, "sk-b") for i in range(6)))
+        statuses = sorted(status for status, *_ in results)
+        assert statuses == [200, 200, 429, 429, 429, 429]
+        assert {code for _, _, code in results if code} == {"max_inflight"}
+        assert (await post(s, gateways[1].url, "sk-b"))[0] == 200  # both released exactly
+        # Replica 0 dies holding both places (its requests take 20 s).
+        held = [asyncio.create_task(post(s, gateways[0].url, "sk-b", x_delay=20)) for _ in range(2)]
+        await asyncio.sleep(0.5)
+        assert (await post(s, gateways[1].url, "sk-b", x_delay=0))[2] == "max_inflight"
+        gateways[0].kill(signal.SIGKILL)
+        killed_at = time.monotonic()
+        while (await post(s, gateways[1].url, "sk-b", x_delay=0))[0] != 200:
+            assert time.monotonic() - killed_at < 3 * LEASE_TTL, "places of a dead replica held"
+            await asyncio.sleep(0.1)
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
