@@ -18,6 +18,9 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 # OpenAI's limits: chat top_logprobs 0-20 (completions logprobs 0-5), logit_bias -100..100.
 MAX_LOGPROBS = 20
+# vLLM's ``cache_salt`` (and the gateway's tenant before it, ``x-slotserve-cache-salt``): bounded,
+# it is compared on every prefix-cache match.
+MAX_CACHE_SALT_CHARS = 256
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
 
@@ -80,6 +83,11 @@ class SamplingParams(BaseModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = Field(default=1.0, description="HF/vLLM; 1 = off.")
+    cache_salt: str | None = Field(
+        default=None,
+        max_length=2 * MAX_CACHE_SALT_CHARS + 1,  # the gateway's salt, a separator, the client's
+        description="Prefix-cache reuse only among requests with the same salt (vLLM).",
+    )
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES)
     min_tokens: MinTokens = Field(
         default=0, description="No EOS or stop token before this many tokens."

@@ -14,6 +14,11 @@ tokens; a freed row keeps what its sequence had computed. A row whose sequence f
 forgotten (the runner zeroes it again: its values may be NaN). Positions past the reused prefix
 still hold the previous owner's values; they are overwritten before they are read, and
 attention masks every position past a sequence's own length.
+
+Rows match only within a cache salt (``SamplingParams.cache_salt``: the gateway's tenant, and a
+client's own vLLM ``cache_salt``): a row filled under one salt is never reused, copied from or
+waited for by a sequence with another, so one tenant's time to first token says nothing about
+what another tenant sent. A row can still be overwritten by any salt (eviction is not a leak).
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ class SlotPrefixCache:
 
     def __init__(self, num_slots: int) -> None:
         self._free_rows: list[list[int]] = [[] for _ in range(num_slots)]
+        # The salt each free row was filled under: matched only by the same salt.
+        self._free_salts: list[str | None] = [None] * num_slots
         self._owners: list[Sequence | None] = [None] * num_slots
         # When each free row was last released: the least recently used row is evicted first.
         self._released_at = [0] * num_slots
@@ -86,12 +93,16 @@ class SlotPrefixCache:
             return owner.token_ids[: owner.num_computed_tokens]
         return list(self._free_rows[slot])
 
-    def _match(self, slot: int, token_ids: list[int], limit: int) -> int:
+    def _match(self, slot: int, token_ids: list[int], limit: int, salt: str | None) -> int:
         owner = self._owners[slot]
         if owner is not None:
+            if owner.params.cache_salt != salt:
+                return 0
             return common_prefix_len(
                 owner.token_ids, token_ids, min(limit, owner.num_computed_tokens)
             )
+        if self._free_salts[slot] != salt:
+            return 0
         return common_prefix_len(self._free_rows[slot], token_ids, limit)
 
     def choose(self, seq: Sequence, free_slots: list[int]) -> SlotChoice:
@@ -102,7 +113,10 @@ class SlotPrefixCache:
         """
         token_ids = seq.token_ids
         limit = seq.max_reusable_tokens
-        matches = {slot: self._match(slot, token_ids, limit) for slot in range(len(self._owners))}
+        salt = seq.params.cache_salt
+        matches = {
+            slot: self._match(slot, token_ids, limit, salt) for slot in range(len(self._owners))
+        }
         best_free = max(free_slots, key=lambda slot: (matches[slot], -slot))
         best_any = max(matches, key=lambda slot: (matches[slot], slot in free_slots, -slot))
         free_len, any_len = matches[best_free], matches[best_any]
@@ -126,10 +140,15 @@ class SlotPrefixCache:
         """
         token_ids = seq.token_ids
         limit = seq.max_reusable_tokens
-        owners = [owner for owner in self._owners if owner is not None]
+        salt = seq.params.cache_salt
+        owners = [
+            owner for owner in self._owners if owner is not None and owner.params.cache_salt == salt
+        ]
         if not owners:
             return False
-        reusable = max(self._match(slot, token_ids, limit) for slot in range(len(self._owners)))
+        reusable = max(
+            self._match(slot, token_ids, limit, salt) for slot in range(len(self._owners))
+        )
         for owner in owners:
             ahead = common_prefix_len(owner.token_ids, token_ids, limit)
             if ahead > owner.num_computed_tokens and ahead - reusable >= MIN_WAIT_TOKENS:
@@ -145,6 +164,7 @@ class SlotPrefixCache:
         """``seq`` owns ``slot`` from now on; its row holds its first ``num_computed_tokens``."""
         self._owners[slot] = seq
         self._free_rows[slot] = []
+        self._free_salts[slot] = None
 
     def release(self, slot: int, *, keep: bool) -> None:
         """The slot's sequence left; with ``keep`` its row's tokens stay reusable."""
@@ -153,5 +173,6 @@ class SlotPrefixCache:
         self._free_rows[slot] = (
             owner.token_ids[: owner.num_computed_tokens] if keep and owner is not None else []
         )
+        self._free_salts[slot] = owner.params.cache_salt if keep and owner is not None else None
         self._clock += 1
         self._released_at[slot] = self._clock

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from slotserve.engine.core.params import (
+    MAX_CACHE_SALT_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
@@ -90,6 +91,8 @@ class SamplingRequest(RequestModel):
     guided_json: dict[str, Any] | None = None
 
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # each choice takes a slot (checked per engine)
+    # vLLM's: prefix-cache reuse only among requests with the same salt (within the tenant's).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @field_validator("logit_bias")
     @classmethod
@@ -375,3 +378,14 @@ def _looks_like_type(part: str) -> bool:
         or "[" in part
         or (part[:1].isupper() and part.isidentifier())
     )
+
+
+def cache_salt_of(gateway_salt: str | None, client_salt: str | None) -> str | None:
+    """The salt a request's prefix-cache matches run under: the gateway's (its tenant, from
+    ``x-slotserve-cache-salt``) and the client's own ``cache_salt`` within it, so a client can
+    split its tenant's cache further but never reach into another tenant's."""
+    if gateway_salt is not None and len(gateway_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"the cache salt header is longer than {MAX_CACHE_SALT_CHARS} characters")
+    if gateway_salt is None:
+        return client_salt
+    return gateway_salt if client_salt is None else f"{gateway_salt}\x1f{client_salt}"

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from slotserve.contracts.headers import CACHE_SALT_HEADER
 from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
 from slotserve.engine.core.generation_defaults import GenerationDefaults
 from slotserve.engine.core.params import SamplingParams, check_min_tokens
@@ -35,6 +36,7 @@ from slotserve.engine.http.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
+    cache_salt_of,
     describe_validation_error,
 )
 from slotserve.engine.http.openai_format import (
@@ -293,6 +295,11 @@ async def _generate(
     for _prompt, max_tokens in batch:
         if max_tokens not in params_of:
             params_of[max_tokens] = _sampling_params(body, max_tokens, defaults)
+    try:  # the tenant's salt (from the gateway) and the client's own (issue 26)
+        salt = cache_salt_of(request.headers.get(CACHE_SALT_HEADER), body.cache_salt)
+    except ValueError as error:
+        raise ApiError(400, str(error), param="cache_salt", code="invalid_value") from error
+    params_of = {k: v.model_copy(update={"cache_salt": salt}) for k, v in params_of.items()}
     params = next(iter(params_of.values()))
     try:
         engine.limits.check_logit_bias(params.logit_bias)
