@@ -86,3 +86,61 @@ async def test_max_inflight_across_replicas_and_a_killed_replica_s_places_expire
         for task in held:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
+
+
+async def test_the_lua_buckets_decide_as_the_in_process_twin(redis_server):
+    """The same calls on both stores give the same decisions (rates low enough that the few
+    milliseconds between the two calls refill nothing that matters)."""
+    from slotserve.gateway.quotas import InProcessQuotas
+    from slotserve.gateway.quotas_redis import RedisQuotas
+    from slotserve.gateway.tenants import Tenant
+
+    redis_store = RedisQuotas(redis_server.url, "twin")
+    memory = InProcessQuotas()
+    tenant = Tenant("t", max_inflight=3, requests_per_minute=5, tokens_per_minute=120)
+    calls = [("take", f"r{i}", cost) for i, cost in enumerate([10, 50, 70, 1, 0, 5, 30])]
+    calls[3:3] = [("charge", "", -60), ("release", "r0", 0), ("release", "r1", 0)]
+    calls += [("charge", "", 500), ("take", "late", 1)]
+    decisions = []
+    for store in (redis_store, memory):
+        seen = []
+        for kind, rid, amount in calls:
+            if kind == "take":
+                refusal = await store.take(tenant, rid, amount)
+                seen.append(None if refusal is None else (refusal.reason, refusal.retry_after_s))
+            elif kind == "charge":
+                await store.charge(tenant, amount)
+            else:
+                await store.release(tenant, rid)
+        decisions.append(seen)
+    await redis_store.close()
+    assert decisions[0] == decisions[1]
+    # 120 tokens a minute: 10 + 50 taken, 70 more waits 5 s; 60 given back lets three small
+    # ones in (3 in flight); the 6th request of a 5-a-minute bucket waits 12 s (longer than
+    # in-flight's 1 s, so that is the reason given); 500 tokens of debt floor at -120: 61 s.
+    assert decisions[0] == [
+        None,
+        None,
+        ("tokens_per_minute", 5),
+        None,
+        None,
+        None,
+        ("requests_per_minute", 12),
+        ("tokens_per_minute", 61),
+    ]
+
+
+async def test_a_bad_script_call_writes_nothing(redis_server):
+    from slotserve.gateway.quotas_redis import RedisQuotas
+
+    store = RedisQuotas(redis_server.url, "bad")
+    keys = ["bad:tenant:x:rpm", "bad:tenant:x:tpm", "bad:tenant:x:inflight"]
+    for args in (
+        ["r", "1", "5", "5", "1e3", "1000"],  # an exponent
+        ["r", "1", "5", "5", "nan", "1000"],
+        ["r", "1", "99999999999999999", "5", "1", "1000"],  # past the bounds
+        ["", "1", "5", "5", "1", "1000"],  # no request id
+    ):
+        assert await store.scripts["take"](keys=keys, args=args) == ["invalid", 0]
+    assert await store.client.keys("bad:*") == []
+    await store.close()
