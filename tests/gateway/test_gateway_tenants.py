@@ -186,3 +186,21 @@ async def test_max_inflight_is_released_exactly_disconnects_included(gw, spawn, 
             break
         await asyncio.sleep(0.05)
     assert status == 200
+
+
+def test_estimates_and_outcome_labels_are_bounded():
+    from aiohttp import web
+
+    from slotserve.gateway.tenant_gate import estimate_tokens, outcome_of
+
+    body = b"x" * 400
+    assert estimate_tokens(body, None) == 100
+    assert estimate_tokens(body, {"max_tokens": 50, "n": 2}) == 200
+    assert estimate_tokens(body, {"max_completion_tokens": 7, "max_tokens": 50}) == 107
+    assert estimate_tokens(body, {"max_tokens": "lots", "n": True}) == 100
+    queue_full = web.json_response({"error": {"code": "queue_full"}}, status=429)
+    assert outcome_of(queue_full) == "queue_full"
+    # An engine's own code (engines are untrusted) never becomes a label value.
+    engine_code = web.json_response({"error": {"code": "made_up_by_an_engine"}}, status=400)
+    assert outcome_of(engine_code) == "http_400"
+    assert outcome_of(web.json_response({"ok": 1})) == "answered"

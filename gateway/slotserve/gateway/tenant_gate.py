@@ -40,6 +40,29 @@ GATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/respons
 BYTES_PER_TOKEN = 4  # a generous prompt count from the body's size (JSON included)
 MAX_ERROR_BODY = 4096  # an error answer's code is read from bodies this small only
 
+# Outcome labels taken from an error's code: the gateway's own and the quotas'. Anything else
+# (an engine's code: engines are untrusted input) is counted by its status, so a label never
+# takes a value an engine chose.
+KNOWN_CODES = frozenset(
+    {
+        "queue_full",
+        "queue_timeout",
+        "admission_backend_unavailable",
+        "admission_error",
+        "no_ready_endpoint",
+        "invalid_value",
+        "invalid_json",
+        "invalid_header",
+        "missing_model",
+        "model_not_found",
+        "priority_not_allowed",
+        "upstream_failed",
+        "upstream_timeout",
+        "upstream_too_large",
+        "memory_budget_exceeded",
+        "backend_unavailable",
+    }
+)
 REFUSAL_MESSAGES = {
     "max_inflight": "has as many requests in flight as its limit allows",
     "requests_per_minute": "has used its requests per minute",
@@ -52,7 +75,9 @@ def estimate_tokens(body: bytes, payload: dict[str, Any] | None) -> int:
     prompt = math.ceil(len(body) / BYTES_PER_TOKEN)
     if payload is None:
         return prompt
-    max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    max_tokens = payload.get(
+        "max_completion_tokens", payload.get("max_tokens", payload.get("max_output_tokens"))
+    )
     n = payload.get("n", 1)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         max_tokens = 0
@@ -96,8 +121,7 @@ def outcome_of(response: web.StreamResponse) -> str:
     answer = _answer_json(response, MAX_ERROR_BODY)
     error = answer.get("error") if answer is not None else None
     code = error.get("code") if isinstance(error, dict) else None
-    # Codes come from the gateway's and engines' own errors; bounded for the label anyway.
-    return code[:40] if isinstance(code, str) and code.isidentifier() else f"http_{response.status}"
+    return code if code in KNOWN_CODES else f"http_{response.status}"
 
 
 class TenantGate:
