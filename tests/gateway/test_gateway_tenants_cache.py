@@ -1,8 +1,12 @@
 """The prefix probe from issue 26, closed: behind a gateway, tenant B sending tenant A's prompt
 finds nothing of A's in a real engine's prefix cache (its hit counter does not move), even when
-B sends the salt header itself; A's own repeat hits."""
+B sends the salt header itself; A's own repeat hits. And a streamed answer's usage event counts
+its tenant's tokens."""
 
 from __future__ import annotations
+
+import asyncio
+import json
 
 import aiohttp
 from gateway_support import pool, write_pools
@@ -10,7 +14,7 @@ from test_gateway_e2e_engines import start_engine, wait_ready
 
 from slotserve.contracts.headers import CACHE_SALT_HEADER
 
-KEYS = "sk-a tenant=team-a\nsk-b tenant=team-b\n"
+KEYS = "sk-a tenant=team-a\nsk-b tenant=team-b\nsk-c tenant=team-c tpm=100000\n"
 PROMPT = "Tenant A's confidential system prompt: quarterly numbers follow. " * 8  # ~100 tokens
 
 
@@ -46,3 +50,36 @@ async def test_tenant_b_gets_no_hit_on_tenant_a_s_prompt(spawn, tiny_model_dir, 
         assert await prefix_hits(session, engine_url) == before
         assert await complete(session, gateway.url, "sk-a") == 200
         assert await prefix_hits(session, engine_url) - before >= 90
+        usage = await streamed_usage(session, gateway.url, "sk-c")
+        assert usage["total_tokens"] > 90
+        for _ in range(50):  # bounded: counted as the gateway's handler ends, after the last byte
+            counted = await tenant_tokens(session, gateway.url, "team-c")
+            if counted:
+                break
+            await asyncio.sleep(0.02)
+        assert counted == usage["total_tokens"]
+
+
+async def streamed_usage(session: aiohttp.ClientSession, url: str, key: str) -> dict:
+    payload = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    usage = {}
+    async with session.post(f"{url}/v1/completions", json=payload, headers=headers) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+    return usage
+
+
+async def tenant_tokens(session: aiohttp.ClientSession, url: str, tenant: str) -> float:
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    prefix = f'slotserve_gateway_tenant_tokens_total{{kind="counted",tenant="{tenant}"}} '
+    return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))

@@ -40,7 +40,7 @@ from slotserve.gateway.engines import EngineMonitor
 from slotserve.gateway.errors import error_response, sse_error_event
 from slotserve.gateway.memory_budget import Reservation, request_reservation
 from slotserve.gateway.metrics import GatewayMetrics
-from slotserve.gateway.tenants import CACHE_SALT, DEFAULT_TENANT
+from slotserve.gateway.tenants import CACHE_SALT, DEFAULT_TENANT, STREAM_TAIL
 from slotserve.gateway.tracing import traced_upstream
 
 log = logging.getLogger(__name__)
@@ -342,6 +342,7 @@ async def _forward_stream(
         if events:
             ending.feed(events)
             await response.write(events)
+    response[STREAM_TAIL] = ending.tail  # its usage event, if any, counts the tenant's tokens
     if failure is None:
         if ending.done:
             return True

@@ -31,7 +31,7 @@ from slotserve.gateway.errors import error_response
 from slotserve.gateway.metrics import GatewayMetrics
 from slotserve.gateway.quotas import InProcessQuotas, QuotaRefusal, QuotaStore
 from slotserve.gateway.settings import GatewaySettings
-from slotserve.gateway.tenants import CACHE_SALT, Tenant
+from slotserve.gateway.tenants import CACHE_SALT, STREAM_TAIL, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +102,26 @@ def _answer_json(response: web.StreamResponse, limit: int | None = None) -> dict
     return _payload(response.body)
 
 
+def _stream_usage(tail: bytes) -> dict[str, Any] | None:
+    """The last ``usage`` object among a stream's last events (vLLM and OpenAI send it in a
+    chunk of its own before ``[DONE]`` when asked with ``stream_options.include_usage``)."""
+    for line in reversed(tail.splitlines()):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            event = _payload(line[5:].strip())
+            usage = event.get("usage") if event is not None else None
+            if isinstance(usage, dict):
+                return usage
+    return None
+
+
 def usage_tokens(response: web.StreamResponse) -> int | None:
-    """Prompt + completion tokens of a whole answer's ``usage`` (None: not there)."""
-    answer = _answer_json(response)
-    usage = answer.get("usage") if answer is not None else None
+    """Prompt + completion tokens of an answer's ``usage`` (None: not there): a whole answer's,
+    or a stream's usage event."""
+    if isinstance(response, web.Response):
+        answer = _answer_json(response)
+        usage = answer.get("usage") if answer is not None else None
+    else:
+        usage = _stream_usage(response.get(STREAM_TAIL, b""))
     if not isinstance(usage, dict):
         return None
     total = usage.get("total_tokens")

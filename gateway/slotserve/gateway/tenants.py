@@ -121,3 +121,6 @@ class TenantBook:
 # The tenant's name as the engine's cache salt, set on the request by ``tenant_gate`` and sent by
 # the proxy in ``contracts.headers.CACHE_SALT_HEADER``.
 CACHE_SALT = web.RequestKey("cache_salt", str)
+# The last bytes of a streamed answer (proxy.py's ``SseEnding.tail``), where the usage event of a
+# stream with ``stream_options.include_usage`` sits: read by ``tenant_gate`` to count its tokens.
+STREAM_TAIL = web.ResponseKey("stream_tail", bytes)
