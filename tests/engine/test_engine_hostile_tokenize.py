@@ -3,6 +3,7 @@ lowest CPU priority, and a worker that dies costs only the prompts it held."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -30,19 +31,24 @@ def tokenizer(smollm2_dir):
 
 
 @pytest.fixture
-def prompts(tokenizer):
+async def prompts(tokenizer):
     prompts = PromptTokenizer(tokenizer, MAX_MODEL_LEN)
-    prompts.start()
+    await prompts.start()
     yield prompts
     prompts.close()
 
 
 def worker_process() -> psutil.Process:
+    """The newest worker: an earlier test's may still be exiting beside it."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
+        workers = []
         for child in psutil.Process().children():
-            if "spawn_main" in " ".join(child.cmdline()):
-                return child
+            with contextlib.suppress(psutil.Error):
+                if "spawn_main" in " ".join(child.cmdline()) and child.status() != "zombie":
+                    workers.append(child)
+        if workers:
+            return max(workers, key=lambda worker: worker.create_time())
         time.sleep(0.1)
     raise AssertionError("no tokenizer worker process")
 
@@ -76,6 +82,12 @@ async def test_a_template_that_refuses_is_a_chat_template_error(prompts):
     assert caught.value.param == "messages"
 
 
+async def test_start_returns_once_the_worker_has_loaded_and_lowered_its_priority(prompts):
+    """The engine takes work only once its worker answers; the worker loads at normal priority
+    (at nice 19 on busy cores its imports took over a minute) and drops to 19 when ready."""
+    assert worker_process().nice() == TOKENIZER_NICENESS  # no prompt sent yet
+
+
 async def test_the_worker_runs_at_the_lowest_priority(prompts):
     await prompts.encode("warm")
     assert worker_process().nice() == TOKENIZER_NICENESS
@@ -102,7 +114,7 @@ def test_the_worker_exits_with_its_engine(tokenizer, tmp_path):
         "from slotserve.engine.core.tokenize import PromptTokenizer\n"
         "if __name__ == '__main__':\n"
         "    prompts = PromptTokenizer(AutoTokenizer.from_pretrained(sys.argv[1]), 64)\n"
-        "    prompts.start()\n"
+        "    asyncio.run(prompts.start())\n"
         "    print(asyncio.run(prompts.encode('hi')), flush=True)\n"
         "    os._exit(0)\n"
     )

@@ -111,7 +111,7 @@ class AsyncEngine:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="slotserve-engine", daemon=True)
         self._thread.start()
-        self.prompts.start()
+        await self.prompts.start()
         self._accepting = True
 
     async def shutdown(self) -> None:

@@ -21,8 +21,11 @@ Four things keep one large prompt from stalling everyone else:
 - Bounded results. The encode stops at ``max_model_len + 1`` tokens (truncation): a prompt that
   is too long never becomes a hundred thousand ints to send back.
 
-The worker starts with the engine (``start``: ~3 s of imports, ~330 MB) and exits within half
-a second of it, however the engine ends; one that dies (say, killed for memory) fails the
+The worker starts with the engine (``start``: ~3 s of imports, ~330 MB), and the engine takes
+work only once it answers (bounded by ``WORKER_START_SECONDS``); it loads at normal priority and
+drops to nice 19 once ready: at nice 19 on busy cores those seconds of imports stretched past a
+minute, and the first prompts waited out ``TOKENIZE_WAIT_SECONDS``. It exits within half a
+second of the engine, however the engine ends; one that dies (say, killed for memory) fails the
 requests it held with :class:`TokenizerUnavailableError`, and the next prompt starts a new one.
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import multiprocessing
 import os
 import pickle
@@ -44,6 +48,7 @@ from slotserve.engine.core.errors import EngineError, InvalidRequestError
 from slotserve.engine.core.protocols import Tokenizer
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 # The worker process's niceness (19 = lowest priority); see the module docstring.
 TOKENIZER_NICENESS = 19
@@ -53,6 +58,9 @@ ENGINE_WATCH_SECONDS = 0.5
 # within the characters bound takes well under a second, so this only trips when a flood of huge
 # prompts queues everyone behind it; the request then gets 503 (retryable elsewhere).
 TOKENIZE_WAIT_SECONDS = 30.0
+# Longest the engine waits at start for the worker to answer before it takes work anyway (the
+# first prompts then wait for it, within TOKENIZE_WAIT_SECONDS).
+WORKER_START_SECONDS = 120.0
 
 
 class _FromWorker(InvalidRequestError):
@@ -88,9 +96,20 @@ class PromptTokenizer:
         self._tokenizer_state = pickle.dumps(tokenizer)  # what each worker process starts from
         self._executor: ProcessPoolExecutor | None = None
 
-    def start(self) -> None:
-        """Start the worker now rather than at the first prompt."""
-        self._pool().submit(_ping)
+    async def start(self) -> None:
+        """Start the worker now rather than at the first prompt, and wait (bounded) until it
+        answers."""
+        started = asyncio.wrap_future(self._pool().submit(_ping))
+        try:
+            await asyncio.wait_for(started, WORKER_START_SECONDS)
+        except TimeoutError:
+            logger.warning(
+                "the tokenizer worker did not answer within %g s of starting; taking work anyway",
+                WORKER_START_SECONDS,
+            )
+        except BrokenProcessPool:
+            self._executor = None  # the first prompt starts a new one
+            logger.warning("the tokenizer worker died while starting; the first prompt retries")
 
     def close(self) -> None:
         if self._executor is not None:
@@ -205,11 +224,12 @@ def _start_worker(tokenizer_state: bytes, max_model_len: int) -> None:
     threading.Thread(
         target=_exit_with_engine, args=(engine_pid,), name="engine-watch", daemon=True
     ).start()
-    with contextlib.suppress(OSError):  # at worst the worker keeps normal priority
-        os.nice(TOKENIZER_NICENESS)
     # One prompt at a time, on this process's one thread: no pool of helper threads.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker = _Worker(pickle.loads(tokenizer_state), max_model_len)
+    # Lowest priority only from here on: loading at nice 19 on busy cores took over a minute.
+    with contextlib.suppress(OSError):  # at worst the worker keeps normal priority
+        os.nice(TOKENIZER_NICENESS)
 
 
 def _exit_with_engine(engine_pid: int) -> None:
