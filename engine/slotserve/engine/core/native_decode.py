@@ -40,7 +40,7 @@ from slotserve.engine.core.native_rows_watch import STEP_OBSERVER
 logger = logging.getLogger(__name__)
 
 PRODUCTS = 4  # q/k/v, o, gate/up, down: the order of struct step_layer's arrays
-KINDS = {"float32": 0, "int8": 1, "int4": 2}  # enum kind in qgemm.h
+KINDS = {"float32": 0, "int8": 1, "int4": 2}  # enum kind in kernels.h
 # Decoder layers and norms whose forward is exactly Llama's (transformers 5.x; Qwen2 adds a
 # q/k/v bias, which the native layers carry; sliding windows are refused by the runner).
 LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})

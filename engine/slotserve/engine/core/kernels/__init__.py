@@ -24,6 +24,7 @@ import torch
 
 from slotserve.engine.core.kernels.library import (
     ABI,
+    GROUP_SIZE,
     Build,
     KernelUnavailable,
     Loaded,
@@ -31,6 +32,7 @@ from slotserve.engine.core.kernels.library import (
     load_library,
     prebuild,
 )
+from slotserve.engine.core.kernels.signatures import declare
 
 __all__ = [
     "ABI",
@@ -47,13 +49,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-GROUP_SIZE = 32  # int4 weights per (scale, minimum) pair: fixed by the C source
-# The C code's instruction-set levels (ISA_C, ISA_AVX2, ISA_AVX512 in qgemm.h), by name.
+# The C code's instruction-set levels (ISA_C, ISA_AVX2, ISA_AVX512 in kernels.h), by name.
 ISAS = ("plain_c", "avx2_fma", "avx512")
 
 
 class Scratch(ctypes.Structure):
-    """``struct scratch`` of qgemm.h: the workspace the C code carves its buffers from."""
+    """``struct scratch`` of kernels.h: the workspace the C code carves its buffers from."""
 
     _fields_ = [
         ("base", ctypes.c_void_p),
@@ -98,42 +99,10 @@ class NativeKernels:
     def __init__(self, loaded: Loaded) -> None:
         self.build: Build = loaded.build
         lib = loaded.library
-        ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.slotserve_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, ptr, c_int, ptr]
-        lib.slotserve_gemm_q8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, c_int, ptr]
-        lib.slotserve_gemm_q4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, c_int, ptr]
-        for fn in (lib.slotserve_gemm_f32, lib.slotserve_gemm_q8, lib.slotserve_gemm_q4):
-            fn.restype = c_int
-        lib.slotserve_dequantize.argtypes = [c_int, ptr, ptr, ptr, i64, i64, ptr, c_int]
-        lib.slotserve_dequantize.restype = None
-        lib.slotserve_quantize_q8.argtypes = [ptr, i64, i64, ptr, ptr, c_int]
-        lib.slotserve_quantize_q4.argtypes = [ptr, i64, i64, ptr, ptr, ptr, c_int]
-        lib.slotserve_decode_attention.argtypes = [
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            ptr,
-            ctypes.c_float,
-            ptr,
-            c_int,
-            ptr,
-        ]
-        lib.slotserve_decode_attention.restype = c_int
-        lib.slotserve_attend.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr]
-        lib.slotserve_attend.argtypes += [ctypes.c_float, ptr, c_int, ptr]
-        lib.slotserve_attend.restype = c_int
-        lib.slotserve_llama_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, c_int, ptr]
-        lib.slotserve_llama_step.restype = c_int
-        lib.slotserve_kernel_set_isa.argtypes = [c_int]
-        lib.slotserve_kernel_set_isa.restype = c_int
-        lib.slotserve_kernel_set_prefetch.argtypes = [i64]
-        lib.slotserve_kernel_set_prefetch.restype = None
-        lib.slotserve_kernel_fallback_allocations.restype = ctypes.c_uint64
+        declare(lib)
+        group = lib.slotserve_kernel_group_size()
+        if group != GROUP_SIZE:  # the header was read at import; this is the library loaded
+            raise KernelUnavailable(f"the kernel library groups {group} weights, not {GROUP_SIZE}")
         self._lib = lib
         self.workspace = Workspace()
 

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import stat
 import subprocess
@@ -59,11 +60,25 @@ SOURCES = (
     HERE / "attention.c",
     HERE / "llama_step.c",
 )
-HEADERS = (HERE / "qgemm.h",)
+HEADER = HERE / "kernels.h"
+HEADERS = (HEADER, HERE / "qgemm.h")
 # No -march: the library runs on any CPU of its machine type; wider instructions live in
 # functions of their own (target attributes), chosen at run time from cpuid.
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")
-ABI = 6
+# `make lint` only: never in the runtime build, where another compiler's new warning must not
+# turn the kernels off.
+LINT_FLAGS = ("-Wall", "-Wextra", "-Werror")
+
+
+def header_define(name: str, header: Path = HEADER) -> int:
+    """The integer ``#define name`` of ``kernels.h``: the header is the one source of the
+    numbers both sides must agree on (the C code uses the macro, Python this)."""
+    found = re.search(rf"^#define\s+{name}\s+(\d+)\s*$", header.read_text(), re.MULTILINE)
+    if found is None:
+        raise KernelUnavailable(f"{header} defines no {name}")
+    return int(found.group(1))
+
+
 # The instruction sets the library has code for (besides plain C), part of its key.
 TARGETS = ("avx2,fma", "avx512f,avx512bw,avx512vl,avx512dq")
 PREBUILT = HERE / "prebuilt"
@@ -81,6 +96,10 @@ class KernelUnavailable(UnsupportedSettingError):
 
 class Rejected(Exception):
     """A library (or its folder) that must not be loaded; the message says why."""
+
+
+ABI = header_define("SLOTSERVE_KERNEL_ABI")
+GROUP_SIZE = header_define("SLOTSERVE_KERNEL_GROUP")  # quantized weights per scale along K
 
 
 @dataclass(frozen=True)
@@ -299,6 +318,17 @@ def _compile(compiler: Path, folder: Path, name: str) -> str:
     except OSError as error:
         raise KernelUnavailable(f"compiling the kernels in {folder} failed: {error}") from error
     return sha256
+
+
+def lint() -> None:
+    """Compile the sources as the runtime build does, plus :data:`LINT_FLAGS`, into nothing;
+    raises :class:`KernelUnavailable` with the compiler's messages on any warning."""
+    compiler = find_compiler()
+    env = {"PATH": COMPILER_PATH_VAR, "LC_ALL": "C"}
+    command = [str(compiler), *FLAGS, *LINT_FLAGS, "-o", os.devnull, *map(str, SOURCES), "-lm"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    if done.returncode != 0:
+        raise KernelUnavailable(f"the kernels have warnings:\n{done.stderr}")
 
 
 # -- finding, or building, the library -----------------------------------------------------------

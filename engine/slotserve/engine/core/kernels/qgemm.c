@@ -37,9 +37,11 @@
 #endif
 
 #define PANEL 4
-#define GROUP 32
+#define GROUP SLOTSERVE_KERNEL_GROUP
 
-int slotserve_kernel_abi(void) { return 6; }
+int slotserve_kernel_abi(void) { return SLOTSERVE_KERNEL_ABI; }
+
+int slotserve_kernel_group_size(void) { return GROUP; }
 
 /* The widest instruction set this CPU runs (cpuid), and the one in use (tests lower it). */
 static int supported_isa(void) {
@@ -66,7 +68,6 @@ int slotserve_kernel_isa(void) {
 
 int slotserve_kernel_supported_isa(void) { return supported_isa(); }
 
-/* Use `level` (ISA_C, ISA_AVX2, ISA_AVX512) or the widest below it this CPU has; returns it. */
 int slotserve_kernel_set_isa(int level) {
     const int top = supported_isa();
     isa_in_use = level < ISA_C ? ISA_C : (level > top ? top : level);

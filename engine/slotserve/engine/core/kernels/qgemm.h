@@ -1,25 +1,20 @@
-/* What llama_step.c uses of qgemm.c: the weight formats and the product over them. */
+/* What the C files share beyond the library's interface (kernels.h): the weight format and
+ * the product over it, the workspace's allocator, the AVX-512 panel product and a few inline
+ * SIMD helpers. Hidden: none of these is exported from the library. */
 #ifndef SLOTSERVE_QGEMM_H
 #define SLOTSERVE_QGEMM_H
 #include <stddef.h>
 #include <stdint.h>
 
-enum kind { F32, Q8, Q4 };
+#include "kernels.h"
+
+#pragma GCC visibility push(hidden)
 
 struct weights {
     enum kind kind;
     const void *data;    /* float[N,K], int8[N,K] or uint8[N,K/2] */
     const float *scale;  /* Q8, Q4: [N, K/32] */
     const float *minimum;/* Q4: [N, K/32] */
-};
-
-/* A caller's workspace (one per runner, owned by Python): buffers are carved from it front to
- * back and given back in reverse, so a step allocates nothing. When it is too small (the first
- * call of a larger shape), a buffer comes from malloc instead, `needed` records the size the
- * whole call wanted, and the caller grows the workspace for the next call. */
-struct scratch {
-    char *base;
-    size_t size, used, needed;
 };
 
 /* `bytes` (rounded up to 64) from `s` (which may be NULL), else from aligned_alloc; *owned is
@@ -32,22 +27,11 @@ void scratch_release(struct scratch *s, size_t mark);
 int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights w, int64_t n,
                            float *y, int threads, struct scratch *s);
 
-/* Softmax attention of one query token per row over cache row slots[r] (r itself when slots is
- * NULL), positions [0, lens[r]); q and out [rows, kv_heads, group, d]; caches [slots, kv_heads,
- * max_len, d]. Returns 0, or -1 when a buffer could not be allocated. */
-int slotserve_attend(const float *q, const float *k, const float *v, int64_t rows,
-                     const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
-                     int64_t max_len, const int64_t *lens, float scale, float *out, int threads,
-                     struct scratch *s);
-
-/* Instruction sets, narrowest first: what slotserve_kernel_isa() returns (nonzero: the AVX2/FMA
- * code of every kernel runs; ISA_AVX512: the fp32 panel products run 512 bits wide too). */
-enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-int slotserve_kernel_isa(void);
-
 /* qgemm_avx512.c: the panel product of qgemm.c's dot_panel_avx2, 512 bits wide; k % 16 == 0. */
 void dot_panel_avx512(const float *x, int64_t m, int64_t k, const float *w, float *y, int64_t n,
                       const float *next);
+
+#pragma GCC visibility pop
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

@@ -1,0 +1,85 @@
+/* The kernel library's interface: every function it exports (the ones Python calls through
+ * ctypes, declared in signatures.py), the weight kinds, the instruction-set levels and the ABI.
+ * This header is the one source of the ABI number and the group size: the C code uses the
+ * macros below, and library.py reads them from this file (tests/engine/
+ * test_engine_kernel_header.py checks signatures.py and the built library's symbols against
+ * these prototypes). Helpers shared between the C files live in qgemm.h, hidden from the
+ * library's exports. */
+#ifndef SLOTSERVE_KERNELS_H
+#define SLOTSERVE_KERNELS_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* Raised whenever a prototype below changes: a library of another ABI is never loaded. */
+#define SLOTSERVE_KERNEL_ABI 7
+/* Quantized weights per scale (and minimum) along K, both quantized formats. */
+#define SLOTSERVE_KERNEL_GROUP 32
+
+/* Weight formats (native_decode.py's KINDS, slotserve_dequantize's `kind`). */
+enum kind { F32 = 0, Q8 = 1, Q4 = 2 };
+
+/* Instruction sets, narrowest first (kernels/__init__.py's ISAS): what slotserve_kernel_isa()
+ * returns (nonzero: the AVX2/FMA code of every kernel runs; ISA_AVX512: the fp32 panel products
+ * run 512 bits wide too). */
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+/* A caller's workspace (one per runner, owned by Python): buffers are carved from it front to
+ * back and given back in reverse, so a step allocates nothing. When it is too small (the first
+ * call of a larger shape), a buffer comes from malloc instead, `needed` records the size the
+ * whole call wanted, and the caller grows the workspace for the next call. */
+struct scratch {
+    char *base;
+    size_t size, used, needed;
+};
+
+/* llama_step.c: a model's shapes and weight pointers (native_decode.py's StepModel). */
+struct step_model;
+
+/* ---- the library itself (qgemm.c) ---- */
+int slotserve_kernel_abi(void);        /* SLOTSERVE_KERNEL_ABI */
+int slotserve_kernel_group_size(void); /* SLOTSERVE_KERNEL_GROUP */
+int slotserve_kernel_isa(void);
+int slotserve_kernel_supported_isa(void);
+/* Use `level` (ISA_C, ISA_AVX2, ISA_AVX512) or the widest below it this CPU has; returns it. */
+int slotserve_kernel_set_isa(int level);
+/* Buffers taken from malloc because a workspace was missing or short (process-wide). */
+uint64_t slotserve_kernel_fallback_allocations(void);
+/* Prefetch distance in bytes (negative: the default). */
+void slotserve_kernel_set_prefetch(int64_t bytes);
+
+/* ---- quantize and dequantize (qgemm.c): k a multiple of SLOTSERVE_KERNEL_GROUP ---- */
+void slotserve_quantize_q8(const float *w, int64_t n, int64_t k, int8_t *q, float *scale,
+                           int threads);
+void slotserve_quantize_q4(const float *w, int64_t n, int64_t k, uint8_t *q, float *scale,
+                           float *minimum, int threads);
+void slotserve_dequantize(int kind, const void *data, const float *scale, const float *minimum,
+                          int64_t n, int64_t k, float *out, int threads);
+
+/* ---- products y[m,n] = x[m,k] . W[n,k]^T (qgemm.c): 0, or -1 when out of memory ---- */
+int slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
+                       float *y, int threads, struct scratch *s);
+int slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w,
+                      const float *scale, int64_t n, float *y, int threads, struct scratch *s);
+int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w,
+                      const float *scale, const float *minimum, int64_t n, float *y,
+                      int threads, struct scratch *s);
+
+/* ---- attention (attention.c) ---- */
+/* Softmax attention of one query token per row over cache row slots[r] (r itself when slots is
+ * NULL), positions [0, lens[r]); q and out [rows, kv_heads, group, d]; caches [slots, kv_heads,
+ * max_len, d]. Returns 0, or -1 when a buffer could not be allocated. */
+int slotserve_attend(const float *q, const float *k, const float *v, int64_t rows,
+                     const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
+                     int64_t max_len, const int64_t *lens, float scale, float *out, int threads,
+                     struct scratch *s);
+/* slotserve_attend with row r reading cache row r. */
+int slotserve_decode_attention(const float *q, const float *k, const float *v, int64_t rows,
+                               int64_t kv_heads, int64_t group, int64_t d, int64_t max_len,
+                               const int64_t *lens, float scale, float *out, int threads,
+                               struct scratch *s);
+
+/* ---- a whole decode step (llama_step.c) ---- */
+int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, const float *cos,
+                         const float *sin, const int64_t *slots, const int64_t *positions,
+                         int threads, struct scratch *s);
+#endif
