@@ -24,6 +24,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m slotserve.engine.core.kernels --lint
+	$(BIN)/clang-format --dry-run --Werror engine/slotserve/engine/core/kernels/*.[ch]
 
 venv: $(STAMP)
 

@@ -60,7 +60,8 @@ __attribute__((target("avx2,fma"))) static void softmax_avx2(float *sc, int64_t 
     float total = hsum(total8);
     for (; t < len; t++) total += sc[t] = expf(sc[t] - top);
     const __m256 norm = _mm256_set1_ps(1.0f / total);
-    for (t = 0; t + 8 <= len; t += 8) _mm256_storeu_ps(sc + t, _mm256_mul_ps(_mm256_loadu_ps(sc + t), norm));
+    for (t = 0; t + 8 <= len; t += 8)
+        _mm256_storeu_ps(sc + t, _mm256_mul_ps(_mm256_loadu_ps(sc + t), norm));
     for (; t < len; t++) sc[t] *= 1.0f / total;
 }
 
@@ -142,7 +143,8 @@ __attribute__((target("avx2,fma"))) static void head_avx2(const float *query, co
             int64_t s = 0;
             for (; s + 2 <= len; s += 2) {
                 a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), _mm256_loadu_ps(vj + s * d), a0);
-                a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[s + 1]), _mm256_loadu_ps(vj + (s + 1) * d), a1);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[s + 1]), _mm256_loadu_ps(vj + (s + 1) * d),
+                                     a1);
             }
             for (; s < len; s++)
                 a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), _mm256_loadu_ps(vj + s * d), a0);
@@ -199,8 +201,10 @@ int slotserve_attend(const float *q, const float *k, const float *v, int64_t row
             }
             const float *keys = k + (slot * kv_heads + h) * max_len * d;
             const float *values = v + (slot * kv_heads + h) * max_len * d;
-            if (avx2) head_avx2(query, keys, values, len, d, group, scale, scores, dst);
-            else head_c(query, keys, values, len, d, group, scale, scores, dst);
+            if (avx2)
+                head_avx2(query, keys, values, len, d, group, scale, scores, dst);
+            else
+                head_c(query, keys, values, len, d, group, scale, scores, dst);
         }
     }
     free(owned);

@@ -56,13 +56,12 @@ void slotserve_dequantize(int kind, const void *data, const float *scale, const 
                           int64_t n, int64_t k, float *out, int threads);
 
 /* ---- products y[m,n] = x[m,k] . W[n,k]^T (qgemm.c): 0, or -1 when out of memory ---- */
-int slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
-                       float *y, int threads, struct scratch *s);
-int slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w,
-                      const float *scale, int64_t n, float *y, int threads, struct scratch *s);
-int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w,
-                      const float *scale, const float *minimum, int64_t n, float *y,
-                      int threads, struct scratch *s);
+int slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y,
+                       int threads, struct scratch *s);
+int slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float *scale,
+                      int64_t n, float *y, int threads, struct scratch *s);
+int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
+                      const float *minimum, int64_t n, float *y, int threads, struct scratch *s);
 
 /* ---- attention (attention.c) ---- */
 /* Softmax attention of one query token per row over cache row slots[r] (r itself when slots is

@@ -22,7 +22,7 @@
 enum { QKV, O, GATE_UP, DOWN, PRODUCTS };
 
 struct step_layer {
-    int64_t kind[PRODUCTS];           /* enum kind */
+    int64_t kind[PRODUCTS]; /* enum kind */
     const void *data[PRODUCTS];
     const float *scale[PRODUCTS];
     const float *minimum[PRODUCTS];
@@ -76,10 +76,10 @@ __attribute__((target("avx2,fma"))) static void silu_mul_avx2(const float *gate,
         const __m256 g = _mm256_loadu_ps(gate + j);
         const __m256 e = exp_nonpositive(_mm256_or_ps(g, sign)); /* -|g| */
         const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
-        const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, negative),
-                                             _mm256_add_ps(one, e));
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid),
-                                                _mm256_loadu_ps(up + j)));
+        const __m256 sigmoid =
+            _mm256_div_ps(_mm256_blendv_ps(one, e, negative), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + j,
+                         _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + j)));
     }
 }
 #define HAVE_AVX2_CODE 1
@@ -95,8 +95,10 @@ static void silu_mul_avx2(const float *gate, const float *up, int64_t n, float *
 
 static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out,
                      int avx2) {
-    if (avx2) rms_norm_avx2(x, weight, n, eps, out);
-    else rms_norm_c(x, weight, n, eps, out);
+    if (avx2)
+        rms_norm_avx2(x, weight, n, eps, out);
+    else
+        rms_norm_c(x, weight, n, eps, out);
 }
 
 /* transformers' rotate_half convention: pairs are (j, j + d/2). */
@@ -109,8 +111,8 @@ static void rope(float *head, const float *cos, const float *sin, int64_t d) {
     }
 }
 
-static int product(const struct step_layer *layer, int which, const float *x, int64_t m,
-                   int64_t k, int64_t n, float *y, int threads, struct scratch *s) {
+static int product(const struct step_layer *layer, int which, const float *x, int64_t m, int64_t k,
+                   int64_t n, float *y, int threads, struct scratch *s) {
     struct weights w = {(enum kind)layer->kind[which], layer->data[which], layer->scale[which],
                         layer->minimum[which]};
     if (slotserve_gemm_weights(x, m, k, w, n, y, threads, s) != 0) return -1;
@@ -139,8 +141,8 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
     float *wide = scratch_take(s, sizeof(float) * (size_t)m * widest, &owned[1]);
     float *query = scratch_take(s, sizeof(float) * (size_t)(m * nq), &owned[2]);
     float *attended = scratch_take(s, sizeof(float) * (size_t)(m * nq), &owned[3]);
-    float *narrow = scratch_take(
-        s, sizeof(float) * (size_t)(m * (hidden > inter ? hidden : inter)), &owned[4]);
+    float *narrow =
+        scratch_take(s, sizeof(float) * (size_t)(m * (hidden > inter ? hidden : inter)), &owned[4]);
     int64_t *lens = scratch_take(s, sizeof(int64_t) * (size_t)m, &owned[5]);
     int status = -1;
     if (!normed || !wide || !query || !attended || !narrow || !lens) goto done;
@@ -159,8 +161,8 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
             for (int64_t h = 0; h < model->heads; h++) rope(row + h * d, c, s, d);
             for (int64_t h = 0; h < model->kv_heads; h++) {
                 rope(row + nq + h * d, c, s, d);
-                const int64_t at = ((slots[i] * model->kv_heads + h) * model->max_len +
-                                    positions[i]) * d;
+                const int64_t at =
+                    ((slots[i] * model->kv_heads + h) * model->max_len + positions[i]) * d;
                 memcpy(layer->k_cache + at, row + nq + h * d, sizeof(float) * (size_t)d);
                 memcpy(layer->v_cache + at, row + nq + nkv + h * d, sizeof(float) * (size_t)d);
             }
@@ -180,8 +182,10 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
         for (int64_t i = 0; i < m; i++) {
             const float *gate = wide + i * 2 * inter, *up = gate + inter;
             float *act = narrow + i * inter;
-            if (avx2) silu_mul_avx2(gate, up, inter, act);
-            else silu_mul_c(gate, up, inter, act);
+            if (avx2)
+                silu_mul_avx2(gate, up, inter, act);
+            else
+                silu_mul_c(gate, up, inter, act);
         }
         if (product(layer, DOWN, narrow, m, inter, hidden, normed, threads, s)) goto done;
         for (int64_t j = 0; j < m * hidden; j++) x[j] += normed[j];

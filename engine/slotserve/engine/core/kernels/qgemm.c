@@ -139,8 +139,10 @@ static inline void prefetch_channels(struct weights w, int64_t c, int64_t count,
         prefetch_span((const float *)w.data + c * k, 4 * k * count);
         return;
     }
-    if (w.kind == Q8) prefetch_span((const int8_t *)w.data + c * k, k * count);
-    else prefetch_span((const uint8_t *)w.data + c * (k / 2), k / 2 * count);
+    if (w.kind == Q8)
+        prefetch_span((const int8_t *)w.data + c * k, k * count);
+    else
+        prefetch_span((const uint8_t *)w.data + c * (k / 2), k / 2 * count);
     prefetch_span(w.scale + c * groups, 4 * groups * count);
     if (w.kind == Q4) prefetch_span(w.minimum + c * groups, 4 * groups * count);
 }
@@ -167,8 +169,7 @@ static void dot_panel_c(const float *x, int64_t m, int64_t k, const float *w, in
     }
 }
 
-static void unpack_q8_c(const int8_t *q, const float *scale, int64_t k, int64_t rows,
-                        float *out) {
+static void unpack_q8_c(const int8_t *q, const float *scale, int64_t k, int64_t rows, float *out) {
     for (int64_t j = 0; j < rows * k; j++) out[j] = scale[j / GROUP] * (float)q[j];
 }
 
@@ -193,9 +194,8 @@ static void unpack_q4_c(const uint8_t *q, const float *scale, const float *minim
  * is a panel further on (see ahead_bytes): its lines are prefetched while this one computes, so
  * that with several rows, where the products take as long as the weights take to arrive, the
  * two overlap. */
-__attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, int64_t m,
-                                                               int64_t k, const float *w,
-                                                               float *y, int64_t n,
+__attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, int64_t m, int64_t k,
+                                                               const float *w, float *y, int64_t n,
                                                                const float *next) {
     const float *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k;
     int64_t i = 0;
@@ -233,9 +233,8 @@ __attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, i
                                      _mm256_hadd_ps(a2, b2), _mm256_hadd_ps(a3, b3)};
                 for (int r = 0; r < 4; r++) {
                     const __m256 all = _mm256_hadd_ps(pairs[r], q[r]);
-                    _mm_storeu_ps(y + (i + r) * n,
-                                  _mm_add_ps(_mm256_castps256_ps128(all),
-                                             _mm256_extractf128_ps(all, 1)));
+                    _mm_storeu_ps(y + (i + r) * n, _mm_add_ps(_mm256_castps256_ps128(all),
+                                                              _mm256_extractf128_ps(all, 1)));
                 }
             }
         }
@@ -339,9 +338,8 @@ __attribute__((target("avx2,fma"))) static void dot_panel_avx2(const float *x, i
     }
 }
 
-__attribute__((target("avx2,fma"))) static void unpack_q8_avx2(const int8_t *q,
-                                                               const float *scale, int64_t k,
-                                                               float *out) {
+__attribute__((target("avx2,fma"))) static void unpack_q8_avx2(const int8_t *q, const float *scale,
+                                                               int64_t k, float *out) {
     const int64_t groups = PANEL * (k / GROUP);
     for (int64_t g = 0; g < groups; g++) {
         const __m256 d = _mm256_set1_ps(scale[g]);
@@ -359,10 +357,8 @@ __attribute__((target("avx2,fma"))) static inline void store_q4_8(__m128i nibble
     _mm256_storeu_ps(dst, _mm256_fmadd_ps(q, d, mn));
 }
 
-__attribute__((target("avx2,fma"))) static void unpack_q4_avx2(const uint8_t *q,
-                                                               const float *scale,
-                                                               const float *minimum, int64_t k,
-                                                               float *out) {
+__attribute__((target("avx2,fma"))) static void
+unpack_q4_avx2(const uint8_t *q, const float *scale, const float *minimum, int64_t k, float *out) {
     const __m128i low = _mm_set1_epi8(0x0F);
     const int64_t groups = PANEL * (k / GROUP);
     for (int64_t g = 0; g < groups; g++) {
@@ -392,7 +388,6 @@ static void unpack_q4_avx2(const uint8_t *q, const float *scale, const float *mi
 }
 #endif
 
-
 /* ---- one row (batch-1 decode): dequantize into registers, no panel buffer ------------------ */
 /* With one row there is nothing to amortise a panel over: per 8 weights a panel costs a convert,
  * a scale, a store, a load and an FMA; here a convert and an FMA, the group's scale applied once
@@ -407,8 +402,10 @@ __attribute__((target("avx2,fma"))) static float row_q8_avx2(const float *x, con
         const float *xg = x + g * GROUP;
         __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
         for (int j = 0; j < GROUP; j += 16) {
-            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qg + j))));
-            __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qg + j + 8))));
+            __m256 w0 = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qg + j))));
+            __m256 w1 = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qg + j + 8))));
             acc = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg + j), acc);
             acc2 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + j + 8), acc2);
         }
@@ -427,14 +424,14 @@ __attribute__((target("avx2,fma"))) static inline __m256 group_q4(const int16_t 
     const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
     const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)); /* weights 0..15 */
     const __m256i hi = _mm256_srli_epi16(bytes, 4);                      /* weights 16..31 */
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(
-        _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)),
-        _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 16)))));
+    return _mm256_cvtepi32_ps(
+        _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)),
+                         _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 16)))));
 }
 
 __attribute__((target("avx2,fma"))) static float row_q4_avx2(const int16_t *xq, const float *xs,
-                                                             const float *xsum,
-                                                             const uint8_t *q, const float *scale,
+                                                             const float *xsum, const uint8_t *q,
+                                                             const float *scale,
                                                              const float *minimum, int64_t k) {
     const int64_t groups = k / GROUP;
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
@@ -468,7 +465,8 @@ static void round_q8_c(const float *src, int32_t *out, float *scale) {
     for (int j = 0; j < GROUP; j++) amax = fmaxf(amax, fabsf(src[j]));
     const float d = amax > 0.0f ? amax / 127.0f : 1.0f;
     *scale = d;
-    for (int j = 0; j < GROUP; j++) out[j] = (int32_t)fminf(fmaxf(nearbyintf(src[j] / d), -127.0f), 127.0f);
+    for (int j = 0; j < GROUP; j++)
+        out[j] = (int32_t)fminf(fmaxf(nearbyintf(src[j] / d), -127.0f), 127.0f);
 }
 
 static void round_q4_c(const float *src, int32_t *out, float *scale, float *minimum) {
@@ -506,7 +504,8 @@ __attribute__((target("avx2,fma"))) static void round_q8_avx2(const float *src, 
     const float amax = hmax(m);
     const float d = amax > 0.0f ? amax / 127.0f : 1.0f;
     *scale = d;
-    const __m256 vd = _mm256_set1_ps(d), top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
+    const __m256 vd = _mm256_set1_ps(d), top = _mm256_set1_ps(127.0f),
+                 bottom = _mm256_set1_ps(-127.0f);
     for (int i = 0; i < 4; i++) {
         __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], vd), ROUND_EVEN);
         r = _mm256_min_ps(_mm256_max_ps(r, bottom), top);
@@ -547,8 +546,10 @@ void slotserve_quantize_q8(const float *w, int64_t n, int64_t k, int8_t *q, floa
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < groups; g++) {
         int32_t values[GROUP];
-        if (avx2) round_q8_avx2(w + g * GROUP, values, scale + g);
-        else round_q8_c(w + g * GROUP, values, scale + g);
+        if (avx2)
+            round_q8_avx2(w + g * GROUP, values, scale + g);
+        else
+            round_q8_c(w + g * GROUP, values, scale + g);
         for (int j = 0; j < GROUP; j++) q[g * GROUP + j] = (int8_t)values[j];
     }
 }
@@ -561,8 +562,10 @@ void slotserve_quantize_q4(const float *w, int64_t n, int64_t k, uint8_t *q, flo
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < groups; g++) {
         int32_t values[GROUP];
-        if (avx2) round_q4_avx2(w + g * GROUP, values, scale + g, minimum + g);
-        else round_q4_c(w + g * GROUP, values, scale + g, minimum + g);
+        if (avx2)
+            round_q4_avx2(w + g * GROUP, values, scale + g, minimum + g);
+        else
+            round_q4_c(w + g * GROUP, values, scale + g, minimum + g);
         for (int j = 0; j < GROUP / 2; j++)
             q[g * (GROUP / 2) + j] = (uint8_t)(values[j] | (values[j + GROUP / 2] << 4));
     }
@@ -601,7 +604,8 @@ static int gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n
             xs[g] = fmaxf(amax / 32767.0f, FLT_MIN);
             const float inverse = 1.0f / xs[g];
             for (int j = 0; j < GROUP; j++)
-                xq[g * GROUP + j] = (int16_t)lrintf(fminf(fmaxf(xg[j] * inverse, -32767.0f), 32767.0f));
+                xq[g * GROUP + j] =
+                    (int16_t)lrintf(fminf(fmaxf(xg[j] * inverse, -32767.0f), 32767.0f));
         }
     }
     const int64_t ahead = channels_ahead(w.kind, k);
@@ -648,7 +652,8 @@ int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights 
 #pragma omp parallel num_threads(threads)
     {
         float *buffer = NULL;
-        if (buffers != NULL) buffer = (float *)(buffers + panel_bytes * (size_t)omp_get_thread_num());
+        if (buffers != NULL)
+            buffer = (float *)(buffers + panel_bytes * (size_t)omp_get_thread_num());
         /* Guided chunks: large ones first (few grabs of the shared counter), then smaller, so
          * that a thread the OS has descheduled (another process on the core) leaves the tail to
          * the others instead of holding the whole call at the barrier. Dynamic chunks of 8
@@ -668,15 +673,19 @@ int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights 
             } else if (w.kind == Q8) {
                 const int8_t *q = (const int8_t *)w.data + n0 * k;
                 const float *sc = w.scale + n0 * (k / GROUP);
-                if (avx2 && rows == PANEL) unpack_q8_avx2(q, sc, k, buffer);
-                else unpack_q8_c(q, sc, k, rows, buffer);
+                if (avx2 && rows == PANEL)
+                    unpack_q8_avx2(q, sc, k, buffer);
+                else
+                    unpack_q8_c(q, sc, k, rows, buffer);
                 panel = buffer;
             } else {
                 const int64_t groups = k / GROUP;
                 const uint8_t *q = (const uint8_t *)w.data + n0 * (k / 2);
                 const float *sc = w.scale + n0 * groups, *mn = w.minimum + n0 * groups;
-                if (avx2 && rows == PANEL) unpack_q4_avx2(q, sc, mn, k, buffer);
-                else unpack_q4_c(q, sc, mn, k, rows, buffer);
+                if (avx2 && rows == PANEL)
+                    unpack_q4_avx2(q, sc, mn, k, buffer);
+                else
+                    unpack_q4_c(q, sc, mn, k, rows, buffer);
                 panel = buffer;
             }
             if (avx2 && rows == PANEL) {
@@ -684,8 +693,10 @@ int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights 
                 const float *next = NULL;
                 if (w.kind == F32 && panels_ahead > 0 && p + panels_ahead + 1 < panels)
                     next = (const float *)w.data + (n0 + panels_ahead * PANEL) * k;
-                if (avx512) dot_panel_avx512(x, m, k, panel, y + n0, n, next);
-                else dot_panel_avx2(x, m, k, panel, y + n0, n, next);
+                if (avx512)
+                    dot_panel_avx512(x, m, k, panel, y + n0, n, next);
+                else
+                    dot_panel_avx2(x, m, k, panel, y + n0, n, next);
             } else {
                 dot_panel_c(x, m, k, panel, rows, y + n0, n);
             }
@@ -696,14 +707,14 @@ int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights 
     return 0;
 }
 
-int slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
-                       float *y, int threads, struct scratch *s) {
+int slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y,
+                       int threads, struct scratch *s) {
     struct weights weights = {F32, w, NULL, NULL};
     return slotserve_gemm_weights(x, m, k, weights, n, y, threads, s);
 }
 
-int slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w,
-                      const float *scale, int64_t n, float *y, int threads, struct scratch *s) {
+int slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float *scale,
+                      int64_t n, float *y, int threads, struct scratch *s) {
     struct weights weights = {Q8, w, scale, NULL};
     return slotserve_gemm_weights(x, m, k, weights, n, y, threads, s);
 }
@@ -723,23 +734,25 @@ void slotserve_dequantize(int kind, const void *data, const float *scale, const 
         if (kind == Q8) {
             const int8_t *q = (const int8_t *)data + n0 * k;
             const float *sc = scale + n0 * (k / GROUP);
-            if (avx2 && rows == PANEL) unpack_q8_avx2(q, sc, k, dst);
-            else unpack_q8_c(q, sc, k, rows, dst);
+            if (avx2 && rows == PANEL)
+                unpack_q8_avx2(q, sc, k, dst);
+            else
+                unpack_q8_c(q, sc, k, rows, dst);
         } else {
             const int64_t groups = k / GROUP;
             const uint8_t *q = (const uint8_t *)data + n0 * (k / 2);
             const float *sc = scale + n0 * groups, *mn = minimum + n0 * groups;
-            if (avx2 && rows == PANEL) unpack_q4_avx2(q, sc, mn, k, dst);
-            else unpack_q4_c(q, sc, mn, k, rows, dst);
+            if (avx2 && rows == PANEL)
+                unpack_q4_avx2(q, sc, mn, k, dst);
+            else
+                unpack_q4_c(q, sc, mn, k, rows, dst);
         }
     }
 }
 
 /* k must be a multiple of 32 (both quantized formats). */
-int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w,
-                      const float *scale, const float *minimum, int64_t n, float *y,
-                      int threads, struct scratch *s) {
+int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
+                      const float *minimum, int64_t n, float *y, int threads, struct scratch *s) {
     struct weights weights = {Q4, w, scale, minimum};
     return slotserve_gemm_weights(x, m, k, weights, n, y, threads, s);
 }
-

@@ -12,9 +12,9 @@
 
 struct weights {
     enum kind kind;
-    const void *data;    /* float[N,K], int8[N,K] or uint8[N,K/2] */
-    const float *scale;  /* Q8, Q4: [N, K/32] */
-    const float *minimum;/* Q4: [N, K/32] */
+    const void *data;     /* float[N,K], int8[N,K] or uint8[N,K/2] */
+    const float *scale;   /* Q8, Q4: [N, K/32] */
+    const float *minimum; /* Q4: [N, K/32] */
 };
 
 /* `bytes` (rounded up to 64) from `s` (which may be NULL), else from aligned_alloc; *owned is
@@ -69,8 +69,8 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp_nonpositive(__m256 
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                            _mm256_set1_epi32(127)), 23);
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 #endif

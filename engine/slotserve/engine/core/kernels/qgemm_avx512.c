@@ -54,10 +54,17 @@ AVX512 void dot_panel_avx512(const float *x, int64_t m, int64_t k, const float *
         rows_by_panel(x + i * k, k, w, y + i * n, n, i == 0 ? next : NULL, 4);
     const float *prefetch = i == 0 ? next : NULL;
     switch (m - i) {
-    case 3: rows_by_panel(x + i * k, k, w, y + i * n, n, prefetch, 3); break;
-    case 2: rows_by_panel(x + i * k, k, w, y + i * n, n, prefetch, 2); break;
-    case 1: rows_by_panel(x + i * k, k, w, y + i * n, n, prefetch, 1); break;
-    default: break;
+    case 3:
+        rows_by_panel(x + i * k, k, w, y + i * n, n, prefetch, 3);
+        break;
+    case 2:
+        rows_by_panel(x + i * k, k, w, y + i * n, n, prefetch, 2);
+        break;
+    case 1:
+        rows_by_panel(x + i * k, k, w, y + i * n, n, prefetch, 1);
+        break;
+    default:
+        break;
     }
 }
 #else
