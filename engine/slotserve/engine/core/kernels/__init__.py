@@ -1,6 +1,7 @@
 """The engine's own CPU kernels, compiled once and loaded only after checks: the matrix
-products and decode attention (``qgemm.c``, ``attention.c``) and a whole Llama decode step
-built on them (``llama_step.c``).
+products (``products.c``, ``quantized_rows.c``, ``quantize.c``, ``dispatch.c``), decode
+attention (``attention.c``) and a whole Llama decode step built on them (``llama_step.c``);
+their interface is ``kernels.h``.
 
 Where the library comes from (the image's prebuilt folder, a private cache under
 ``SLOTSERVE_HOME``, or a fresh compile with the system's gcc) and why it is trusted before it

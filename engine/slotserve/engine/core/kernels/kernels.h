@@ -35,7 +35,7 @@ struct scratch {
 /* llama_step.c: a model's shapes and weight pointers (native_decode.py's StepModel). */
 struct step_model;
 
-/* ---- the library itself (qgemm.c) ---- */
+/* ---- the library itself (dispatch.c) ---- */
 int slotserve_kernel_abi(void);        /* SLOTSERVE_KERNEL_ABI */
 int slotserve_kernel_group_size(void); /* SLOTSERVE_KERNEL_GROUP */
 int slotserve_kernel_isa(void);
@@ -47,7 +47,7 @@ uint64_t slotserve_kernel_fallback_allocations(void);
 /* Prefetch distance in bytes (negative: the default). */
 void slotserve_kernel_set_prefetch(int64_t bytes);
 
-/* ---- quantize and dequantize (qgemm.c): k a multiple of SLOTSERVE_KERNEL_GROUP ---- */
+/* ---- quantize (quantize.c), dequantize (products.c): k a multiple of the group ---- */
 void slotserve_quantize_q8(const float *w, int64_t n, int64_t k, int8_t *q, float *scale,
                            int threads);
 void slotserve_quantize_q4(const float *w, int64_t n, int64_t k, uint8_t *q, float *scale,
@@ -55,7 +55,7 @@ void slotserve_quantize_q4(const float *w, int64_t n, int64_t k, uint8_t *q, flo
 void slotserve_dequantize(int kind, const void *data, const float *scale, const float *minimum,
                           int64_t n, int64_t k, float *out, int threads);
 
-/* ---- products y[m,n] = x[m,k] . W[n,k]^T (qgemm.c): 0, or -1 when out of memory ---- */
+/* ---- products y[m,n] = x[m,k] . W[n,k]^T (products.c): 0, or -1 when out of memory ---- */
 int slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y,
                        int threads, struct scratch *s);
 int slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float *scale,

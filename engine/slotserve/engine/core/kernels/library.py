@@ -55,13 +55,16 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = (
-    HERE / "qgemm.c",
+    HERE / "dispatch.c",
+    HERE / "products.c",
+    HERE / "quantized_rows.c",
+    HERE / "quantize.c",
     HERE / "qgemm_avx512.c",
     HERE / "attention.c",
     HERE / "llama_step.c",
 )
 HEADER = HERE / "kernels.h"
-HEADERS = (HEADER, HERE / "qgemm.h")
+HEADERS = (HEADER, HERE / "qgemm.h", HERE / "gemm.h")
 # No -march: the library runs on any CPU of its machine type; wider instructions live in
 # functions of their own (target attributes), chosen at run time from cpuid.
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")

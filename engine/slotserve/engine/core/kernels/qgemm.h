@@ -27,7 +27,7 @@ void scratch_release(struct scratch *s, size_t mark);
 int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights w, int64_t n,
                            float *y, int threads, struct scratch *s);
 
-/* qgemm_avx512.c: the panel product of qgemm.c's dot_panel_avx2, 512 bits wide; k % 16 == 0. */
+/* qgemm_avx512.c: the panel product of products.c's dot_panel_avx2, 512 bits wide; k % 16 == 0. */
 void dot_panel_avx512(const float *x, int64_t m, int64_t k, const float *w, float *y, int64_t n,
                       const float *next);
 

@@ -2,7 +2,7 @@
  * CPUs that have it: 16 floats a register and 32 registers, so four input rows against the
  * panel's four weight rows keep 16 accumulators, and each weight vector loaded serves four
  * rows. Compiled without -m flags: only this function's target attribute allows the
- * instructions, and qgemm.c calls it only when cpuid reports them (slotserve_kernel_isa() ==
+ * instructions, and products.c calls it only when cpuid reports them (slotserve_kernel_isa() ==
  * ISA_AVX512), so the library still loads and runs on an AVX2-only or a plain x86-64 CPU.
  *
  * Where it pays: with many rows (prefill chunks, wide decode steps) a panel product is bound
@@ -20,7 +20,7 @@
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
 /* R rows of x (R <= 4, a constant where inlined) against the 4 panel rows of w; k % 16 == 0.
- * `next` (or NULL): a panel further on, prefetched into L2 meanwhile (see qgemm.c). */
+ * `next` (or NULL): a panel further on, prefetched into L2 meanwhile (see products.c). */
 AVX512 static inline void rows_by_panel(const float *x, int64_t k, const float *w, float *y,
                                         int64_t n, const float *next, const int rows) {
     const float *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k;

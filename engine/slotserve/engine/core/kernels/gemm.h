@@ -1,0 +1,72 @@
+/* What the parts of the matrix products share (dispatch.c, products.c, quantized_rows.c,
+ * quantize.c): the panel and group sizes, the prefetch distance and helpers, and the one-row
+ * product. Hidden from the library's exports, as qgemm.h. */
+#ifndef SLOTSERVE_GEMM_H
+#define SLOTSERVE_GEMM_H
+#include <omp.h>
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qgemm.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define HAVE_AVX2_CODE 1
+#include <immintrin.h>
+#else
+#define HAVE_AVX2_CODE 0
+#endif
+
+#define PANEL 4
+#define GROUP SLOTSERVE_KERNEL_GROUP
+
+#pragma GCC visibility push(hidden)
+
+/* dispatch.c: how far ahead of the weights being multiplied their successors are prefetched,
+ * in bytes (slotserve_kernel_set_prefetch). */
+extern int64_t ahead_bytes;
+
+#if HAVE_AVX2_CODE
+/* quantized_rows.c: one row against quantized weights (k a multiple of 32). */
+int gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n, float *y, int threads,
+                   struct scratch *s);
+#endif
+
+#pragma GCC visibility pop
+
+/* Bytes of one output channel's weights (and scales, minimums). */
+static inline int64_t channel_bytes(enum kind kind, int64_t k) {
+    if (kind == F32) return 4 * k;
+    if (kind == Q8) return k + 4 * (k / GROUP);
+    return k / 2 + 8 * (k / GROUP);
+}
+
+static inline void prefetch_span(const void *start, int64_t bytes);
+
+/* The weights (and scales, minimums) of channels [c, c + count). */
+static inline void prefetch_channels(struct weights w, int64_t c, int64_t count, int64_t k) {
+    const int64_t groups = k / GROUP;
+    if (w.kind == F32) {
+        prefetch_span((const float *)w.data + c * k, 4 * k * count);
+        return;
+    }
+    if (w.kind == Q8)
+        prefetch_span((const int8_t *)w.data + c * k, k * count);
+    else
+        prefetch_span((const uint8_t *)w.data + c * (k / 2), k / 2 * count);
+    prefetch_span(w.scale + c * groups, 4 * groups * count);
+    if (w.kind == Q4) prefetch_span(w.minimum + c * groups, 4 * groups * count);
+}
+
+static inline int64_t channels_ahead(enum kind kind, int64_t k) {
+    const int64_t c = ahead_bytes / channel_bytes(kind, k);
+    return ahead_bytes == 0 ? 0 : (c > 1 ? c : 1);
+}
+
+static inline void prefetch_span(const void *start, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)start + at, 0, 2);
+}
+
+#endif
