@@ -14,7 +14,7 @@ replica leaves nothing behind for long:
 | ``P:{pool}:lease_endpoint`` | HASH | request id -> endpoint URL of its slot | STATE |
 | ``P:{pool}:inflight`` | HASH | endpoint URL -> slots its leases hold (a request's ``n``) | STATE |
 | ``P:{pool}:lease_slots`` | HASH | request id -> slots its lease holds, if over one | STATE |
-| ``P:{pool}:stats`` | HASH | ``dispatched`` (granted so far), ``retry_horizon`` (us) | STATE |
+| ``P:{pool}:stats`` | HASH | counters and promise state (5) | STATE |
 | ``P:{pool}:deadlines`` | ZSET | waiting request ids; score = queue deadline (us) | STATE |
 | ``P:{pool}:replicas`` | SET | replicas that may have requests waiting in the pool | STATE |
 | ``P:{pool}:retries`` | ZSET | places promised to rejected clients; score = return (us) | STATE |
@@ -31,6 +31,9 @@ replica leaves nothing behind for long:
 (3) written by every replica, read by the operator for ``status.admission``
 (``slotserve.admission_stats``).
 (4) plus ``DEMOTION_OFFSET_US`` once demoted (a ``DELAY`` level's request past its timeout).
+(5) ``dispatched`` (granted so far), ``refused`` (queued requests no offered engine could hold),
+``bad_entries`` (entries or lease weights that did not parse, dropped), ``held`` (queue places
+held for promised clients), ``retry_horizon`` (us: the last place promised).
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
 write. Times are Redis server time (``TIME``) in microseconds, so replica clocks never matter.
 """
