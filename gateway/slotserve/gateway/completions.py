@@ -90,13 +90,23 @@ def slots_bound(pool: Pool, offers: Sequence[EndpointOffer]) -> int:
     return min(MAX_CHOICES, most_slots(offers) or pool.batching.max_batch_size)
 
 
-def requested_slots(payload: dict[str, Any]) -> int:
-    """The engine slots a request takes: one per choice (``n``). A malformed ``n`` counts one:
-    the engine refuses it (400 naming ``n``) without taking a slot."""
-    n = payload.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-        return n
+def num_prompts(payload: dict[str, Any]) -> int:
+    """Prompts in a request: a ``prompt`` list of strings or of token-id lists is a batch (one
+    sequence each in the engine, as its ``CompletionRequest.prompts`` reads it); anything else
+    is one."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return len(prompt)
     return 1
+
+
+def requested_slots(payload: dict[str, Any]) -> int:
+    """The engine slots a request takes: one per prompt and choice (P prompts x ``n``), as the
+    engine runs each as a sequence. A malformed ``n`` counts one: the engine refuses it (400
+    naming ``n``) without taking a slot."""
+    n = payload.get("n")
+    choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    return choices * num_prompts(payload)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -110,6 +120,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     # A waiting request keeps its raw bytes (for the engine) and these two, never the parsed
     # tree, which can be many times its body's size.
     model, slots = payload.get("model"), requested_slots(payload)
+    field = "prompt" if num_prompts(payload) > 1 else "n"  # the one to name when over the bound
     del payload
     if not isinstance(model, str) or not model:
         return error_response(400, "'model' (a string) is required", "missing_model", param="model")
@@ -156,12 +167,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         # Refused before queueing, as the engine would: no endpoint could ever hold it.
         m.rejected.labels(model, "invalid_value").inc()
         what = "every ready engine" if offers else "the engines it starts (maxBatchSize)"
+        asked = f"'n' ({slots})" if field == "n" else f"'prompt' x 'n' ({slots} sequences)"
         return error_response(
             400,
-            f"'n' ({slots}) exceeds the slots of {what} of pool {model!r} "
-            f"(at most {bound}): each choice takes one",
+            f"{asked} exceeds the slots of {what} of pool {model!r} "
+            f"(at most {bound}): each prompt's choice takes one",
             "invalid_value",
-            param="n",
+            param=field,
         )
     try:
         acquire = admission.acquire(
