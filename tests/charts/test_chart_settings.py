@@ -108,3 +108,38 @@ def test_gateway_redis_url_reaches_the_bundled_redis_service(render):
     assert url.scheme == "redis" and url.password == SECRET_VALUE  # from the password Secret
     service = rendered.get("Service", url.hostname)
     assert url.port in [p["port"] for p in service["spec"]["ports"]]
+
+
+def test_gateway_limits_and_model_namespaces_reach_the_gateway(render, tmp_path, monkeypatch):
+    """The chart's gateway.limits and gateway.modelNamespaces arrive as the settings they name;
+    unset, the gateway's own defaults hold (the budget derived from the container's memory)."""
+    defaults = settings_seen_by(
+        container_of(render(), GATEWAY), GatewaySettings, gateway_parser, "SLOTSERVE_GATEWAY_",
+        monkeypatch,
+    )  # fmt: skip
+    assert defaults.memory_budget_bytes is None
+    assert defaults.model_namespaces == {}
+    assert defaults.max_json_nodes == GatewaySettings.model_fields["max_json_nodes"].default
+    values = tmp_path / "limits.yaml"
+    values.write_text(
+        "gateway:\n"
+        "  limits:\n"
+        "    memoryBudgetBytes: 268435456\n"
+        "    memoryBudgetFraction: 0.25\n"
+        "    bodyReadTimeoutSeconds: 7.5\n"
+        "    maxJsonNodes: 5000\n"
+        "    maxJsonDepth: 16\n"
+        "    maxUpstreamAnswerBytes: 1048576\n"
+        "  modelNamespaces: ['llama-*=platform,ml', 'smollm2=platform']\n"
+    )
+    settings = settings_seen_by(
+        container_of(render(str(values)), GATEWAY), GatewaySettings, gateway_parser,
+        "SLOTSERVE_GATEWAY_", monkeypatch,
+    )  # fmt: skip
+    assert isinstance(settings, GatewaySettings)
+    assert settings.memory_budget_bytes == 268_435_456
+    assert settings.memory_budget_fraction == 0.25
+    assert settings.body_read_timeout_seconds == 7.5
+    assert (settings.max_json_nodes, settings.max_json_depth) == (5000, 16)
+    assert settings.max_upstream_answer_bytes == 1_048_576
+    assert settings.model_namespaces == {"llama-*": ["platform", "ml"], "smollm2": ["platform"]}
