@@ -39,6 +39,9 @@ from slotserve.engine.core.native_linear import (
 from slotserve.engine.core.native_rows_watch import STEADY_STEPS, WARM_UP_STEPS, NativeRowsWatch
 from slotserve.settings import CommonSettings
 
+# Spawns CPU hogs and times steps: run alone (make test runs `serial` tests after the rest).
+pytestmark = pytest.mark.serial
+
 CPU = {"cpu_model": "Test CPU", "cpu_flags": "avx2 fma", "machine": "x86_64", "torch": "t"}
 QUESTION = {"rows": 8}
 RULE = Rule("8", "test rule", lambda choice: int(choice) * 4 < 8)

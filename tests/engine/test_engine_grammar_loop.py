@@ -91,6 +91,7 @@ def worst_load_latency_during(engine: EngineProcess, request: httpx.Request) -> 
     return response, worst
 
 
+@pytest.mark.serial  # timing-sensitive: measured alone
 def test_a_large_schema_with_many_choices_never_stalls_the_loop(engine):
     # Warm up: llguidance's view of the tokenizer is built once, on first use (~1 s).
     body = {"model": "tiny", "prompt": "x", "max_tokens": 1, "guided_choice": ["a"]}

@@ -112,6 +112,7 @@ def test_a_1mb_prompt_is_refused_at_once(smollm2_engine, smollm2_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # timing-sensitive: measured alone
 def test_streams_and_load_carry_on_while_a_huge_prompt_is_tokenized(smollm2_engine):
     """Two streams run through a window with huge prompts being tokenized, then through a quiet
     window of the same length (the control: what this machine does on its own)."""

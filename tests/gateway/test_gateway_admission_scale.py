@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 
+import pytest
 import redis.asyncio as aioredis
 from admission_cluster import Cluster
 
@@ -45,6 +46,7 @@ async def _fill(backend: RedisBackend, pool: PoolPolicy, num: int, timeout_s: fl
         )
 
 
+@pytest.mark.serial  # timing-sensitive: measured alone
 async def test_20k_waiting_keeps_every_command_and_ping_under_20ms(redis_server):
     probe = aioredis.Redis.from_url(redis_server.url)
     await probe.config_set("slowlog-log-slower-than", SLOW_US)
