@@ -110,3 +110,27 @@ def run_staggered(
         step += 1
         assert step < max_steps, "the engine did not finish"
     return seqs
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation of ``prompt``: what the engine must reproduce."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def make_prompts(num: int, seed: int = 0) -> list[list[int]]:
+    """``num`` random prompts of different lengths, the same for a seed."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [3 + (i * 7) % 61 for i in range(num)]  # 3 .. 63 tokens, all different-ish
+    return [torch.randint(3, 49_000, (n,), generator=generator).tolist() for n in lengths]

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_core_support import build_sharp_tiny_model, make_engine, run_staggered
+from engine_core_support import (
+    build_sharp_tiny_model,
+    hf_greedy,
+    make_engine,
+    make_prompts,
+    run_staggered,
+)
 from transformers import AutoModelForCausalLM
 
 from slotserve.engine.core.params import SamplingParams
@@ -23,24 +29,6 @@ def reference_model(sharp_model_dir):
     # Like ignore_eos in the engine: neither stop at nor suppress the end-of-sequence token.
     model.generation_config.eos_token_id = None
     return model
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def make_prompts(num: int, seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = [3 + (i * 7) % 61 for i in range(num)]  # 3 .. 63 tokens, all different-ish
-    return [torch.randint(3, 49_000, (n,), generator=generator).tolist() for n in lengths]
 
 
 def test_outputs_vary_so_equivalence_means_something(reference_model):
