@@ -238,3 +238,37 @@ async def test_a_broken_runner_fails_probes_and_ends_streams_retryably(tiny_mode
         )
     finally:
         await client.close()
+
+
+async def test_a_request_racing_the_failure_is_told_the_engine_broke(tiny_model_dir, monkeypatch):
+    """A request that passed the readiness check just before a step failed meets a stopped
+    loop: it gets the same retryable engine_failure answer, with Retry-After (it once got a
+    bare 'draining' 503 the gateway could not act on)."""
+    from slotserve.engine.core.async_engine import AsyncEngine
+    from slotserve.engine.http import openai_routes
+    from slotserve.engine.http.server import create_app
+
+    settings = EngineSettings(
+        model=str(tiny_model_dir), served_model_name="tiny", num_threads=1, max_model_len=512
+    )
+    engine = await asyncio.to_thread(AsyncEngine.load, settings)
+    client = TestClient(TestServer(create_app(engine)))
+    await client.start_server()
+    try:
+        while (await client.get("/ready")).status != 200:
+            await asyncio.sleep(0.05)
+        streamed = await client.post("/v1/completions", json=body("a", stream=True, max_tokens=400))
+
+        def device_error(chunks):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        engine.engine.runner.execute = device_error
+        await asyncio.wait_for(read_events(streamed), 30)
+        assert engine.failure is not None
+        # The race: the route's readiness check ran before the failure was recorded.
+        monkeypatch.setattr(openai_routes, "accepting_engine", lambda state: engine)
+        resp = await client.post("/v1/completions", json=body("b", stream=False))
+        assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "engine_failure"
+    finally:
+        await client.close()

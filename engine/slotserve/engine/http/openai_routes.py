@@ -30,6 +30,7 @@ from slotserve.engine.http.http_state import (
     ApiError,
     ServerState,
     accepting_engine,
+    broken_engine_error,
     loaded_engine,
 )
 from slotserve.engine.http.openai_api import (
@@ -335,8 +336,16 @@ async def _generate(
             headers={"Retry-After": "1"},  # the error middleware adds the slot headers
         ) from error
     except EngineNotRunningError as error:
+        # The loop stopped between accepting_engine() and here: say why, so the gateway
+        # retries elsewhere at once (a step failure) or after a beat (a drain).
+        if engine.failure is not None:
+            raise broken_engine_error(engine.failure) from error
         raise ApiError(
-            503, "the engine is not running", type_="service_unavailable_error", code="draining"
+            503,
+            "the engine is not running; send the request to another replica",
+            type_="service_unavailable_error",
+            code="draining",
+            headers={"Retry-After": "1"},
         ) from error
     state.begin(fmt.request_id)
     try:
