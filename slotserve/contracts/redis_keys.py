@@ -21,6 +21,8 @@ replica leaves nothing behind for long:
 | ``P:{pool}:levels`` | HASH | level -> number of its requests waiting | STATE |
 | ``P:{pool}:delays`` | ZSET | DELAY-level request ids; score = when demoted (us) | STATE |
 | ``P:{pool}:waiting:{id}`` | ZSET | replica ``id``'s waiting request ids (dead: swept) | STATE |
+| ``P:{pool}:fair:{level}`` | HASH | ``=v`` -> virtual time V, tenant -> finish tag (6) | STATE |
+| ``P:{pool}:fairq:{level}`` | ZSET | the level's waiting ids; score = fair start tag (6) | STATE |
 | ``P:{pool}:window:{n}`` | HASH | admitted, rejected, queue waits in window ``n`` (3) | 90 s |
 | ``P:epoch`` | HASH | admission epoch: ``id``, ``created``, ``ready`` (us) (2) | STATE |
 | ``P:replica:{id}`` | STRING | present while replica ``id`` heartbeats | lease TTL |
@@ -34,6 +36,8 @@ replica leaves nothing behind for long:
 (5) ``dispatched`` (granted so far), ``refused`` (queued requests no offered engine could hold),
 ``bad_entries`` (entries or lease weights that did not parse, dropped), ``held`` (queue places
 held for promised clients), ``retry_horizon`` (us: the last place promised).
+(6) start-time fair queuing within a level (``gateway/lua_fair.py``); both deleted when the level
+has nothing waiting.
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
 write. Times are Redis server time (``TIME``) in microseconds, so replica clocks never matter.
 """

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from slotserve.contracts.pool_spec import MAX_PRIORITY_LEVELS
 from slotserve.contracts.redis_keys import Keys
 from slotserve.gateway.admission_types import REFUSED, AdmissionError, PoolPolicy
 from slotserve.gateway.lua import SCRIPTS
@@ -188,7 +189,21 @@ class Twin:
             "held": int(stats.get("held", 0)),
             "promised": self.sync.zcard(key("retries")),
             "demoting": set(self.sync.zrange(key("delays"), 0, -1)),
+            "fair": self.redis_fair(pool),
         }
+
+    def redis_fair(self, pool: PoolPolicy) -> dict[int, tuple[dict[str, int], list]]:
+        """Each level's fair state: V and the tenants' finish tags, the entries' start tags."""
+        fair = {}
+        for level in range(MAX_PRIORITY_LEVELS + 1):
+            fields = self.sync.hgetall(self.keys.pool_key(pool.name, f"fair:{level}"))
+            tags = self.sync.zrange(
+                self.keys.pool_key(pool.name, f"fairq:{level}"), 0, -1, withscores=True
+            )
+            if fields or tags:
+                values = {name: int(value) for name, value in fields.items()}
+                fair[level] = (values, [(rid, int(tag)) for rid, tag in tags])
+        return fair
 
     def memory_state(self, pool: PoolPolicy) -> dict[str, object]:
         state = self.hub.pool(pool.name)
@@ -206,6 +221,11 @@ class Twin:
             "held": state.num_held,
             "promised": len(state.promised),
             "demoting": set(state.delays),
+            "fair": {
+                level: (dict(fair.fields), sorted(fair.tags.items(), key=lambda i: (i[1], i[0])))
+                for level, fair in state.fair.items()
+                if fair.fields or fair.tags
+            },
         }
 
     def check(self, pool: PoolPolicy, offers: list[EndpointOffer], before: dict[str, int]) -> None:
@@ -226,6 +246,11 @@ class Twin:
             waiting |= set(self.sync.zrange(waiting_key, 0, -1))
         assert waiting == set(entries), "the replicas' waiting sets differ from the entries"
         assert got["demoting"] <= set(queue)  # type: ignore[operator]
+        # Every entry has its start tag at its level, and only entries have one.
+        fair = got["fair"]
+        assert isinstance(fair, dict)
+        tagged = {(level, rid) for level, (_, tags) in fair.items() for rid, _ in tags}
+        assert tagged == {(level, rid) for rid, (_, level, _) in entries.items()}, "fair tags"
         # No engine over its slots: a step never grows an endpoint past its slots, and the
         # in-flight count is the sum of the leases' weights.
         leases = got["leases"]

@@ -2,13 +2,15 @@
 pool, on a real Redis, with the in-process backend as the oracle (``admission_twin.py``).
 
 Each example is a random sequence of enqueues (priorities 0-9, n of 1-5, timeouts from 1 us to a
-minute, DELAY demotion, aging), re-enqueues of known requests (``only_if_absent``, as a restore
-does), cancels, releases, ticks, changes of the engines offered (sound and not: 0 or 5,000 slots,
-NaN or infinite load), time passing (deadlines, lease expiry, demotion, promises), replica death
-and heartbeats, hostile values through the backends' API, and raw script calls with values no
-caller should send. After every step: both backends answered alike and delivered the same grants,
-no engine holds more than its slots, the counts equal the entries, every lease was delivered
-once, and the whole Redis state equals the oracle's; a raw call the script refuses wrote nothing.
+minute, DELAY demotion, aging, tenants of weights 1 to 1000), re-enqueues of known requests
+(``only_if_absent``, as a restore does), cancels, releases, ticks, changes of the engines offered
+(sound and not: 0 or 5,000 slots, NaN or infinite load), time passing (deadlines, lease expiry,
+demotion, promises), replica death and heartbeats, hostile values through the backends' API, and raw
+script calls with values no caller should send. After every step: both backends answered alike and
+delivered the same grants (so both dispatch in the same order, tenants' fair shares included), no
+engine holds more than its slots, the counts equal the entries, every lease was delivered once, and
+the whole Redis state equals the oracle's (the fair tags and virtual times too); a raw call the
+script refuses wrote nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ enqueue = st.tuples(
     st.sampled_from([None, 1, 500_000]),  # demote after (us)
     st.sampled_from([0, 300_000, 10_000_000]),  # aging (us)
     st.sampled_from([1, 250_000, 1_000_000, 1_500_000]),  # drain gap (us)
+    st.sampled_from(["default", "a", "b.2"]),  # tenant
+    st.sampled_from([1, 1, 2, 3, 1000]),  # its weight
 )
 offer = st.tuples(
     st.sampled_from([1, 2, 3, 4, 4, 4, 0, 5_000]), st.sampled_from([0.0, 0.25, 1.0, math.nan])
@@ -57,8 +61,8 @@ STEPS = [
     *[st.tuples(st.just("advance"), st.sampled_from([1, 300_000, 1_000_000, 2_500_000]))] * 2,
     st.tuples(st.just("kill"), replica),
     st.tuples(st.just("heartbeat"), replica),
-    st.tuples(st.just("hostile"), replica, st.integers(0, 9)),
-    st.tuples(st.just("raw"), replica, st.integers(0, 9)),
+    st.tuples(st.just("hostile"), replica, st.integers(0, 14)),
+    st.tuples(st.just("raw"), replica, st.integers(0, 13)),
 ]
 step = st.sampled_from(STEPS).flatmap(lambda kind: kind)
 pools = st.builds(
@@ -85,6 +89,11 @@ HOSTILE = [
     {"timeout_us": 10**20},
     {"drain_gap_us": 0},
     {"demote_after_us": 10**20},
+    {"tenant": ""},
+    {"tenant": "t" * 64},
+    {"tenant": "a|b"},
+    {"weight": 0},
+    {"weight": 1001},
 ]
 # Raw ARGV a script must refuse before its first write: (index after the shared ones, text).
 RAW_ENQUEUE = [
@@ -98,6 +107,10 @@ RAW_ENQUEUE = [
     (0, "a\x1fb"),  # request id with the grant separator
     (4, "2"),  # only-if-absent flag
     (7, "1e3"),  # aging
+    (11, "-a"),  # tenant
+    (11, "a\x1fb"),
+    (12, "0"),  # weight
+    (12, "1001"),
 ]
 
 
@@ -115,7 +128,7 @@ async def run_example(url: str, pool: PoolPolicy, initial: list, steps: list) ->
             before = dict(twin.redis_state(pool)["inflight"])  # type: ignore[call-overload]
             kind = op[0]
             if kind == "enqueue":
-                _, who, priority, slots, timeout_us, demote_us, aging_us, gap_us = op
+                _, who, priority, slots, timeout_us, demote_us, aging_us, gap_us, tenant, w = op
                 request_id = f"r{number:04d}"
                 issued.append(request_id)
                 await twin.run(
@@ -130,6 +143,8 @@ async def run_example(url: str, pool: PoolPolicy, initial: list, steps: list) ->
                     aging_us=aging_us,
                     demote_after_us=demote_us,
                     slots=slots,
+                    tenant=tenant,
+                    weight=w,
                 )
             elif kind == "requeue" and (waiting := waiters(twin, issued)):
                 # A waiter whose entry may be gone, put back as a restore does (only if absent).
@@ -178,6 +193,8 @@ async def run_example(url: str, pool: PoolPolicy, initial: list, steps: list) ->
                     "aging_us": 0,
                     "demote_after_us": None,
                     "slots": 1,
+                    "tenant": "a",
+                    "weight": 1,
                     **HOSTILE[which],
                 }
                 priority, timeout_us = values.pop("priority"), values.pop("timeout_us")
@@ -222,7 +239,7 @@ async def raw_call(twin: Twin, pool: PoolPolicy, offers: list, who: int, which: 
     index, text = RAW_ENQUEUE[which]
     args = backend._args(pool, offers)
     own: list[str | int] = [f"raw{which}", 5, 1_000_000, pool.max_queue_size, 0, 1, 1_000_000]
-    own += [0, pool.max_queue_size, 0, 1]
+    own += [0, pool.max_queue_size, 0, 1, "default", 1]
     own[index] = text
     before = snapshot(twin)
     with pytest.raises(InvalidAdmissionValueError):

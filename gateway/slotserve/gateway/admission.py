@@ -49,6 +49,7 @@ from slotserve.gateway.drain import (
     service_rate_per_s,
 )
 from slotserve.gateway.routing import EndpointOffer, most_slots
+from slotserve.gateway.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,6 +68,8 @@ class Waiter:
     deadline: float  # monotonic
     demote_at: float | None = None  # monotonic; DELAY levels only
     slots: int = 1  # slots its lease will hold: one per choice (``n``)
+    tenant: str = DEFAULT_TENANT  # its share within its level (``fair_share.py``)
+    weight: int = 1
 
 
 @dataclass(frozen=True)
@@ -162,12 +165,16 @@ class Admission:
         *,
         demote_after_s: float | None = None,
         slots: int = 1,
+        tenant: str = DEFAULT_TENANT,
+        weight: int = 1,
     ) -> Lease:
         """Wait for a slot; raises QueueFullError, QueueTimeoutError or BackendUnavailableError.
 
         ``demote_after_s`` (a ``DELAY`` level, ``PoolPolicy.queue_wait``): from then on the
         request waits behind every request not demoted, until ``timeout_s``. ``slots``: the
         lease holds that many slots of one endpoint (a request's ``n``, one per choice).
+        ``tenant`` and its ``weight``: within its level, the request waits for its tenant's
+        weighted fair share of the pool, across every replica (``fair_share.py``).
         """
         started = time.monotonic()
         if self.keeper.needs_restore:
@@ -176,12 +183,12 @@ class Admission:
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         demote_at = None if demote_after_s is None else started + demote_after_s
         self.waiters[request_id] = Waiter(
-            pool, future, priority, started + timeout_s, demote_at, slots
+            pool, future, priority, started + timeout_s, demote_at, slots, tenant, weight
         )
         owned = settled = False
         try:
             try:
-                await self._enqueue(pool, request_id, priority, timeout_s, demote_after_s, slots)
+                await self._enqueue(request_id, self.waiters[request_id], timeout_s, demote_after_s)
             except BackendUnavailableError:
                 raise
             except AdmissionError:
@@ -235,14 +242,9 @@ class Admission:
         return int(pool.priority_aging_s * 1_000_000)
 
     async def _enqueue(
-        self,
-        pool: PoolPolicy,
-        request_id: str,
-        priority: int,
-        timeout_s: float,
-        demote_after_s: float | None,
-        slots: int,
+        self, request_id: str, waiter: Waiter, timeout_s: float, demote_after_s: float | None
     ) -> None:
+        pool = waiter.pool
         demote_us = None if demote_after_s is None else int(demote_after_s * 1_000_000)
         try:
             result = await self.call(
@@ -250,12 +252,14 @@ class Admission:
                     pool,
                     self.offers(pool.name),
                     request_id,
-                    priority,
+                    waiter.priority,
                     int(timeout_s * 1_000_000),
                     drain_gap_us=promise_gap_us(self.service_rate(pool.name)),
                     aging_us=self.aging_us(pool),
                     demote_after_us=demote_us,
-                    slots=slots,
+                    slots=waiter.slots,
+                    tenant=waiter.tenant,
+                    weight=waiter.weight,
                 )
             )
         except QueueFullError as exc:

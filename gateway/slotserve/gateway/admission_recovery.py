@@ -143,6 +143,8 @@ class LeaseKeeper:
                     demote_after_us=demote_us,
                     only_if_absent=True,
                     slots=waiter.slots,
+                    tenant=waiter.tenant,
+                    weight=waiter.weight,
                 )
             )
         except BackendUnavailableError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -30,6 +31,10 @@ MAX_QUEUE_SIZE = 1_000_000  # AdmissionSpec.max_queue_size's bound
 # A place freed while clients were told to come back (429 + Retry-After) is held for one of them
 # only while its return is at most this far ahead; at most 3/4 of the queue is ever held.
 PROMISE_WINDOW_US = 5_000_000
+# A tenant's weight (``tenants.MAX_WEIGHT``) and name (``tenants.TENANT_NAME``), as the fair share
+# of a level takes them (``fair_share.py``, ``lua_fair.py``).
+MAX_WEIGHT = 1000
+TENANT_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 # The endpoint of a "grant" that refuses its request: no engine of the pool can ever hold its
 # slots (``Admission._on_grant`` raises ``NoEngineFitsError`` in its waiter, nothing is held).
 REFUSED = ""
@@ -198,9 +203,13 @@ def check_enqueue(
     aging_us: int,
     demote_after_us: int | None,
     slots: int,
+    tenant: str = "default",
+    weight: int = 1,
 ) -> None:
     """Raise ``InvalidAdmissionValueError`` for any enqueue value outside the bounds; both
     backends call it first, and the Lua script repeats it (a caller's bug must not reach Redis)."""
+    if not isinstance(tenant, str) or not TENANT_NAME.fullmatch(tenant):
+        raise InvalidAdmissionValueError(f"tenant must be a tenant's name, got {repr(tenant)[:80]}")
     bounds = {
         "priority": (priority, RETRY_PRIORITY, MAX_PRIORITY_LEVELS),
         "timeout_us": (timeout_us, 1, MAX_WAIT_US),
@@ -208,6 +217,7 @@ def check_enqueue(
         "aging_us": (aging_us, 0, MAX_WAIT_US),
         "demote_after_us": (demote_after_us or 0, 0, MAX_WAIT_US),
         "slots": (slots, 1, MAX_LEASE_SLOTS),
+        "weight": (weight, 1, MAX_WEIGHT),
         "max_queue_size": (pool.max_queue_size, 0, MAX_QUEUE_SIZE),
         "level max_queue_size": (pool.level(priority).max_queue_size, 0, MAX_QUEUE_SIZE),
         "queue_timeout_us": (promise_horizon_us(pool), 1, MAX_WAIT_US),
@@ -254,6 +264,8 @@ class AdmissionBackend(Protocol):
         demote_after_us: int | None = None,
         only_if_absent: bool = False,
         slots: int = 1,
+        tenant: str = "default",
+        weight: int = 1,
     ) -> DispatchResult:
         """Queue a request (raising QueueFullError beyond maxQueueSize, or beyond its level's
         own ``maxQueueSize``), then dispatch.
@@ -275,6 +287,10 @@ class AdmissionBackend(Protocol):
         granted only an endpoint with that many free. A head that needs more than any endpoint
         has free waits, and everyone behind it at its level waits too (FIFO, no starvation of
         big requests).
+
+        ``tenant``/``weight``: within its level, the request's place follows its tenant's
+        weighted fair share (start-time fair queuing, ``fair_share.py``): the queue's order
+        picks the level whose turn it is, the fair tags pick who goes within it.
         """
         ...
 

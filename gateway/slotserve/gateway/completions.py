@@ -31,6 +31,7 @@ from slotserve.gateway.config import Pool
 from slotserve.gateway.errors import error_response
 from slotserve.gateway.proxy import proxy_request
 from slotserve.gateway.routing import EndpointOffer, most_slots
+from slotserve.gateway.tenants import DEFAULT, TENANT
 from slotserve.gateway.tracing import traced_admission
 
 
@@ -175,9 +176,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "invalid_value",
             param=field,
         )
+    tenant = request.get(TENANT, DEFAULT)
     try:
         acquire = admission.acquire(
-            policy, priority, timeout_s, demote_after_s=wait.demote_after_s, slots=slots
+            policy,
+            priority,
+            timeout_s,
+            demote_after_s=wait.demote_after_s,
+            slots=slots,
+            tenant=tenant.name,
+            weight=tenant.weight,
         )
         if held:
             acquire = request.app[COLD_STARTS].held(
@@ -193,6 +201,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return error_response(exc.status, exc.message, exc.code, retry_after_s=exc.retry_after_s)
     m.admitted.labels(model).inc()
     m.queue_wait.labels(model).observe(lease.queue_wait_s)
+    m.tenant_queue_wait.labels(model, tenant.name).observe(lease.queue_wait_s)
     if window is not None:
         window.admitted(model, lease.queue_wait_s)
     try:

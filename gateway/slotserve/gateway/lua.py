@@ -44,6 +44,7 @@ from slotserve.gateway.admission_types import (
     PROMISE_WINDOW_US,
 )
 from slotserve.gateway.lua_epoch import EPOCH, HEARTBEAT
+from slotserve.gateway.lua_fair import FAIR
 from slotserve.gateway.lua_slots import SLOTS
 from slotserve.gateway.lua_values import VALUES
 
@@ -105,6 +106,7 @@ local DEMOTION_OFFSET, MAX_LEVEL, PROMISE_WINDOW_US = """
     + f"{DEMOTION_OFFSET_US}, {MAX_PRIORITY_LEVELS}, {PROMISE_WINDOW_US}"
     + r"""
 """
+    + FAIR
     + EPOCH
     + r"""
 local EPOCH_ID, READY_AT = '', 0
@@ -158,7 +160,10 @@ end
 
 -- Waiting requests per level (for each level's own maxQueueSize).
 local function count_level(level, delta)
-  if redis.call('HINCRBY', K_LEVELS, level, delta) <= 0 then redis.call('HDEL', K_LEVELS, level) end
+  if redis.call('HINCRBY', K_LEVELS, level, delta) <= 0 then
+    redis.call('HDEL', K_LEVELS, level)
+    fair_clear(level)
+  end
 end
 
 local function drop(rid)
@@ -170,7 +175,10 @@ local function drop(rid)
     redis.call('HDEL', K_ENTRIES, rid)
     local replica, level = entry_owner(info)
     if replica then redis.call('ZREM', waiting_key(replica), rid) end
-    if level then count_level(level, -1) end
+    if level then
+      redis.call('ZREM', fairq_key(level), rid)
+      count_level(level, -1)
+    end
   end
 end
 
@@ -190,23 +198,34 @@ local function drop_many(rids)
         by_replica[replica] = by_replica[replica] or {}
         table.insert(by_replica[replica], rids[i])
       end
-      if level then by_level[level] = (by_level[level] or 0) + 1 end
+      if level then
+        by_level[level] = by_level[level] or {}
+        table.insert(by_level[level], rids[i])
+      end
     end
   end
-  for level, n in pairs(by_level) do count_level(level, -n) end
+  for level, list in pairs(by_level) do
+    redis.call('ZREM', fairq_key(level), unpack(list))
+    count_level(level, -#list)
+  end
   for replica, list in pairs(by_replica) do
     redis.call('ZREM', waiting_key(replica), unpack(list))
   end
 end
 
--- DELAY: a request past its level's timeout goes behind everyone not demoted.
+-- DELAY: a request past its level's timeout goes behind everyone not demoted (its fair tag
+-- too: behind its level's entries not demoted).
 local function demote(rids)
   for _, rid in ipairs(rids) do
     redis.call('ZADD', K_QUEUE, 'XX', 'INCR', DEMOTION_OFFSET, rid)
     redis.call('ZREM', K_DELAYS, rid)
+    local _, _, _, level = parse_entry(redis.call('HGET', K_ENTRIES, rid) or '')
+    if level then redis.call('ZADD', fairq_key(level), 'XX', 'INCR', DEMOTION_OFFSET, rid) end
   end
 end
 
+-- The queue's head says which level has the turn (arrival + level x aging); within that level
+-- the entry with the lowest fair start tag goes (``lua_fair.py``), checked as the head is.
 -- The oldest live entry of the best priority; expired, orphaned or dead replicas' heads are
 -- dropped on the way, one by one, so only a few per script: the tick drops the rest in batches.
 -- A head due for demotion is demoted (it only moves back, so checking heads is enough).
@@ -215,20 +234,36 @@ local function head(now)
   while drops_left > 0 do
     local h = redis.call('ZRANGE', K_QUEUE, 0, 0)
     if #h == 0 then return nil end
-    local info = redis.call('HGET', K_ENTRIES, h[1])
-    local due = tonumber(redis.call('ZSCORE', K_DELAYS, h[1]) or '-1')
-    if info and due >= 0 and due <= now then
+    local rid, tag, level = h[1], nil, nil
+    local info = redis.call('HGET', K_ENTRIES, rid)
+    if info then
+      level = select(4, parse_entry(info))
+      local fair_rid, fair_tag = nil, nil
+      if level then fair_rid, fair_tag = fair_head(level) end
+      if fair_rid and fair_rid ~= rid then
+        local due_head = tonumber(redis.call('ZSCORE', K_DELAYS, rid) or '-1')
+        if due_head < 0 or due_head > now then
+          rid, info = fair_rid, redis.call('HGET', K_ENTRIES, fair_rid)
+        end
+      end
+      if rid == fair_rid then tag = fair_tag end
+    end
+    local due = tonumber(redis.call('ZSCORE', K_DELAYS, rid) or '-1')
+    if rid ~= h[1] and not info then
+      redis.call('ZREM', fairq_key(level), rid)  -- a tag whose entry is gone (a hand edit)
+      drops_left = drops_left - 1
+    elseif info and due >= 0 and due <= now then
       if demotions_left == 0 then return nil end  -- the tick demotes the rest in batches
-      demote(h)
+      demote({rid})
       demotions_left = demotions_left - 1
     else
       if info then
         local replica, deadline, enqueued, _, slots = parse_entry(info)
         if replica and deadline > now and is_alive(replica) then
-          return h[1], replica, enqueued, slots
+          return rid, replica, enqueued, slots, level, tag
         end
       end
-      drop(h[1])  -- expired, its replica dead, or it does not parse (counted)
+      drop(rid)  -- expired, its replica dead, or it does not parse (counted)
       drops_left = drops_left - 1
     end
   end
@@ -266,7 +301,7 @@ local function dispatch(now)
   EPOCH_ID, READY_AT = check_epoch(now)
   if now < READY_AT then return READY_AT - now end  -- leases may still be coming back
   while true do
-    local rid, replica, _, slots = head(now)
+    local rid, replica, _, slots, level, tag = head(now)
     if not rid then return 0 end
     if #OFFERS > 0 and slots > MOST_SLOTS then
       -- No ready engine can ever hold it (engines changed since it came): refused, so that it
@@ -278,6 +313,7 @@ local function dispatch(now)
       -- The head waits for all its slots, and those behind it wait for the head (FIFO).
       local ep = best_endpoint(slots)
       if not ep then return 0 end
+      if level then fair_served(level, tag) end
       grant(rid, replica, ep.url, slots, now)
     end
   end
@@ -289,6 +325,7 @@ local function touch()
   if redis.call('ZCARD', K_QUEUE) == 0 then
     -- Nothing waits: whatever drift the counts of waiting requests had ends here.
     redis.call('DEL', K_ENTRIES, K_LEVELS, K_DEADLINES, K_DELAYS)
+    fair_clear_all()
   end
   for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], STATE_TTL_MS) end
 end
@@ -307,8 +344,8 @@ end
 # only-if-absent flag, the expected gap (us) between two places freeing in the queue
 # (1 / measured drain rate), how far ahead (us) return times are promised to rejected clients,
 # the priority aging step (us of waiting worth one priority level), the level's own
-# maxQueueSize, when (us from now) the request is demoted (DELAY; 0: never), and the slots it
-# takes (its ``n``).
+# maxQueueSize, when (us from now) the request is demoted (DELAY; 0: never), the slots it
+# takes (its ``n``), and its tenant's name and weight (``lua_fair.py``).
 ENQUEUE = (
     _PRELUDE
     + r"""
@@ -327,6 +364,8 @@ local checks = {
   {'level max_queue_size', int_arg(ARGV[REST + 8], 0, MAX_QUEUE_SIZE)},
   {'demote_after_us', int_arg(ARGV[REST + 9], 0, MAX_WAIT_US)},
   {'slots', int_arg(ARGV[REST + 10], 1, MAX_LEASE_SLOTS)},
+  {'tenant', tenant_arg(ARGV[REST + 11])},
+  {'weight', int_arg(ARGV[REST + 12], 1, MAX_WEIGHT)},
 }
 for _, check in ipairs(checks) do
   if check[2] == nil then return {'invalid', check[1]} end
@@ -335,6 +374,7 @@ local priority, timeout_us, max_size = checks[2][2], checks[3][2], checks[4][2]
 local drain_gap_us, max_promise_us = checks[6][2], checks[7][2]
 local aging_us, level_max = checks[8][2], checks[9][2]
 local demote_us, slots = checks[10][2], checks[11][2]
+local tenant, weight = checks[12][2], checks[13][2]
 local level = int(priority)
 local now = now_us()
 if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
@@ -365,6 +405,8 @@ redis.call('ZADD', K_QUEUE, int(now + priority * aging_us), rid)
 redis.call('HSET', K_ENTRIES, rid, CALLER .. '|' .. int(deadline) .. '|' .. int(now) .. '|'
   .. level .. '|' .. int(slots))
 count_level(level, 1)
+-- Within its level, its place follows its tenant's fair share (lua_fair.py).
+local fair_before = fair_add(rid, level, tenant, weight, slots)
 redis.call('ZADD', K_DEADLINES, int(deadline), rid)
 if demote_us > 0 then redis.call('ZADD', K_DELAYS, int(now + demote_us), rid) end
 redis.call('ZADD', waiting_key(CALLER), int(deadline), rid)
@@ -377,6 +419,7 @@ touch()
 if level_max < max_size and redis.call('ZSCORE', K_QUEUE, rid)
     and int_value(redis.call('HGET', K_LEVELS, level), 0) > level_max then
   drop(rid)
+  fair_undo(level, tenant, fair_before)
   local ahead = int_value(redis.call('HGET', K_LEVELS, level), 0) + 1
   touch()
   return result('level_full', 0, math.ceil(
@@ -386,6 +429,7 @@ end
 -- promised client.
 if redis.call('ZSCORE', K_QUEUE, rid) and redis.call('ZCARD', K_QUEUE) + HELD > max_size then
   drop(rid)
+  fair_undo(level, tenant, fair_before)
   local last = stat('retry_horizon')
   if last - now >= max_promise_us then
     -- Promises reach at most one queue timeout ahead (clients that ignore Retry-After must

@@ -30,7 +30,9 @@ from slotserve.gateway.admission_types import (
     check_enqueue,
     promise_horizon_us,
 )
+from slotserve.gateway.fair_share import FairLevel
 from slotserve.gateway.routing import EndpointOffer, most_slots, rank_endpoints, sound_offers
+from slotserve.gateway.tenants import DEFAULT_TENANT
 
 SWEEP_BATCH = 100  # as in the Redis backend: bounded work per step however long the queue
 HEAD_DROPS = 16  # dead heads dropped one by one on the way to a live one (``lua.py``)
@@ -85,6 +87,7 @@ class _PoolState:
     num_near: int = 0  # promises due within PROMISE_WINDOW_US (the step's settle_promises)
     num_freed: int = 0  # leases released in the current step
     num_refused: int = 0  # queued requests refused: no offered engine had their slots
+    fair: dict[int, FairLevel] = field(default_factory=dict)  # level -> its fair queue
 
     def add(self, request_id: str, score: int, entry: _Entry, demote_at_us: int = 0) -> None:
         self.queue[request_id] = score
@@ -97,24 +100,49 @@ class _PoolState:
             self.delays[request_id] = demote_at_us
             heapq.heappush(self.delay_heap, (demote_at_us, request_id))
 
+    def add_fair(
+        self, request_id: str, level: int, tenant: str, weight: int, slots: int
+    ) -> int | None:
+        """Tag a new entry with its tenant's fair start (``fair_share.py``)."""
+        return self.fair.setdefault(level, FairLevel()).add(request_id, tenant, weight, slots)
+
+    def undo_fair(self, level: int, tenant: str, before: int | None) -> None:
+        """A refused newcomer's tenant gets its finish tag back (while its level waits)."""
+        if self.level_counts.get(level, 0) > 0:
+            self.fair.setdefault(level, FairLevel()).undo(tenant, before)
+
     def demote(self, request_id: str) -> None:
         """DELAY: behind every request not demoted, order among the demoted kept."""
         self.delays.pop(request_id, None)
         score = self.queue[request_id] + DEMOTION_OFFSET_US
         self.queue[request_id] = score
         heapq.heappush(self.queue_heap, (score, request_id))
+        entry = self.entries.get(request_id)
+        if entry is not None and entry.level in self.fair:
+            self.fair[entry.level].demote(request_id)
 
     def head(
         self, now_us: int, alive: Callable[[str], bool], budget: _StepBudget
-    ) -> tuple[str, _Entry] | None:
+    ) -> tuple[str, _Entry, int | None] | None:
+        """The queue's head says which level has the turn; within it the lowest fair start tag
+        goes (``lua.py``'s ``head``, budgets alike). Returns the entry and its tag."""
         while budget.num_drops > 0:
             heap = self.queue_heap
             while heap and self.queue.get(heap[0][1]) != heap[0][0]:
                 heapq.heappop(heap)
             if not heap:
                 return None
-            request_id = heap[0][1]
+            request_id, tag = heap[0][1], None
             entry = self.entries.get(request_id)
+            if entry is not None:
+                fair = self.fair.get(entry.level)
+                picked = fair.head() if fair is not None else None
+                head_due = self.delays.get(request_id, now_us + 1) <= now_us
+                if picked is not None and picked[0] != request_id and not head_due:
+                    request_id = picked[0]
+                    entry = self.entries.get(request_id)
+                if picked is not None and picked[0] == request_id:
+                    tag = picked[1]
             if entry is not None and self.delays.get(request_id, now_us + 1) <= now_us:
                 if budget.num_demotions == 0:
                     return None  # the tick demotes the rest in batches
@@ -122,7 +150,7 @@ class _PoolState:
                 budget.num_demotions -= 1
                 continue
             if entry is not None and entry.deadline_us > now_us and alive(entry.replica):
-                return request_id, entry
+                return request_id, entry, tag
             self._drop(request_id)
             budget.num_drops -= 1
         return None
@@ -133,9 +161,12 @@ class _PoolState:
         entry = self.entries.pop(request_id, None)
         if entry is not None:
             self.by_replica.get(entry.replica, set()).discard(request_id)
+            if entry.level in self.fair:
+                self.fair[entry.level].remove(request_id)
             self.level_counts[entry.level] -= 1
             if self.level_counts[entry.level] <= 0:
                 del self.level_counts[entry.level]
+                self.fair.pop(entry.level, None)  # its next busy period starts afresh
 
     def set_lease(self, request_id: str, expiry_us: int) -> None:
         self.leases[request_id] = expiry_us
@@ -251,7 +282,7 @@ class InProcessHub:
 
         # Every policy alike: the engine forms its batches (static, dynamic) from what arrives.
         while (head := state.head(now_us, alive, budget)) is not None:
-            request_id, entry = head
+            request_id, entry, tag = head
             if offers and entry.slots > most:
                 # No ready engine can ever hold it: refused, so it never blocks the queue.
                 if budget.num_refusals == 0:
@@ -265,6 +296,8 @@ class InProcessHub:
             ranked = rank_endpoints(offers, state.inflight, need=entry.slots)
             if not ranked:
                 break
+            if tag is not None:
+                state.fair[entry.level].served(tag)
             state._drop(request_id)
             self.grant(policy.name, request_id, entry.replica, entry.slots, ranked[0].url, now_us)
         state.hold_freed_places(policy.max_queue_size)
@@ -311,6 +344,8 @@ class InProcessBackend:
         demote_after_us: int | None = None,
         only_if_absent: bool = False,
         slots: int = 1,
+        tenant: str = DEFAULT_TENANT,
+        weight: int = 1,
     ) -> DispatchResult:
         check_enqueue(
             pool,
@@ -320,6 +355,8 @@ class InProcessBackend:
             aging_us=aging_us,
             demote_after_us=demote_after_us,
             slots=slots,
+            tenant=tenant,
+            weight=weight,
         )
         now = self.hub.clock_us()
         state = self.hub.pool(pool.name)
@@ -339,6 +376,7 @@ class InProcessBackend:
         if demote_after_us is not None and 0 < demote_after_us < timeout_us:
             demote_at = now + demote_after_us
         state.add(request_id, now + priority * aging_us, entry, demote_at)  # aging, as in Redis
+        fair_before = state.add_fair(request_id, priority, tenant, weight, slots)
         result = self.hub.dispatch(pool, offers, self.replica_id, now)
         level = pool.level(priority)
         if (
@@ -348,6 +386,7 @@ class InProcessBackend:
         ):
             # The level's own limit (``lua.py``): no promise, its queue's drain time.
             state._drop(request_id)
+            state.undo_fair(priority, tenant, fair_before)
             ahead = state.level_counts.get(priority, 0) + 1
             retry_us = min(ahead * drain_gap_us, promise_horizon_us(pool))
             raise QueueFullError(
@@ -362,6 +401,7 @@ class InProcessBackend:
         waiting = len(state.queue) + state.num_held
         if request_id in state.queue and waiting > pool.max_queue_size:
             state._drop(request_id)
+            state.undo_fair(priority, tenant, fair_before)
             retry_us = state.promise_place(now, drain_gap_us, promise_horizon_us(pool))
             raise QueueFullError(
                 f"queue of pool {pool.name!r} is full ({pool.max_queue_size} waiting)",

@@ -84,6 +84,13 @@ class GatewayMetrics:
             ["tenant", "kind"],
             registry=r,
         )
+        self.tenant_queue_wait = Histogram(
+            "slotserve_gateway_tenant_queue_wait_seconds",
+            "Time from arrival to slot grant, per pool and tenant (its fair share at work).",
+            ["pool", "tenant"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
         self.tenant_inflight = Gauge(
             "slotserve_gateway_tenant_inflight_requests",
             "Requests of each limited tenant this replica has in flight (past its quotas).",

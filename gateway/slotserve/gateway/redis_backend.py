@@ -37,6 +37,7 @@ from slotserve.gateway.admission_types import (
 )
 from slotserve.gateway.lua import SCRIPTS
 from slotserve.gateway.routing import EndpointOffer, most_slots, sound_offers
+from slotserve.gateway.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 # Anything Redis or the socket can raise; asyncio's TimeoutError is the builtin one.
@@ -259,6 +260,8 @@ class RedisBackend:
         demote_after_us: int | None = None,
         only_if_absent: bool = False,
         slots: int = 1,
+        tenant: str = DEFAULT_TENANT,
+        weight: int = 1,
     ) -> DispatchResult:
         check_enqueue(
             pool,
@@ -268,13 +271,15 @@ class RedisBackend:
             aging_us=aging_us,
             demote_after_us=demote_after_us,
             slots=slots,
+            tenant=tenant,
+            weight=weight,
         )
         level = pool.level(priority)
         demote_us = demote_after_us if demote_after_us and demote_after_us < timeout_us else 0
         args = [*self._args(pool, offers), request_id, priority, timeout_us, pool.max_queue_size]
         args += [1 if only_if_absent else 0, drain_gap_us]
         args += [promise_horizon_us(pool), aging_us, level.max_queue_size, demote_us]
-        args.append(slots)
+        args += [slots, tenant, weight]
         reply = await self._run("enqueue", self.keys.pool(pool.name), args)
         result = self._result(reply)
         if reply[0] == "unfit":

@@ -31,7 +31,7 @@ from slotserve.gateway.errors import error_response
 from slotserve.gateway.metrics import GatewayMetrics
 from slotserve.gateway.quotas import InProcessQuotas, QuotaRefusal, QuotaStore
 from slotserve.gateway.settings import GatewaySettings
-from slotserve.gateway.tenants import CACHE_SALT, STREAM_TAIL, Tenant
+from slotserve.gateway.tenants import CACHE_SALT, STREAM_TAIL, TENANT, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +225,7 @@ async def tenant_middleware(request: web.Request, handler: Handler) -> web.Strea
     gate = request.app[TENANT_GATE]
     tenant = request.app[TENANT_KEYS].tenant_of(request.headers.get("Authorization", ""))
     request[CACHE_SALT] = tenant.name
+    request[TENANT] = tenant
     m = gate.metrics
     if not tenant.limited:
         response = await handler(request)

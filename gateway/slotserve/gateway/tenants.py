@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+# The name's pattern and the weight's bound are admission's (the fair share takes them).
+from slotserve.gateway.admission_types import MAX_WEIGHT, TENANT_NAME
+
 DEFAULT_TENANT = "default"
 MAX_TENANT_NAME = 63  # a DNS label's length: fits a metrics label and a Redis key part
-TENANT_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
-MAX_WEIGHT = 1000
 MAX_INFLIGHT = 1_000_000
 MAX_PER_MINUTE = 10_000_000_000  # requests or tokens per minute
 _DIGITS = re.compile(r"[0-9]{1,12}")  # ASCII digits only (int() also takes '٣', '1_0', ' 5')
@@ -121,6 +122,9 @@ class TenantBook:
 # The tenant's name as the engine's cache salt, set on the request by ``tenant_gate`` and sent by
 # the proxy in ``contracts.headers.CACHE_SALT_HEADER``.
 CACHE_SALT = web.RequestKey("cache_salt", str)
+# The caller's tenant, set by ``tenant_gate``: admission queues the request at its tenant's fair
+# share within its level (``fair_share.py``).
+TENANT = web.RequestKey("tenant", Tenant)
 # The last bytes of a streamed answer (proxy.py's ``SseEnding.tail``), where the usage event of a
 # stream with ``stream_options.include_usage`` sits: read by ``tenant_gate`` to count its tokens.
 STREAM_TAIL = web.ResponseKey("stream_tail", bytes)
