@@ -97,7 +97,9 @@ def test_the_check_sees_a_path_change(tmp_path: Path) -> None:
     assert path_changes(path) == ["sys.path.insert(0, 'tests')"]
 
 
-@pytest.mark.parametrize("name", ["quant_bench", "gateway_bench", "quant_quality", "step_cost"])
+@pytest.mark.parametrize(
+    "name", ["quant_bench", "gateway_bench", "fairness_bench", "quant_quality", "step_cost"]
+)
 def test_a_script_runs_from_its_own_folder(name: str) -> None:
     # As a user runs it: the interpreter's path starts at bench/, not at the checkout's root.
     done = subprocess.run(

@@ -1,0 +1,300 @@
+"""Fairness benchmark: a tenant that floods a pool against one that asks for its share.
+
+Everything runs on this machine: an engine double (tests/gateway/gateway_engine_double.py: each
+answer after a fixed service time, ``--slots`` at once), one real redis-server, gateway processes
+(3 on Redis, 1 in-process), the keys file declaring the tenants. Service times vary (uniform,
+0.5x to 1.5x ``--service-s``), as answers' lengths do. Requests go round-robin to the gateways:
+
+- tenant B at its share: Poisson arrivals at ``--load-b`` (0.8) of its share of the capacity
+  (share = weight_b / (weight_a + weight_b));
+- tenant A floods: closed-loop clients (send, wait for the answer, send again), ``--flood`` (10)
+  times as many as its share of the slots: a backlog always waits.
+
+Four runs per backend, side by side: B alone on a pool of its share's slots (what its share
+promises it: its wait there is the reference); B alone on the whole pool; B under A's flood with
+A and B as tenants (weighted fair share); and the same flood with both keys in one tenant (first
+come, first served: what a gateway without tenants does). Each answer's queue wait is the
+gateway's own ``x-slotserve-queue-wait-ms``; slot use is the double's ``/load`` sampled every
+20 ms.
+
+    .venv/bin/python bench/fairness_bench.py [--seconds 15] [--slots 4] [--service-s 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from bench.lib.output import line_buffered_stdout
+from bench.lib.services import RedisServer, free_port, http_ok, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+DOUBLE = ROOT / "tests" / "gateway" / "gateway_engine_double.py"
+SLOTSERVE = ROOT / ".venv" / "bin" / "slotserve"
+QUEUE_WAIT_HEADER = "x-slotserve-queue-wait-ms"
+# Keys: A and B as tenants of their own, and both in one tenant (the first-come baseline).
+KEYS = {"fair": ("sk-a", "sk-b"), "one tenant": ("sk-shared-a", "sk-shared-b")}
+
+
+def keys_file(weight_a: int, weight_b: int) -> str:
+    return (
+        f"sk-a tenant=a weight={weight_a}\n"
+        f"sk-b tenant=b weight={weight_b}\n"
+        "sk-shared-a tenant=shared\n"
+        "sk-shared-b tenant=shared\n"
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Procs:
+    """The double and the gateways, stopped together."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, argv: list[str], ready_url: str) -> str:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(proc)
+        wait_until(lambda: http_ok(ready_url), 30, what=ready_url)
+        return ready_url.rsplit("/", 1)[0]
+
+    def double(self, slots: int, service_s: float) -> str:
+        port = free_port()
+        argv = [sys.executable, str(DOUBLE), "--port", str(port), "--slots", str(slots)]
+        argv += ["--delay", str(service_s), "--model", "m"]
+        return self.start(argv, f"http://127.0.0.1:{port}/health")
+
+    def gateway(self, pool_file: Path, keys: Path, redis_url: str | None) -> str:
+        port = free_port()
+        argv = [str(SLOTSERVE), "gateway", "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--config", str(pool_file), "--api-keys-file", str(keys)]
+        argv += ["--log-level", "WARNING"]
+        if redis_url:
+            argv += ["--redis-url", redis_url]
+        return self.start(argv, f"http://127.0.0.1:{port}/ready")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@dataclass(frozen=True)
+class Load:
+    """Who sends what in one run: B's arrival rate (Poisson), A's closed-loop clients."""
+
+    model: str
+    rate_b_per_s: float
+    clients_a: int = 0
+
+
+@dataclass
+class TenantRun:
+    waits_ms: list[float] = field(default_factory=list)
+    num_answered: int = 0
+    errors: dict[int, int] = field(default_factory=dict)
+
+
+async def run_phase(
+    gateways: list[str], engine: str, keys: dict[str, str], load: Load, args: argparse.Namespace
+) -> dict[str, Any]:
+    """B's arrivals and A's clients for ``args.seconds``; the engine's slot use sampled."""
+    runs = {"a": TenantRun(), "b": TenantRun()}
+    stop_at = time.monotonic() + args.seconds
+    busy: list[float] = []
+    rng = random.Random(7)
+    sent = 0
+
+    async def one(tenant: str, s: aiohttp.ClientSession) -> None:
+        nonlocal sent
+        url = gateways[sent % len(gateways)]
+        sent += 1
+        payload: dict[str, object] = {"model": load.model, "prompt": "hello", "max_tokens": 4}
+        payload["x_delay"] = args.service_s * rng.uniform(0.5, 1.5)
+        headers = {"Authorization": f"Bearer {keys[tenant]}"}
+        run = runs[tenant]
+        async with s.post(f"{url}/v1/completions", json=payload, headers=headers) as r:
+            await r.read()
+            if r.status != 200:
+                run.errors[r.status] = run.errors.get(r.status, 0) + 1
+                await asyncio.sleep(0.05)
+                return
+            run.num_answered += 1
+            run.waits_ms.append(float(r.headers.get(QUEUE_WAIT_HEADER, "nan")))
+
+    async def flood_client(s: aiohttp.ClientSession) -> None:
+        while time.monotonic() < stop_at:
+            await one("a", s)
+
+    async def arrivals_b(s: aiohttp.ClientSession) -> None:
+        pending = set()
+        while (now := time.monotonic()) < stop_at:
+            pending.add(asyncio.ensure_future(one("b", s)))
+            await asyncio.sleep(min(rng.expovariate(load.rate_b_per_s), stop_at - now))
+        await asyncio.gather(*pending)
+
+    async def sample_load(s: aiohttp.ClientSession) -> None:
+        await asyncio.sleep(1.0)  # the first arrivals are in
+        while time.monotonic() < stop_at - 0.5:
+            async with s.get(f"{engine}/load") as r:
+                load = await r.json()
+            busy.append(load["running"] / load["slots_total"])
+            await asyncio.sleep(0.02)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        started = time.monotonic()
+        floods = [flood_client(s) for _ in range(load.clients_a)]
+        await asyncio.gather(sample_load(s), arrivals_b(s), *floods)
+        elapsed = time.monotonic() - started
+    out: dict[str, Any] = {"slots_busy": statistics.fmean(busy) if busy else float("nan")}
+    for tenant, run in runs.items():
+        if tenant == "a" and not load.clients_a:
+            continue
+        out[tenant] = {
+            "wait_p50_ms": percentile(run.waits_ms, 0.5),
+            "wait_p99_ms": percentile(run.waits_ms, 0.99),
+            "answered_per_s": run.num_answered / elapsed,
+            "errors": run.errors,
+        }
+    return out
+
+
+def share_slots(args: argparse.Namespace) -> tuple[int, int]:
+    """B's and A's shares of the slots (at least one each)."""
+    share_b = args.weight_b / (args.weight_a + args.weight_b)
+    slots_b = max(1, round(args.slots * share_b))
+    return slots_b, max(1, args.slots - slots_b)
+
+
+def run_backend(
+    name: str, gateways: list[str], engines: dict[str, str], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    slots_b, slots_a = share_slots(args)
+    rate_b = args.load_b * slots_b / args.service_s
+    fair = dict(zip(("a", "b"), KEYS["fair"], strict=True))
+    shared = dict(zip(("a", "b"), KEYS["one tenant"], strict=True))
+    phases = {
+        "B alone, its share": (fair, Load("share", rate_b), engines["share"]),
+        "B alone, whole pool": (fair, Load("m", rate_b), engines["m"]),
+        "flood, tenants": (fair, Load("m", rate_b, args.flood * slots_a), engines["m"]),
+        "flood, one tenant": (shared, Load("m", rate_b, args.flood * slots_a), engines["m"]),
+    }
+    result: dict[str, dict[str, Any]] = {}
+    for phase, (keys, load, engine) in phases.items():
+        print(f"  {name}: {phase} ({load}) for {args.seconds:.0f} s", flush=True)
+        result[phase] = asyncio.run(run_phase(gateways, engine, keys, load, args))
+        time.sleep(1.5)  # the last answers settle before the next run
+    return result
+
+
+def print_table(results: dict[str, dict], capacity_per_s: float, gap_ms: float) -> None:
+    header = ["B p50 ms", "B p99 ms", "A p50 ms", "A p99 ms", "B req/s", "A req/s", "busy %"]
+    print(f"\n{'backend / run':<42}" + "".join(f"{h:>10}" for h in header))
+    for backend, phases in results.items():
+        for phase, row in phases.items():
+            a, b = row.get("a", {}), row["b"]
+            values = [
+                b["wait_p50_ms"],
+                b["wait_p99_ms"],
+                a.get("wait_p50_ms", float("nan")),
+                a.get("wait_p99_ms", float("nan")),
+                b["answered_per_s"],
+                a.get("answered_per_s", 0.0),
+                100 * row["slots_busy"],
+            ]
+            print(f"{backend + ' / ' + phase:<42}" + "".join(f"{v:>10.1f}" for v in values))
+    print(
+        f"\ncapacity {capacity_per_s:.1f} req/s; a slot frees every {gap_ms:.0f} ms on average "
+        "(the least a request that finds every slot taken waits, on any non-preemptive queue)"
+    )
+
+
+def main() -> int:
+    line_buffered_stdout()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=15.0, help="per run")
+    parser.add_argument("--slots", type=int, default=4, help="the engine double's slots")
+    parser.add_argument("--service-s", type=float, default=0.2, help="each answer's time")
+    parser.add_argument("--flood", type=int, default=10, help="A's clients over its share")
+    parser.add_argument("--load-b", type=float, default=0.8, help="B's rate / its share's")
+    parser.add_argument("--weight-a", type=int, default=1)
+    parser.add_argument("--weight-b", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "fairness_bench.json")
+    args = parser.parse_args()
+    procs = Procs()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = RedisServer(Path(tmp) / "redis")
+        redis.start()
+        try:
+            # The pool, and a pool of B's share of its slots (B's reference).
+            engines = {"m": procs.double(args.slots, args.service_s)}
+            engines["share"] = procs.double(share_slots(args)[0], args.service_s)
+            pools = [
+                {"model": name, "endpoints": [url], "admission": {"maxQueueSize": 1000}}
+                for name, url in engines.items()
+            ]
+            pool_file = Path(tmp) / "pools.yaml"
+            pool_file.write_text(yaml.safe_dump({"pools": pools}))
+            keys = Path(tmp) / "keys"
+            keys.write_text(keys_file(args.weight_a, args.weight_b))
+            in_process = [procs.gateway(pool_file, keys, None)]
+            on_redis = [procs.gateway(pool_file, keys, redis.url)]
+            on_redis += [procs.gateway(pool_file, keys, redis.url) for _ in range(2)]
+            time.sleep(2.0)  # every gateway has polled the double's /load
+            results["in-process, 1 replica"] = run_backend("in-process", in_process, engines, args)
+            results["Redis, 3 replicas"] = run_backend("Redis", on_redis, engines, args)
+        finally:
+            procs.stop()
+            redis.stop()
+    capacity = args.slots / args.service_s
+    print_table(results, capacity, 1000 * args.service_s / args.slots)
+    for backend, phases in results.items():
+        alone = phases["B alone, its share"]["b"]["wait_p50_ms"]
+        flood = phases["flood, tenants"]["b"]["wait_p50_ms"]
+        ratio = flood / alone if alone > 0 else float("inf")
+        print(f"{backend}: B's p50 wait under the flood / alone on its share = {ratio:.2f}")
+    load = os.getloadavg()
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs")
+    out = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "capacity_per_s": capacity,
+        "slot_gap_ms": 1000 * args.service_s / args.slots,
+        "load_average": load,
+        "cpus": os.cpu_count(),
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
