@@ -6,6 +6,9 @@ import re
 
 from chart_support import RELEASE, ROOT, env_of, load_yaml
 
+from slotserve.gateway.api_keys import parse_keys_file
+from slotserve.gateway.tenants import Tenant
+
 GATEWAY = f"{RELEASE}-slotserve-gateway"
 OPERATOR = f"{RELEASE}-slotserve-operator"
 REDIS = f"{RELEASE}-slotserve-redis"
@@ -141,6 +144,26 @@ def test_api_keys_reach_the_gateway_and_the_test_pod_as_a_file(render):
     (curl,) = test_pod["spec"]["containers"]
     volume, key = mounted_file(test_pod["spec"], curl, "/etc/slotserve/api-keys/key")
     assert (volume["secret"]["secretName"], key) == (secret["metadata"]["name"], "api-keys")
+
+
+def test_api_keys_with_tenants_render_as_the_gateway_reads_them(render):
+    secret = render("api-keys-tenants.yaml").get("Secret", f"{RELEASE}-slotserve-api-keys")
+    keys, tenants = parse_keys_file(secret["stringData"]["api-keys"], "secret")
+    assert [(key.secret, key.tenant, key.levels) for key in keys] == [
+        ("sk-legacy-0123456789", "default", range(1, 10)),
+        ("sk-team-a-1", "team-a", range(1, 10)),
+        ("sk-team-a-2", "team-a", range(5, 10)),
+        ("sk-frozen", "frozen", range(1, 10)),
+    ]
+    assert tenants["team-a"] == Tenant(
+        "team-a",
+        weight=3,
+        max_inflight=8,
+        requests_per_minute=600,
+        tokens_per_minute=10_000_000_000,  # the largest, exact (no float in between)
+    )
+    assert tenants["frozen"].has_zero_quota  # a quota of zero stays zero, not absent
+    assert tenants["default"] == Tenant()
 
 
 def test_existing_api_key_secret_is_mounted_not_created(render):

@@ -93,6 +93,14 @@ def test_helm_test_passes_against_a_ready_gateway_with_the_first_key(render, tmp
     assert "gateway is ready and lists its models" in result.stdout
 
 
+def test_helm_test_sends_only_the_key_of_a_line_with_tenant_options(render, tmp_path, gateway_url):
+    script, key_file = pod_script(render, tmp_path, "api-keys-tenants.yaml")
+    key_file.write_text(f"{KEYS[0]} tenant=team-a weight=3 rpm=600\n")
+    result = run_script(script, gateway_url)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "gateway is ready and lists its models" in result.stdout
+
+
 def test_helm_test_fails_when_the_key_is_wrong(render, tmp_path, gateway_url):
     script, key_file = pod_script(render, tmp_path, "api-keys.yaml")
     key_file.write_text("sk-not-a-key\n")

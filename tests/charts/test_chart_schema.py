@@ -21,6 +21,8 @@ BAD_VALUES = {
     "bad-hpa-bounds.yaml": "maxReplicas must be >= gateway.autoscaling.minReplicas",
     "bad-enabled-type.yaml": "/networkPolicy/enabled': got string, want boolean",
     "bad-both-redis-urls.yaml": "at '/redis': 'not' failed",
+    "bad-tenant-weight.yaml": "/gateway/apiKeys/keys/0'",
+    "bad-tenant-option.yaml": "/gateway/apiKeys/keys/0'",
 }
 
 

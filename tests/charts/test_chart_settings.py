@@ -81,7 +81,7 @@ def test_gateway_settings_parse_from_the_rendered_pod(render, values_files, monk
     expected_namespaces = ["team-a", "team-b"] if "namespaced-rbac.yaml" in values_files else []
     assert settings.namespaces == expected_namespaces
     assert (settings.api_keys_file is not None) == (
-        values_files in {("api-keys.yaml",), ("operator-ha.yaml",)}
+        values_files in {("api-keys.yaml",), ("api-keys-tenants.yaml",), ("operator-ha.yaml",)}
     )
 
 
