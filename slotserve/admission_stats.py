@@ -12,6 +12,7 @@ slot). Fields:
 | ``admitted`` | requests given a slot |
 | ``rejected:<reason>`` | requests refused (``queue_full``, ``queue_timeout``, ...) |
 | ``wait:<i>`` | admitted requests that waited within ``WAIT_BUCKETS_S[i]`` (last: longer) |
+| ``tenant:<name>:admitted``, ``tenant:<name>:wait:<i>`` | the same, for one tenant |
 
 A window lives ``WINDOW_TTL_S``, so a pool nobody calls leaves nothing behind. Windows are
 numbered by wall-clock time (``unix seconds // WINDOW_SECONDS``): replicas' clocks only need to
@@ -34,6 +35,10 @@ WAIT_BUCKETS_S: tuple[float, ...] = (
 ADMITTED = "admitted"
 REJECTED_PREFIX = "rejected:"
 WAIT_PREFIX = "wait:"
+TENANT_PREFIX = "tenant:"  # tenant names (tenants.TENANT_NAME) hold no ':'
+# status.admission.tenants lists at most this many tenants, the most admitted first (the rest are
+# in the pool's totals): a status object stays small however many tenants a keys file declares.
+MAX_TENANTS_IN_STATUS = 16
 
 
 def window_of(unix_s: float) -> int:
@@ -55,11 +60,13 @@ class WindowCounts:
 
     fields: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def admitted(self, pool: str, wait_s: float) -> None:
+    def admitted(self, pool: str, wait_s: float, tenant: str | None = None) -> None:
         counts = self.fields.setdefault(pool, {})
-        counts[ADMITTED] = counts.get(ADMITTED, 0) + 1
         bucket = f"{WAIT_PREFIX}{wait_bucket(wait_s)}"
-        counts[bucket] = counts.get(bucket, 0) + 1
+        prefixes = ("",) if tenant is None else ("", f"{TENANT_PREFIX}{tenant}:")
+        for prefix in prefixes:
+            for name in (f"{prefix}{ADMITTED}", f"{prefix}{bucket}"):
+                counts[name] = counts.get(name, 0) + 1
 
     def rejected(self, pool: str, reason: str) -> None:
         counts = self.fields.setdefault(pool, {})
@@ -79,6 +86,14 @@ class WindowCounts:
 
 
 @dataclass(frozen=True)
+class TenantSummary:
+    """One tenant's last minute in a pool."""
+
+    admitted_per_minute: int
+    queue_wait_p95_s: float | None
+
+
+@dataclass(frozen=True)
 class WindowSummary:
     """One pool's last minute, summed over every gateway replica."""
 
@@ -88,6 +103,8 @@ class WindowSummary:
     # Rejections in the current and the previous window only (10-20 s): demand right now, for
     # the autoscaler (a minute's rejections would hold a pool up long after they stopped).
     recent_rejected: dict[str, int] = field(default_factory=dict)
+    # The most admitted tenants' own rates and waits (MAX_TENANTS_IN_STATUS of them).
+    tenants: dict[str, TenantSummary] = field(default_factory=dict)
 
 
 def summarize(windows: Sequence[Mapping[str, str]], covered_s: float) -> WindowSummary:
@@ -118,7 +135,23 @@ def summarize(windows: Sequence[Mapping[str, str]], covered_s: float) -> WindowS
         rejected_per_minute=rejected,
         queue_wait_p95_s=quantile(waits, 0.95),
         recent_rejected=recent,
+        tenants=_tenants(totals, scale),
     )
+
+
+def _tenants(totals: Mapping[str, int], scale: float) -> dict[str, TenantSummary]:
+    admitted = {
+        name.removeprefix(TENANT_PREFIX).rsplit(":", 1)[0]: count
+        for name, count in totals.items()
+        if name.startswith(TENANT_PREFIX) and name.endswith(f":{ADMITTED}") and count > 0
+    }
+    most = sorted(admitted, key=lambda tenant: (-admitted[tenant], tenant))
+    out = {}
+    for tenant in most[:MAX_TENANTS_IN_STATUS]:
+        prefix = f"{TENANT_PREFIX}{tenant}:{WAIT_PREFIX}"
+        waits = [totals.get(f"{prefix}{i}", 0) for i in range(len(WAIT_BUCKETS_S) + 1)]
+        out[tenant] = TenantSummary(round(admitted[tenant] * scale), quantile(waits, 0.95))
+    return out
 
 
 def quantile(bucket_counts: Sequence[int], q: float) -> float | None:

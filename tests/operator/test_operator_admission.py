@@ -166,6 +166,9 @@ def test_status_admission_follows_the_traffic_with_few_writes(
     status = admission(kube)
     assert status["admittedPerMinute"] >= 8
     assert status["queueWaitSecondsP95"] > 0.5  # most waited behind two 1 s requests
+    # No keys file: every request is the default tenant's, listed with its own numbers.
+    assert set(status["tenants"]) == {"default"}
+    assert status["tenants"]["default"]["admittedPerMinute"] == status["admittedPerMinute"]
     wanted = {("Warning", "Saturated"), ("Normal", "Unsaturated")}
     wait_until(
         lambda: wanted <= {(e["type"], e["reason"]) for e in kube.events()},

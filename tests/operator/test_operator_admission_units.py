@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slotserve.admission_stats import (
+    MAX_TENANTS_IN_STATUS,
     WAIT_BUCKETS_S,
     WindowCounts,
     quantile,
@@ -20,6 +21,7 @@ from slotserve.operator.admission import (
     unavailable,
     worth_writing,
 )
+from slotserve.operator.models import AdmissionStatus
 
 
 def reading(queued=0, in_flight=0, admitted=0, rejected=None, p95=None) -> AdmissionReading:
@@ -41,6 +43,33 @@ def test_counts_sum_over_replicas_and_scale_to_a_minute():
     assert summary.rejected_per_minute == {"queue_full": 20}
     # 40 waits: 30 in (0.01, 0.05], 10 in (2.5, 5]; the 38th is in the slow bucket.
     assert 2.5 < summary.queue_wait_p95_s <= 5
+
+
+def test_tenants_are_summed_over_replicas_and_the_most_admitted_listed():
+    a, b = WindowCounts(), WindowCounts()
+    for _ in range(20):
+        a.admitted("m", 0.02, "team-a")
+    for _ in range(5):
+        b.admitted("m", 3.0, "team-b")
+        b.admitted("m", 0.02, "team-a")
+    for number in range(MAX_TENANTS_IN_STATUS):  # more tenants than a status lists
+        b.admitted("m", 0.0, f"t{number:02d}")
+    windows = [{k: str(v) for k, v in c.take()["m"].items()} for c in (a, b)]
+    summary = summarize(windows, covered_s=60.0)
+    assert summary.admitted_per_minute == 25 + 5 + MAX_TENANTS_IN_STATUS  # the pool's, whole
+    assert len(summary.tenants) == MAX_TENANTS_IN_STATUS
+    assert summary.tenants["team-a"].admitted_per_minute == 25
+    assert summary.tenants["team-a"].queue_wait_p95_s <= 0.05
+    assert summary.tenants["team-b"].admitted_per_minute == 5
+    assert 2.5 < summary.tenants["team-b"].queue_wait_p95_s <= 5
+    assert "t15" not in summary.tenants  # the least admitted (ties: by name) left out
+    status = admission_status(AdmissionReading(0, 0, summary), 4, "t")
+    assert status["tenants"]["team-b"]["admittedPerMinute"] == 5
+    assert set(status["tenants"]["team-a"]) == {"admittedPerMinute", "queueWaitSecondsP95"}
+    AdmissionStatus.model_validate(status)  # the shape the CRD declares
+    without = admission_status(reading(admitted=3), 4, "t")
+    assert "tenants" not in without
+    assert worth_writing(without, status, age_s=1.0, max_age_s=30.0)  # tenants appeared
 
 
 def test_quantile_interpolates_inside_its_bucket_and_caps_at_the_last_bound():

@@ -36,8 +36,8 @@ class AdmissionWindowWriter:
         self.counts = WindowCounts()
         self._task: asyncio.Task[None] | None = None
 
-    def admitted(self, pool: str, wait_s: float) -> None:
-        self.counts.admitted(pool, wait_s)
+    def admitted(self, pool: str, wait_s: float, tenant: str | None = None) -> None:
+        self.counts.admitted(pool, wait_s, tenant)
 
     def rejected(self, pool: str, reason: str) -> None:
         self.counts.rejected(pool, reason)

@@ -203,7 +203,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     m.queue_wait.labels(model).observe(lease.queue_wait_s)
     m.tenant_queue_wait.labels(model, tenant.name).observe(lease.queue_wait_s)
     if window is not None:
-        window.admitted(model, lease.queue_wait_s)
+        window.admitted(model, lease.queue_wait_s, tenant.name)
     try:
         return await proxy_request(request, request.app[PROXY], lease, body, deadline)
     except ConnectionResetError:

@@ -86,6 +86,16 @@ def admission_status(reading: AdmissionReading, slots_total: int, now: str) -> d
     }
     if reading.window.queue_wait_p95_s is not None:
         status["queueWaitSecondsP95"] = round(reading.window.queue_wait_p95_s, 3)
+    if reading.window.tenants:
+        status["tenants"] = {
+            name: {"admittedPerMinute": tenant.admitted_per_minute}
+            | (
+                {}
+                if tenant.queue_wait_p95_s is None
+                else {"queueWaitSecondsP95": round(tenant.queue_wait_p95_s, 3)}
+            )
+            for name, tenant in reading.window.tenants.items()
+        }
     return status
 
 
@@ -106,6 +116,9 @@ def worth_writing(
     if written.get("saturated") != new["saturated"]:
         return True
     if written.get("slotsTotal") != new["slotsTotal"]:
+        return True
+    # A tenant appearing or going is news; its own numbers move with the pool's (or max age).
+    if set(written.get("tenants", {})) != set(new.get("tenants", {})):
         return True
     for name in ("queued", "inFlight"):
         if _moved(written.get(name, 0), new[name], COUNT_ABSOLUTE, COUNT_RELATIVE):

@@ -52,6 +52,7 @@ _EXTRA_BOUNDS: dict[tuple[str, ...], dict[str, Any]] = {
     },
     ("spec", "admission", "priorityQueuePolicy"): {"maxProperties": 9},
     ("status", "admission", "rejectedPerMinute"): {"maxProperties": 32},
+    ("status", "admission", "tenants"): {"maxProperties": 16},  # MAX_TENANTS_IN_STATUS
     ("status", "conditions"): {
         "maxItems": 8,
         "x-kubernetes-list-type": "map",

@@ -324,6 +324,15 @@ class Condition(WireModel):
     observed_generation: int | None = Field(None, ge=0)
 
 
+class TenantAdmission(WireModel):
+    """One tenant's admission in the pool over the last minute."""
+
+    admitted_per_minute: int = Field(0, ge=0, description="Requests given a slot, last minute.")
+    queue_wait_seconds_p95: float | None = Field(
+        None, ge=0, description="95th percentile of its queue waits in the last minute."
+    )
+
+
 class AdmissionStatus(WireModel):
     """The pool's admission state, summed over every gateway replica (read from their Redis)."""
 
@@ -339,6 +348,11 @@ class AdmissionStatus(WireModel):
     )
     queue_wait_seconds_p95: float | None = Field(
         None, ge=0, description="95th percentile of queue waits in the last minute."
+    )
+    tenants: dict[str, TenantAdmission] = Field(
+        default_factory=dict,
+        description="Per tenant (the gateways' keys file), the 16 most admitted in the last "
+        "minute: what each got of the pool and how long it waited (its weighted fair share).",
     )
     saturated: bool = Field(
         False,
