@@ -88,12 +88,14 @@ def assert_int4_close(
 # Panels are 4 output channels: 6 and 10 leave a partial last panel; K 96 is not a multiple of
 # 16 (the one-row loop's unrolled step). Rows: 4 and 8 take the four-row loop, 3 and 33 the
 # three-row one, 2 and 5 the two-row one (5 after three rows), 1 the one-row loop.
-# K 96 and 160 are not multiples of 64; 32 is under one 512-bit step twice over.
+# K 96 and 160 are not multiples of 64; 32 is under one 512-bit step twice over. 64 rows and
+# more take the wide products (groups of 16 panels, blocks of 12 rows): 77 leaves a 5-row
+# block, N 132 two full groups and one panel, N 6 and 10 a group of a partial panel.
 SHAPES = [(64, 64), (6, 96), (10, 32), (132, 160)]
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 33])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 33, 64, 77])
 def test_products_equal_dequantized_matmuls(kernels, isa, n, k, m):
     generator = torch.Generator().manual_seed(n * 1000 + k + m)
     weight = torch.randn(n, k, generator=generator)
