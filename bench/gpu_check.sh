@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of issue 30, in under 8 minutes on a fresh H200 machine, install included:
 # decode tokens/s of random ~1B and ~8B Llamas in bf16 at batch 1 and 32, our engine (static
-# step compiled into CUDA graphs, and the same step eager) next to HF generate() (eager, and
+# step compiled into CUDA graphs, and the same step eager; each with overlapped steps on and
+# off) next to HF generate() (eager, and
 # with a compiled static cache) and the HBM bound, our tokens checked against HF's
 # (bench/gpu_decode_bench.py). docs/engine.md, "GPU", says how to run it.
 #

@@ -8,12 +8,15 @@ downloaded), it measures decode tokens/s at each batch size for HF ``generate()`
 ``min_new_tokens`` so nothing stops early, prefill subtracted; eager with its dynamic cache, and
 with a static cache, which transformers compiles) and for our engine stepping in-process with
 the static decode step compiled into CUDA graphs (``--decode-step compiled``) and the same step
-eager (``static``: graphs off), and sets them against the bound that reading the weights and KV
-rows once per step at the measured copy bandwidth allows. Our batch-1 tokens are checked against
-HF's (the equal prefix is reported: bf16 sums in another order may flip a near-tie of a random
-model). Prints a table and writes JSON (after each model, so a run cut short keeps what it
-measured). Without CUDA it prints one line and exits 2, unless ``--dry-run`` (CPU, both of our
-sides eager: inductor's CPU compile would take most of the test's time).
+eager (``static``: graphs off), each with overlapped steps (``--overlap-steps on``: step N+1
+launched before step N is postprocessed) and without, on the same engine, and sets them
+against the bound that reading the weights and KV rows once per step at the measured copy
+bandwidth allows. Our batch-1 tokens are checked against HF's (the equal prefix is reported:
+bf16 sums in another order may flip a near-tie of a random model), and overlap's against the
+same engine's without it (``*_tokens_equal_plain``). Prints a table and writes JSON (after
+each model, so a run cut short keeps what it measured). Without CUDA it prints one line and
+exits 2, unless ``--dry-run`` (CPU, both of our sides eager: inductor's CPU compile would take
+most of the test's time).
 """
 
 from __future__ import annotations
@@ -167,6 +170,7 @@ def ours_engine(
         max_model_len=1024,
         decode_step=decode_step,  # type: ignore[arg-type]
         static_warm_up=False,
+        overlap_steps=True,  # measure_ours switches it off and on: one compile serves both
     )
     engine = LLMEngine(
         settings, runner, bench.tokenizer, kv_cache_tokens=batch * 1024, model_name="bench"
@@ -218,26 +222,39 @@ def measure_hf(bench: Bench, row: dict, key: str, args: argparse.Namespace) -> N
         row[f"{key}_error"] = f"{type(error).__name__}: {error}"
 
 
-def measure_ours(bench: Bench, row: dict, key: str, step: str, args: argparse.Namespace) -> list:
+def measure_ours(
+    bench: Bench, row: dict, keys: tuple[str, str], step: str, args: argparse.Namespace
+) -> dict[str, list[int]]:
+    """``keys``: the row keys of the overlapped side and the plain one; the two alternate on
+    one engine (repeat by repeat), so they share its compiled graphs and the machine's mood."""
     batch, prompt_ids = row["batch"], bench.prompt_ids
-    tokens: list[int] = []
+    tokens: dict[str, list[int]] = {}
     try:
         engine, runner = ours_engine(bench, batch, len(prompt_ids), step)
+        overlap = engine.overlap
         ours_run(engine, bench.device, batch, 4, prompt_ids)  # warm-up: compiles the bucket
-        rates = []
+        rates: dict[str, list[float]] = {key: [] for key in keys}
         for _ in range(args.repeats):
-            rate, tokens = ours_run(engine, bench.device, batch, args.new_tokens, prompt_ids)
-            rates.append(rate)
-        row[f"{key}_tok_s"] = max(rates)
-        row[f"{key}_ms_per_step"] = 1e3 * batch / row[f"{key}_tok_s"]
+            for key, stepper in zip(keys, (overlap, None), strict=True):
+                engine.overlap = stepper
+                rate, tokens[key] = ours_run(
+                    engine, bench.device, batch, args.new_tokens, prompt_ids
+                )
+                rates[key].append(rate)
+        for key in keys:
+            row[f"{key}_tok_s"] = max(rates[key])
+            row[f"{key}_ms_per_step"] = 1e3 * batch / row[f"{key}_tok_s"]
+        if overlap is not None:
+            row[f"{keys[0]}_chained_steps"] = overlap.num_chained
         static = runner.static
         if static is not None:
-            row[f"{key}_compiles"] = static.stats.num_compiles
-            row[f"{key}_compile_s"] = static.stats.compile_seconds
-            row[f"{key}_compile_failures"] = static.stats.num_compile_failures
+            row[f"{keys[0]}_compiles"] = static.stats.num_compiles
+            row[f"{keys[0]}_compile_s"] = static.stats.compile_seconds
+            row[f"{keys[0]}_compile_failures"] = static.stats.num_compile_failures
     except Exception as error:
         traceback.print_exc()
-        row[f"{key}_error"] = f"{type(error).__name__}: {error}"
+        for key in keys:
+            row[f"{key}_error"] = f"{type(error).__name__}: {error}"
     gc.collect()  # the engine holds a runner and its KV rows
     return tokens
 
@@ -266,8 +283,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bw: f
         "kv_bytes_per_token": kv_bytes_per_token,
         "init_s": init_s,
         "hf_attn_implementation": model.config._attn_implementation,
-        "ours_decode_step": args.graphs_on,
-        "ours_nographs_decode_step": args.graphs_off,
+        "ours_decode_step": args.graphs_on,  # ours: overlap on; ours_nooverlap: off
+        "ours_nographs_decode_step": args.graphs_off,  # ours_nographs_overlap: overlap on
         "rows": [],
     }
     print(
@@ -279,15 +296,24 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bw: f
     reference = hf_tokens(bench, args.new_tokens, bench.prompt_ids)
     for row in rows:
         measure_hf(bench, row, "hf_generate", args)
+    sides = (
+        (("ours", "ours_nooverlap"), args.graphs_on),
+        (("ours_nographs_overlap", "ours_nographs"), args.graphs_off),
+    )
     for row in rows:
-        for key, step in (("ours", args.graphs_on), ("ours_nographs", args.graphs_off)):
+        for keys, step in sides:
             if time.perf_counter() > args.deadline:
-                row[f"{key}_error"] = "skipped: past --budget-s"
+                for key in keys:
+                    row[f"{key}_error"] = "skipped: past --budget-s"
                 continue
-            tokens = measure_ours(bench, row, key, step, args)
-            if row["batch"] == args.batches[0] and tokens:
-                # bf16 products in another order may flip a near-tie: count the equal prefix.
-                row[f"{key}_tokens_equal_hf"] = equal_prefix(tokens, reference)
+            tokens = measure_ours(bench, row, keys, step, args)
+            for key in keys:
+                if row["batch"] == args.batches[0] and tokens.get(key):
+                    # bf16 products in another order may flip a near-tie: the equal prefix.
+                    row[f"{key}_tokens_equal_hf"] = equal_prefix(tokens[key], reference)
+            if tokens.get(keys[0]) and tokens.get(keys[1]):
+                # Overlap changes when the host reads a token, never which token it is.
+                row[f"{keys[0]}_tokens_equal_plain"] = tokens[keys[0]] == tokens[keys[1]]
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.hf_static_cache:
@@ -312,7 +338,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bw: f
         row["bound_tok_s"] = batch * bw / step_bytes
         if device.type == "cuda":
             row["bound_nominal_tok_s"] = batch * NOMINAL_H200_BYTES_S / step_bytes
-        for side in ("ours", "ours_nographs", "hf_generate", "hf_static"):
+        sides_measured = ("ours", "ours_nooverlap", "ours_nographs", "ours_nographs_overlap")
+        for side in (*sides_measured, "hf_generate", "hf_static"):
             if f"{side}_tok_s" in row:
                 row[f"{side}_fraction_of_bound"] = row[f"{side}_tok_s"] / row["bound_tok_s"]
         if "ours_tok_s" in row and "hf_generate_tok_s" in row:
@@ -327,10 +354,11 @@ def fmt(row: dict, key: str, spec: str) -> str:
 
 
 def print_table(models: list[dict], new_tokens: int) -> None:
+    # ours: graphs and overlap on; then overlap off; graphs off (overlap off, then on).
     header = (
-        f"{'model':<9} {'batch':>5} {'ours tok/s':>11} {'no graphs':>10} {'HF tok/s':>9} "
-        f"{'HF static':>10} {'ours/HF':>8} {'bound tok/s':>12} {'ours/bound':>10} "
-        f"{'ours ms/step':>13} {'=HF':>6}"
+        f"{'model':<9} {'batch':>5} {'ours tok/s':>11} {'no overlap':>11} {'no graphs':>10} "
+        f"{'ng+overlap':>11} {'HF tok/s':>9} {'HF static':>10} {'ours/HF':>8} "
+        f"{'bound tok/s':>12} {'ours/bound':>10} {'ours ms/step':>13} {'=HF':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -339,7 +367,9 @@ def print_table(models: list[dict], new_tokens: int) -> None:
             equal = row.get("ours_tokens_equal_hf")
             print(
                 f"{model['name']:<9} {row['batch']:>5} {fmt(row, 'ours_tok_s', '11.1f')} "
+                f"{fmt(row, 'ours_nooverlap_tok_s', '11.1f')} "
                 f"{fmt(row, 'ours_nographs_tok_s', '10.1f')} "
+                f"{fmt(row, 'ours_nographs_overlap_tok_s', '11.1f')} "
                 f"{fmt(row, 'hf_generate_tok_s', '9.1f')} {fmt(row, 'hf_static_tok_s', '10.1f')} "
                 f"{fmt(row, 'ratio', '7.2f')}x {fmt(row, 'bound_tok_s', '12.1f')} "
                 f"{fmt(row, 'ours_fraction_of_bound', '10.1%')} "

@@ -51,6 +51,11 @@ def test_dry_run_writes_the_table_and_json(tmp_path: Path) -> None:
     for row in model["rows"]:
         assert "hf_error" not in row and "ours_error" not in row, row
         assert row["ours_tok_s"] > 0 and row["hf_generate_tok_s"] > 0
+        # Graphs on and off (eager on a CPU), each with overlapped steps and without: overlap
+        # changes when a token is read, never which.
+        assert row["ours_nooverlap_tok_s"] > 0 and row["ours_nographs_overlap_tok_s"] > 0
+        assert row["ours_chained_steps"] > 0 and row["ours_nographs_overlap_chained_steps"] > 0
+        assert row["ours_tokens_equal_plain"] and row["ours_nographs_overlap_tokens_equal_plain"]
         assert row["ratio"] == pytest.approx(row["ours_tok_s"] / row["hf_generate_tok_s"])
         assert row["ours_ms_per_step"] == pytest.approx(1e3 * row["batch"] / row["ours_tok_s"])
         assert row["bound_tok_s"] > 0

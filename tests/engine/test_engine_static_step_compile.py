@@ -27,9 +27,13 @@ def sharp_model_dir(tmp_path_factory, smollm2_dir):
     return build_sharp_tiny_model(tmp_path_factory.getbasetemp() / "sharp-compile", smollm2_dir)
 
 
-def compiled_engine(model_dir, *, max_batch_size: int, backend: str):
+def compiled_engine(model_dir, *, max_batch_size: int, backend: str, overlap: str = "off"):
     engine = make_engine(
-        model_dir, max_batch_size=max_batch_size, max_model_len=256, decode_step="static"
+        model_dir,
+        max_batch_size=max_batch_size,
+        max_model_len=256,
+        decode_step="static",
+        overlap_steps=overlap,
     )
     runner = engine.runner
     runner.static = StaticDecoder(
@@ -97,6 +101,24 @@ def test_every_bucket_compiles_whole_and_never_again(sharp_model_dir):
     # The eager step (no dynamo at all) gives the same tokens.
     eager = make_engine(sharp_model_dir, max_batch_size=4, max_model_len=256, decode_step="static")
     assert workload(eager) == tokens
+
+
+def test_overlapped_compiled_steps_never_recompile(sharp_model_dir):
+    """Overlapped steps (each chained step's input tokens read on the device from the step
+    before) through the compiled buckets: still no graph break or recompile, the same tokens
+    as the eager step without overlap."""
+    engine = compiled_engine(sharp_model_dir, max_batch_size=4, backend="eager", overlap="on")
+    static = engine.runner.static
+    static.warm_up(full=True)
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        tokens = workload(engine, seed=1)
+    assert engine.overlap.num_chained >= 40, engine.overlap.num_chained
+    assert static.stats.num_compiles == 6 and static.stats.num_compile_failures == 0
+    assert counters["stats"]["unique_graphs"] == 0
+    assert not counters["graph_break"] and not counters["recompiles"]
+    eager = make_engine(sharp_model_dir, max_batch_size=4, max_model_len=256, decode_step="static")
+    assert workload(eager, seed=1) == tokens
 
 
 def test_a_compile_during_traffic_leaves_live_rows_alone(sharp_model_dir):

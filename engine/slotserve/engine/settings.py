@@ -26,6 +26,7 @@ from slotserve.engine.core.tool_parsers import ToolParserName
 
 LinearBackend = Literal["auto", "onednn", "aten", "native"]
 DecodeStep = Literal["auto", "classic", "static", "compiled"]
+OverlapSteps = Literal["auto", "on", "off"]
 
 
 class EngineSettings(BaseSettings):
@@ -64,6 +65,12 @@ class EngineSettings(BaseSettings):
         description="Decode-only steps: auto (compiled on CUDA, classic elsewhere), classic "
         "(the native C step on CPU, else transformers' forward), static (the graph-capturable "
         "step, eager) or compiled (that step through torch.compile; CUDA graphs on CUDA).",
+    )
+    overlap_steps: OverlapSteps = Field(
+        "auto",
+        description="Static decode steps: launch step N+1 (its input tokens taken on the "
+        "device) before postprocessing step N: on, off, or auto (on with the compiled step on "
+        "CUDA, where the host's work then hides behind the device's; off elsewhere).",
     )
     generation_config: str = Field(
         "auto",

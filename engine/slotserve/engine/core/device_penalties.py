@@ -28,7 +28,6 @@ from slotserve.engine.core.static_buffers import (
     PROMPT_LEN,
     REPETITION,
     SLOT,
-    TOKEN,
     Transfers,
 )
 
@@ -78,15 +77,16 @@ class PenaltyRows:
 
 def count_and_apply(
     scores: torch.Tensor,
+    tokens: torch.Tensor,
     ints: torch.Tensor,
     floats: torch.Tensor,
     prompt_seen: torch.Tensor,
     output_counts: torch.Tensor,
 ) -> torch.Tensor:
-    """In the step: count each row's input token (an output token past the prompt), then
+    """In the step: count each row's input token ``tokens`` (an output token past the prompt), then
     penalize ``scores`` ``[rows, vocab]`` float32. Rows without penalties (1, 0, 0) are
     unchanged; their counts are never read."""
-    slots, tokens = ints[SLOT], ints[TOKEN]
+    slots = ints[SLOT]
     is_output = (ints[POSITION] >= ints[PROMPT_LEN]).to(output_counts.dtype)
     output_counts.index_put_((slots, tokens), is_output, accumulate=True)
     counts = output_counts.index_select(0, slots).to(scores.dtype)

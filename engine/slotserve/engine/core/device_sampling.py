@@ -64,6 +64,7 @@ def greedy_result(logits: torch.Tensor) -> torch.Tensor:
 
 def full_result(
     logits: torch.Tensor,
+    tokens: torch.Tensor,
     ints: torch.Tensor,
     floats: torch.Tensor,
     eos_mask: torch.Tensor,
@@ -72,12 +73,12 @@ def full_result(
     num_top: int,
 ) -> torch.Tensor:
     """``[rows, 3 + 2 * num_top]``: every row sampled by its own parameters (see module doc);
-    the penalties count each row's input token in ``output_counts`` first."""
+    the penalties count each row's input token (``tokens``) in ``output_counts`` first."""
     raw = logits.float()
     vocab_size = raw.shape[1]
     usable = torch.isfinite(raw.amax(dim=-1))
     scores = raw.masked_fill(~usable.unsqueeze(1), 0.0)
-    scores = count_and_apply(scores, ints, floats, prompt_seen, output_counts)
+    scores = count_and_apply(scores, tokens, ints, floats, prompt_seen, output_counts)
     flags = ints[FLAGS]
     ban = (flags & BAN_EOS) != 0
     scores = scores.masked_fill(ban.unsqueeze(1) & eos_mask.unsqueeze(0), float("-inf"))

@@ -16,37 +16,29 @@ from typing import Any
 
 from slotserve.engine.core.detokenizer import IncrementalDetokenizer, TokenTexts
 from slotserve.engine.core.errors import InvalidRequestError
-from slotserve.engine.core.generation_defaults import GenerationDefaults, load_generation_defaults
+from slotserve.engine.core.generation_defaults import (
+    GenerationDefaults,
+    eos_token_ids,
+    load_generation_defaults,
+)
 from slotserve.engine.core.kv_cache import KVCacheManager
 from slotserve.engine.core.limits import RequestLimits
+from slotserve.engine.core.overlap import Collected, StepOverlap
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.protocols import Runner, Tokenizer
 from slotserve.engine.core.scheduler import Scheduler, SchedulerConfig, StepPlan
 from slotserve.engine.core.sequence import Sequence, SequenceError
-from slotserve.engine.core.stats import EngineStats, RequestMetrics, RequestOutput
+from slotserve.engine.core.stats import (
+    EngineStats,
+    FinishedRequest,
+    RequestMetrics,
+    RequestOutput,
+    StepRecord,
+)
 from slotserve.engine.core.structured import GrammarError, Grammars
 from slotserve.engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """Which slot served which request in one step (for occupancy plots)."""
-
-    step: int
-    time: float
-    slots: dict[int, str]
-
-
-@dataclass
-class FinishedRequest:
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    metrics: RequestMetrics | None
-    num_preemptions: int = 0
 
 
 @dataclass
@@ -114,6 +106,9 @@ class LLMEngine:
         # Structured output: checked grammars and matchers (its tokenizer view is built once,
         # under the tokenizer lock).
         self.grammars = Grammars(tokenizer, self.tokenizer_lock)
+        # Static decode steps launched before the previous one is postprocessed (the runner's
+        # overlap_steps setting).
+        self.overlap = StepOverlap(self.scheduler, runner) if runner.overlap_steps else None
 
     @classmethod
     def load(cls, settings: EngineSettings, **kwargs: Any) -> LLMEngine:
@@ -192,10 +187,14 @@ class LLMEngine:
             self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._in_flight or self.scheduler.has_unfinished()
 
     def next_step_delay(self) -> float:
-        return self.scheduler.next_step_delay(self.clock())
+        return 0.0 if self._in_flight else self.scheduler.next_step_delay(self.clock())
+
+    @property
+    def _in_flight(self) -> bool:
+        return self.overlap is not None and self.overlap.in_flight is not None
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -204,22 +203,39 @@ class LLMEngine:
 
         A failure that belongs to one sequence (its logits, its sampling, its text) ends that
         sequence with "error" and nothing else; an exception raised here means the step as a
-        whole failed (the runner is broken): see :meth:`fail_all`.
+        whole failed (the runner is broken): see :meth:`fail_all`. With overlapped steps
+        (:mod:`slotserve.engine.core.overlap`) a static decode step's outputs come from the
+        next call, which launches the step after it first.
         """
+        outputs: list[RequestOutput] = []
+        overlap = self.overlap
+        if overlap is not None and overlap.in_flight is not None:
+            done, chained = overlap.advance()
+            outputs = self._postprocess(done)
+            if chained:
+                return outputs
         plan = self.scheduler.schedule(self.clock())
-        outputs = [self._finish_output(seq, [], "") for seq in plan.aborted]
+        outputs += [self._finish_output(seq, [], "") for seq in plan.aborted]
         if not plan.chunks:
             return outputs
         if plan.copies:
             self.runner.copy_prefixes(plan.copies)  # prefix cache: before the forward
+        if overlap is not None and overlap.launch(plan):
+            return outputs
         samples = self.runner.execute(plan.chunks)
-        now = self.clock()
+        logprobs = list(self.runner.last_logprobs) or [None] * len(samples)
+        return outputs + self._postprocess(Collected(plan, samples, logprobs))
+
+    def _postprocess(self, done: Collected) -> list[RequestOutput]:
+        plan, samples, now = done.plan, done.samples, self.clock()
         if self._counters.records is not None:
             self._record(plan, now)
         self.scheduler.postprocess(plan, samples, now)
-        logprobs = self.runner.last_logprobs or [None] * len(samples)
+        outputs = []
         with self.tokenizer_lock:
-            for chunk, sample, sampled in zip(plan.sampling_chunks, samples, logprobs, strict=True):
+            for chunk, sample, sampled in zip(
+                plan.sampling_chunks, samples, done.logprobs, strict=True
+            ):
                 output = self._sample_output(chunk.seq, sample, now)
                 # A stop token adds no text, so it has no logprobs entry either (as OpenAI).
                 if sampled is not None and output.token_ids and not self._is_stop_token(chunk.seq):
@@ -251,6 +267,8 @@ class LLMEngine:
         raised: its state is not trusted, so even requests that just finished are errors)."""
         now = self.clock()
         outputs = []
+        if self.overlap is not None:
+            self.overlap.forget()
         for seq in list(self._sequences.values()):
             if seq.finish_reason != "abort":
                 self.scheduler.fail(seq, error, now)
@@ -384,19 +402,3 @@ class LLMEngine:
             )
             for seq in seqs
         ]
-
-
-def eos_token_ids(model: object, tokenizer: object) -> set[int]:
-    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
-    ids: set[int] = set()
-    for source in (
-        getattr(model, "generation_config", None),
-        getattr(model, "config", None),
-        tokenizer,
-    ):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids

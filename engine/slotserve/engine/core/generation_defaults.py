@@ -119,3 +119,19 @@ def _to_defaults(values: dict[str, Any]) -> GenerationDefaults:
         return GenerationDefaults(**fields)
     except ValidationError as error:
         raise ValueError(f"invalid generation config values {fields}: {error}") from error
+
+
+def eos_token_ids(model: object, tokenizer: object) -> set[int]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+    ids: set[int] = set()
+    for source in (
+        getattr(model, "generation_config", None),
+        getattr(model, "config", None),
+        tokenizer,
+    ):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -81,12 +81,13 @@ class KVCacheManager:
         self.num_tokens_used += seq.num_tokens
         return copies
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Room for the tokens appended since the last reservation (one per decode step)."""
-        return seq.num_tokens - seq.num_kv_tokens <= self.num_tokens_free
+    def can_append(self, seq: Sequence, num_pending: int = 0) -> bool:
+        """Room for the tokens appended since the last reservation (one per decode step), and
+        ``num_pending`` sampled on the device but not appended yet (overlapped steps)."""
+        return seq.num_tokens + num_pending - seq.num_kv_tokens <= self.num_tokens_free
 
-    def append(self, seq: Sequence) -> None:
-        growth = seq.num_tokens - seq.num_kv_tokens
+    def append(self, seq: Sequence, num_pending: int = 0) -> None:
+        growth = seq.num_tokens + num_pending - seq.num_kv_tokens
         if growth > self.num_tokens_free:
             raise RuntimeError(f"cannot grow KV for {seq.request_id}")
         seq.num_kv_tokens += growth

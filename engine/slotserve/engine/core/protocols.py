@@ -54,7 +54,32 @@ class VocabularyShape(Protocol):
     def vocab_size(self) -> int: ...
 
 
-class Runner(Protocol):
+class Launcher(Protocol):
+    """Steps started without waiting for their result (:mod:`slotserve.engine.core.overlap`)."""
+
+    @property
+    def last_logprobs(self) -> Sequence[SampledLogprobs | None]:
+        """The last ``execute``'s or ``collect``'s logprobs, one entry per sampled row."""
+        ...
+
+    def can_launch(self, chunks: Sequence[ScheduledChunk], *, chained: bool = ...) -> bool:
+        """Whether :meth:`launch` can run ``chunks``; ``chained``: with input tokens that the
+        step launched just before is still sampling."""
+        ...
+
+    def launch(
+        self, chunks: Sequence[ScheduledChunk], previous_rows: Sequence[int] | None = ...
+    ) -> Any:
+        """Start a step; ``previous_rows[i]``: the previous launch's row whose token is chunk
+        ``i``'s input. Returns a handle for :meth:`collect`."""
+        ...
+
+    def collect(self, launched: Any) -> list[int | SequenceError]:
+        """Wait for a launched step: a token id, or that row's own failure, per row."""
+        ...
+
+
+class Runner(Launcher, Protocol):
     """Runs the model for one step's chunks and owns the KV rows of its slots."""
 
     @property
@@ -74,8 +99,8 @@ class Runner(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
-    def last_logprobs(self) -> Sequence[SampledLogprobs | None]:
-        """The last ``execute``'s logprobs, one entry per sampled row (empty when none asked)."""
+    def overlap_steps(self) -> bool:
+        """Whether the engine overlaps static decode steps (the runner then launches them)."""
         ...
 
     @property

@@ -20,6 +20,7 @@ from slotserve.contracts.engine_argv import Quantization
 from slotserve.engine.core.attention import PrefillChunkInput, SlotStep, register_slot_attention
 from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
 from slotserve.engine.core.errors import UnsupportedSettingError
+from slotserve.engine.core.generation_defaults import eos_token_ids
 from slotserve.engine.core.linear_setup import native_kernels, set_up_linears
 from slotserve.engine.core.logprobs import SampledLogprobs
 from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
@@ -32,9 +33,14 @@ from slotserve.engine.core.quantize import preflight
 from slotserve.engine.core.sampling import Sampler
 from slotserve.engine.core.scheduler import ScheduledChunk
 from slotserve.engine.core.sequence import SequenceError
-from slotserve.engine.core.static_decoder import StaticDecoder, serves
+from slotserve.engine.core.static_decoder import LaunchedStep, StaticDecoder, serves
 from slotserve.engine.core.static_memory import fuse_before_sizing, headroom_bytes, kv_budget_bytes
-from slotserve.engine.settings import DecodeStep, EngineSettings, LinearBackend
+from slotserve.engine.settings import (
+    DecodeStep,
+    EngineSettings,
+    LinearBackend,
+    OverlapSteps,
+)
 from slotserve.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
@@ -55,6 +61,24 @@ def pick_decode_step(decode_step: DecodeStep, device: torch.device) -> DecodeSte
     if decode_step == "auto":
         return "compiled" if device.type == "cuda" else "classic"
     return decode_step
+
+
+def pick_overlap_steps(
+    overlap: OverlapSteps, decode_step: DecodeStep, device: torch.device
+) -> bool:
+    """``auto``: on with the compiled step on CUDA, where the step is launched asynchronously
+    and the host's postprocessing hides behind the device's work; off elsewhere (on a CPU the
+    step runs on the calling thread, so there is nothing to hide behind: bench/overlap_bench.py
+    measures it). ``on`` needs the static step (static or compiled)."""
+    static = decode_step in ("static", "compiled")
+    if overlap == "on" and not static:
+        raise UnsupportedSettingError(
+            f"overlap_steps on overlaps the static decode step: it needs decode_step static or "
+            f"compiled (got {decode_step})"
+        )
+    if overlap == "auto":
+        return decode_step == "compiled" and device.type == "cuda"
+    return overlap == "on"
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -141,6 +165,7 @@ class ModelRunner:
         native_decode: bool = True,
         decode_step: DecodeStep = "classic",
         static_warm_up: bool = True,
+        overlap_steps: bool = False,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -159,6 +184,9 @@ class ModelRunner:
         model.set_attn_implementation(register_slot_attention())
         self.decoder = model.get_decoder()
         static = decode_step in ("static", "compiled")
+        if overlap_steps and not static:
+            raise UnsupportedSettingError("overlap_steps needs decode_step static or compiled")
+        self.overlap_steps = overlap_steps
         if static:
             # The static step calls the model's own stock modules: no C kernels, no packing.
             if quantization != "none" or linear_backend not in ("auto", "aten"):
@@ -197,8 +225,6 @@ class ModelRunner:
         # holds; masked positions still enter ``0 * value``, so they must hold finite numbers.
         # Rows are zeroed lazily in blocks, which also keeps untouched CPU pages uncommitted.
         self._num_finite = [0] * num_slots
-        from slotserve.engine.core.engine import eos_token_ids  # the engine's rule, not duplicated
-
         # min_tokens bans the model's EOS ids (the tokenizer's equal them for the models served).
         eos_ids = frozenset(eos_token_ids(model, None))
         self.sampler = Sampler(num_slots, self.shape.vocab_size, self.device, eos_ids)
@@ -318,6 +344,26 @@ class ModelRunner:
         return samples
 
     def _static_decode(self, chunks: Seq[ScheduledChunk]) -> list[int | SequenceError]:
+        return self.collect(self.launch(chunks))
+
+    def can_launch(self, chunks: Seq[ScheduledChunk], *, chained: bool = False) -> bool:
+        """Whether every chunk is a decode row of the static step (a step :meth:`launch` can
+        start without waiting for its result); ``chained``: and its bucket runs without a
+        compile first (a compile's padding rows would overwrite the previous step's tokens)."""
+        static = self.static
+        if static is None or not chunks or not all(map(self._static_row, chunks)):
+            return False
+        if not chained:
+            return True
+        seqs = [chunk.seq for chunk in chunks]
+        return static.is_ready(static.key_for(seqs, [chunk.start for chunk in chunks]))
+
+    @torch.inference_mode()
+    def launch(
+        self, chunks: Seq[ScheduledChunk], previous_rows: Seq[int] | None = None
+    ) -> LaunchedStep:
+        """Start a static step of decode ``chunks`` (see :meth:`StaticDecoder.launch` for
+        ``previous_rows``); :meth:`collect` returns its samples."""
         assert self.static is not None
         for chunk in chunks:
             if chunk.seq.slot is None:
@@ -327,10 +373,15 @@ class ModelRunner:
         # Each row attends up to its span bucket: those positions must hold finite numbers.
         span = min(self.max_model_len, self.static.span_for(max(positions) + 1))
         self._ensure_finite(max(seq.slot or 0 for seq in seqs) + 1, span)
-        samples, self.last_logprobs = self.static.run(seqs, positions)
-        for seq, sample in zip(seqs, samples, strict=True):
-            if isinstance(sample, SequenceError) and seq.slot is not None:
-                self._num_finite[seq.slot] = 0  # as in execute(): NaN keys may be in the row
+        return self.static.launch(seqs, positions, previous_rows)
+
+    def collect(self, launched: LaunchedStep) -> list[int | SequenceError]:
+        """A launched step's samples, one per chunk (its logprobs in ``last_logprobs``)."""
+        assert self.static is not None
+        samples, self.last_logprobs = self.static.collect(launched)
+        for slot, sample in zip(launched.slots, samples, strict=True):
+            if isinstance(sample, SequenceError):
+                self._num_finite[slot] = 0  # as in execute(): NaN keys may be in the row
         return samples
 
     def _natively(self, chunks: Seq[ScheduledChunk]) -> bool:
@@ -525,11 +576,14 @@ def build_runner(
         calibration=CalibrationCache(CommonSettings().home / "calibration"),
         quantization=settings.quantization,
         decode_step=decode_step,
+        overlap_steps=pick_overlap_steps(settings.overlap_steps, decode_step, device),
     )
     if runner.static is not None:
         logger.info(
-            "static decode step (%s): %d row buckets %s, %d graphs compiled at load in %.1f s",
+            "static decode step (%s, overlapped %s): %d row buckets %s, %d graphs compiled at"
+            " load in %.1f s",
             decode_step,
+            runner.overlap_steps,
             len(runner.static.row_buckets),
             list(runner.static.row_buckets),
             runner.static.stats.num_compiles,

@@ -176,6 +176,55 @@ class Scheduler:
             plan.step = self.num_steps
         return plan
 
+    def plan_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The step after ``plan``, planned before ``plan``'s tokens are known (overlapped
+        steps; changes nothing until :meth:`commit_ahead`): each of its sequences decodes its
+        pending token, except those that ``plan`` ends by max_tokens. None when that might not
+        be the step :meth:`schedule` plans once the tokens are in: aborts to apply, requests
+        that could join, a running sequence left out, the token budget or KV room short (a
+        preemption), or no row left.
+
+        A sequence that ``plan`` ends otherwise (a stop token or string) still gets a row; its
+        token is dropped (:meth:`drop_rows`).
+        """
+        if self._pending_aborts or (self.waiting and self.config.policy == "continuous"):
+            return None
+        chunks = plan.chunks
+        if len(chunks) != len(self.running) or len(chunks) > self.config.max_batched_tokens:
+            return None
+        if not all(chunk.samples and chunk.num_tokens == 1 for chunk in chunks):
+            return None
+        seqs = [
+            chunk.seq
+            for chunk in chunks
+            if chunk.seq.num_generated_tokens + 1 < chunk.seq.params.max_tokens
+        ]
+        growth = sum(seq.num_tokens + 1 - seq.num_kv_tokens for seq in seqs)
+        if not seqs or growth > self.kv_cache.num_tokens_free:
+            return None
+        ahead = StepPlan(step=self.num_steps + 1)
+        # The pending token sits at position num_tokens: it is each chunk's input.
+        ahead.chunks = [ScheduledChunk(seq, seq.num_tokens, 1, samples=True) for seq in seqs]
+        return ahead
+
+    def commit_ahead(self, ahead: StepPlan) -> None:
+        """Count a step from :meth:`plan_ahead` and reserve its rows' pending tokens."""
+        for chunk in ahead.chunks:
+            self.kv_cache.append(chunk.seq, num_pending=1)
+        self.num_steps += 1
+        self.num_useful_slot_steps += len(ahead.chunks)
+
+    def drop_rows(self, plan: StepPlan, keep: Seq[bool]) -> StepPlan:
+        """``plan`` without the chunks not kept (their sequences ended while it ran): they
+        were no useful slot-steps."""
+        kept = [chunk for chunk, flag in zip(plan.chunks, keep, strict=True) if flag]
+        self.num_useful_slot_steps -= len(plan.chunks) - len(kept)
+        return StepPlan(step=plan.step, chunks=kept)
+
+    def is_aborting(self, request_id: str) -> bool:
+        """An abort of ``request_id`` waits for the next :meth:`schedule`."""
+        return request_id in self._pending_aborts
+
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         queue = deque(self.running)
         while queue and budget > 0:

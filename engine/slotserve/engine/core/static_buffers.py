@@ -9,7 +9,10 @@ Rows past the step's own are padding: token 0 at position 0 of the scratch slot,
 
 Every host-device transfer of the static step goes through :class:`Transfers`: the two it
 allows per step are counted there, and :mod:`slotserve.engine.core.host_sync` turns any other
-into a test failure.
+into a test failure. The result's copy back is started when the step is launched and waited for
+later (:class:`PendingResult`), so with overlapped steps the host stages step N+1 while the
+device still runs step N: each bucket therefore stages into two host blocks in turn (the copy
+from the one staged last may not have run yet).
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ import numpy as np
 import torch
 
 # Row layout of an input block (int64 columns, then float64 bits).
-TOKEN, POSITION, SLOT, TOP_K, SEED, FLAGS, PROMPT_LEN = range(7)
-TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE = range(7, 13)
-NUM_COLUMNS = 13
+TOKEN, POSITION, SLOT, TOP_K, SEED, FLAGS, PROMPT_LEN, PREVIOUS_ROW = range(8)
+TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE = range(8, 14)
+NUM_COLUMNS = 14
+# PREVIOUS_ROW of a row whose input token is in TOKEN; any other value: the row's input token is
+# the one the previous step sampled in that row (still on the device: overlapped steps).
+FROM_HOST = -1
 # FLAGS bits.
 GREEDY = 1
 BAN_EOS = 2  # min_tokens not reached: EOS ids are banned for this row
@@ -59,6 +65,15 @@ def pick(buckets: tuple[int, ...], need: int) -> int:
 
 
 @dataclass
+class PendingResult:
+    """A step's result on its way to the host: a non-blocking copy into pinned memory and the
+    event that marks it done (CUDA); on a CPU the copy has already happened."""
+
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+
+
+@dataclass
 class Transfers:
     """The static step's only host-device transfers: one copy in, one copy out, counted."""
 
@@ -78,7 +93,7 @@ class Transfers:
     def to_device(self, host: torch.Tensor, device_block: torch.Tensor) -> None:
         with self._allowed():
             # From pinned memory this returns at once on CUDA; the host block is written again
-            # only after the step's result came back, when this copy has long finished.
+            # two stagings later, after a later step's result came back (see StepBuffers).
             device_block.copy_(host, non_blocking=host.is_pinned())
         self.num_to_device += 1
 
@@ -87,46 +102,73 @@ class Transfers:
             device_row.copy_(host)
         self.num_set_ups += 1
 
-    def to_host(self, result: torch.Tensor) -> list[list[float]]:
+    def start_to_host(self, result: torch.Tensor) -> PendingResult:
+        """Queue the copy of a step's result behind the step; returns at once on CUDA."""
+        cuda = result.device.type == "cuda"
         with self._allowed():
-            rows: list[list[float]] = result.tolist()
+            host = torch.empty(result.shape, dtype=result.dtype, pin_memory=cuda)
+            host.copy_(result, non_blocking=cuda)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+        return PendingResult(host, event)
+
+    def wait_to_host(self, pending: PendingResult) -> list[list[float]]:
+        """The result's rows, once its copy is done (the one wait for the device per step)."""
+        with self._allowed():
+            if pending.event is not None:
+                pending.event.synchronize()
+            rows: list[list[float]] = pending.host.tolist()
         self.num_to_host += 1
         return rows
+
+    def to_host(self, result: torch.Tensor) -> list[list[float]]:
+        return self.wait_to_host(self.start_to_host(result))
 
 
 @dataclass
 class StepBuffers:
-    """One bucket's input block: the device copy the step reads and its host staging twin."""
+    """One bucket's input block: the device copy the step reads and two host staging twins,
+    used in turn."""
 
     rows: int
     device_block: torch.Tensor  # [NUM_COLUMNS, rows] int64
     device_floats: torch.Tensor  # the same storage as float64
-    host_block: torch.Tensor
-    host_ints: np.ndarray
-    host_floats: np.ndarray
+    host_blocks: tuple[torch.Tensor, torch.Tensor]
+    host_ints: tuple[np.ndarray, np.ndarray]  # numpy views of the host blocks
+    current: int = 0  # the host block staged last
 
     @classmethod
     def allocate(cls, rows: int, device: torch.device) -> StepBuffers:
         device_block = torch.zeros((NUM_COLUMNS, rows), dtype=torch.int64, device=device)
-        host_block = torch.zeros(
-            (NUM_COLUMNS, rows), dtype=torch.int64, pin_memory=device.type == "cuda"
+        pinned = device.type == "cuda"
+        host_blocks = tuple(
+            torch.zeros((NUM_COLUMNS, rows), dtype=torch.int64, pin_memory=pinned) for _ in range(2)
         )
-        host_ints = host_block.numpy()
         return cls(
             rows=rows,
             device_block=device_block,
             device_floats=device_block.view(torch.float64),
-            host_block=host_block,
-            host_ints=host_ints,
-            host_floats=host_ints.view(np.float64),
+            host_blocks=(host_blocks[0], host_blocks[1]),
+            host_ints=(host_blocks[0].numpy(), host_blocks[1].numpy()),
         )
+
+    @property
+    def host_block(self) -> torch.Tensor:
+        return self.host_blocks[self.current]
 
     def stage(
         self, columns: dict[int, list[int]], floats: dict[int, list[float]], scratch: int
     ) -> None:
-        """Write the step's rows into the host block; the rest become padding rows."""
+        """Write the step's rows into the next host block; the rest become padding rows.
+        Columns left out of ``columns`` hold their defaults (PREVIOUS_ROW: FROM_HOST)."""
+        self.current = 1 - self.current
         n = len(columns[TOKEN])
-        ints, reals = self.host_ints, self.host_floats
+        ints = self.host_ints[self.current]
+        reals = ints.view(np.float64)
+        if PREVIOUS_ROW not in columns:
+            ints[PREVIOUS_ROW, :n] = FROM_HOST
         for column, values in columns.items():
             ints[column, :n] = values
         for column, reals_in in floats.items():
@@ -135,6 +177,7 @@ class StepBuffers:
             ints[:, n:] = 0
             ints[SLOT, n:] = scratch
             ints[FLAGS, n:] = GREEDY
+            ints[PREVIOUS_ROW, n:] = FROM_HOST
             reals[TEMPERATURE, n:] = 1.0
             reals[TOP_P, n:] = 1.0
             reals[MIN_P, n:] = 0.0

@@ -3,8 +3,10 @@
 Per step: pick the bucket of rows (1, 2, 4, ... slots) and of attended positions, stage every
 row's inputs in that bucket's host block, copy it to the device in one transfer, run the step
 (compiled per bucket: ``mode="reduce-overhead"`` on CUDA records a CUDA graph for each), read the
-result back in one transfer. Warm-up at load compiles the greedy graph of every row bucket at
-the shortest span; the others compile on first use. Both are counted (``num_compiles``).
+result back in one transfer, started at launch and waited for at :meth:`StaticDecoder.collect`
+(overlapped steps launch the next step in between). Warm-up at load compiles the greedy graph
+of every row bucket at the shortest span; the others compile on first use. Both are counted
+(``num_compiles``).
 
 Which rows it serves: decodes whose sampling :mod:`device_sampling` does (greedy, temperature,
 top_k/top_p/min_p, seeds, logprobs, the three penalties, min_tokens without stop_token_ids).
@@ -34,10 +36,12 @@ from slotserve.engine.core.static_buffers import (
     BAN_EOS,
     FLAGS,
     FREQUENCY,
+    FROM_HOST,
     GREEDY,
     MIN_P,
     POSITION,
     PRESENCE,
+    PREVIOUS_ROW,
     PROMPT_LEN,
     REPETITION,
     SEED,
@@ -46,6 +50,7 @@ from slotserve.engine.core.static_buffers import (
     TOKEN,
     TOP_K,
     TOP_P,
+    PendingResult,
     StepBuffers,
     Transfers,
     bucket_sizes,
@@ -70,6 +75,16 @@ class StaticStats:
     warm_up_seconds: float = 0.0
     num_steps: int = 0
     steps_per_bucket: dict[StepKey, int] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A static step on its way: its rows' sequences and its result's copy to the host."""
+
+    seqs: list[Sequence]
+    slots: list[int]  # at launch (a row's sequence may have left its slot by the collect)
+    key: StepKey
+    pending: PendingResult
 
 
 def serves(seq: Sequence) -> bool:
@@ -121,6 +136,8 @@ class StaticDecoder:
         self.kv_positions = {
             span: torch.arange(span, device=self.device) for span in self.kv_buckets
         }
+        # Each step's sampled tokens, on the device, for the next step's chained rows.
+        self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
         self.transfers = Transfers()
         self.stats = StaticStats()
         self.compiled = compile
@@ -142,7 +159,8 @@ class StaticDecoder:
             # Graph replays write the cache in place: it and the input blocks must keep their
             # addresses (no copy into graph-owned memory) for the writes to land.
             penalties = (self.penalties.prompt_seen, self.penalties.output_counts)
-            for tensor in (*self.k_cache, *self.v_cache, self.eos_mask, *penalties):
+            static = (*self.k_cache, *self.v_cache, self.eos_mask, self.last_tokens, *penalties)
+            for tensor in static:
                 torch._dynamo.mark_static_address(tensor)
             for buffers in self.buffers.values():
                 torch._dynamo.mark_static_address(buffers.device_block)
@@ -166,6 +184,7 @@ class StaticDecoder:
             self.penalties.prompt_seen,
             self.penalties.output_counts,
             self.kv_positions[span],
+            self.last_tokens,
             full,
             self.num_top,
         )
@@ -192,6 +211,9 @@ class StaticDecoder:
             run()  # compiles (and on CUDA warms, then records the graph on a later call)
             if self.device.type == "cuda":
                 run()
+                # Once per bucket: the padding rows' copy in must be done before the next
+                # staging reuses its host block (overlapped steps wait only for results).
+                torch.cuda.synchronize(self.device)
         except Exception:  # a compiler fault must not take the engine down: run it eagerly
             logger.exception(
                 "compiling the static decode step for %d rows failed; it runs eagerly", rows
@@ -231,31 +253,52 @@ class StaticDecoder:
         """The attended span (a bucket) for rows reaching ``num_positions``."""
         return pick(self.kv_buckets, num_positions)
 
+    def key_for(self, seqs: Seq[Sequence], positions: Seq[int]) -> StepKey:
+        """The (rows, span, sampling) bucket a step of these rows runs in."""
+        full = not all(
+            p.is_greedy and p.logprobs is None and not p.has_penalties
+            for p in (seq.params for seq in seqs)
+        )
+        return pick(self.row_buckets, len(seqs)), self.span_for(max(positions) + 1), full
+
+    def is_ready(self, key: StepKey) -> bool:
+        """Whether ``key``'s step runs without compiling first (a compile runs the step on
+        padding rows, which would overwrite the tokens a chained step reads)."""
+        return not self.compiled or key in self._steps
+
     @torch.inference_mode()
     def run(
         self, seqs: Seq[Sequence], positions: Seq[int]
     ) -> tuple[list[int | SequenceError], list[SampledLogprobs | None]]:
         """One decode token for each ``seqs[i]`` at ``positions[i]`` (its slot's next row)."""
-        num_rows = len(seqs)
-        rows = pick(self.row_buckets, num_rows)
-        span = self.span_for(max(positions) + 1)
-        full = not all(
-            p.is_greedy and p.logprobs is None and not p.has_penalties
-            for p in (seq.params for seq in seqs)
-        )
+        return self.collect(self.launch(seqs, positions))
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        seqs: Seq[Sequence],
+        positions: Seq[int],
+        previous_rows: Seq[int] | None = None,
+    ) -> LaunchedStep:
+        """Start the step and the copy of its result; returns without waiting for the device.
+        ``previous_rows[i]``: the row of the step launched just before whose sampled token is
+        row ``i``'s input (not yet in ``seqs[i].token_ids``), or ``FROM_HOST``."""
+        sources = list(previous_rows) if previous_rows is not None else [FROM_HOST] * len(seqs)
         ints: dict[int, list[int]] = {TOKEN: [], POSITION: list(positions), SLOT: [], TOP_K: []}
-        ints[SEED], ints[FLAGS], ints[PROMPT_LEN] = [], [], []
+        ints[SEED], ints[FLAGS], ints[PROMPT_LEN], ints[PREVIOUS_ROW] = [], [], [], sources
         floats: dict[int, list[float]] = {TEMPERATURE: [], TOP_P: [], MIN_P: []}
         floats[REPETITION], floats[FREQUENCY], floats[PRESENCE] = [], [], []
-        for seq, position in zip(seqs, positions, strict=True):
+        for seq, position, source in zip(seqs, positions, sources, strict=True):
             params = seq.params
             assert seq.slot is not None  # the runner refuses slotless chunks first
-            ints[TOKEN].append(seq.token_ids[position])
+            chained = source != FROM_HOST
+            ints[TOKEN].append(0 if chained else seq.token_ids[position])
             ints[SLOT].append(seq.slot)
             greedy = params.is_greedy
+            num_generated = seq.num_generated_tokens + chained  # the chained token counts
             ban = (
                 bool(params.min_tokens)
-                and seq.num_generated_tokens < params.min_tokens
+                and num_generated < params.min_tokens
                 and not params.ignore_eos
             )
             ints[FLAGS].append((GREEDY if greedy else 0) | (BAN_EOS if ban else 0))
@@ -269,17 +312,24 @@ class StaticDecoder:
             floats[REPETITION].append(params.repetition_penalty)
             floats[FREQUENCY].append(params.frequency_penalty)
             floats[PRESENCE].append(params.presence_penalty)
-        key = (rows, span, full)
+        key = self.key_for(seqs, positions)
         step = self._step(key)  # first, as a compile runs the step on padding rows
-        if full:
+        if key[2]:
             self.penalties.prepare(seqs, positions, self.transfers)
-        buffers = self.buffers[rows]
+        buffers = self.buffers[key[0]]
         buffers.stage(ints, floats, self.scratch_slot)
         self.transfers.to_device(buffers.host_block, buffers.device_block)
-        result = self.transfers.to_host(step())
+        pending = self.transfers.start_to_host(step())
         self.stats.num_steps += 1
         self.stats.steps_per_bucket[key] = self.stats.steps_per_bucket.get(key, 0) + 1
-        return self._unpack(seqs, result)
+        slots = [seq.slot for seq in seqs if seq.slot is not None]
+        return LaunchedStep(list(seqs), slots, key, pending)
+
+    def collect(
+        self, launched: LaunchedStep
+    ) -> tuple[list[int | SequenceError], list[SampledLogprobs | None]]:
+        """Wait for a launched step's result: per row, the token (or why none) and logprobs."""
+        return self._unpack(launched.seqs, self.transfers.wait_to_host(launched.pending))
 
     def _unpack(
         self, seqs: Seq[Sequence], result: list[list[float]]

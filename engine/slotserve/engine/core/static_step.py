@@ -17,7 +17,10 @@ runs; the gather costs one extra pass over the live keys and values, which at sh
 small next to the weights (the bench's table shows it).
 
 No value goes back to Python inside the step: the inputs arrive in one copy and the result
-leaves in one (:class:`static_buffers.Transfers`).
+leaves in one (:class:`static_buffers.Transfers`). The step keeps its sampled tokens on the
+device (``last_tokens``) too: with overlapped steps (:mod:`slotserve.engine.core.overlap`) the
+next step is launched before the host has read them, and its rows name the previous step's row
+whose token is their input (``PREVIOUS_ROW``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch import nn
 
 from slotserve.engine.core.device_sampling import full_result, greedy_result
 from slotserve.engine.core.fusion import FusedGatedMLP, QKVPart
-from slotserve.engine.core.static_buffers import POSITION, SLOT, TOKEN
+from slotserve.engine.core.static_buffers import POSITION, PREVIOUS_ROW, SLOT, TOKEN
 
 # Decoder layers whose forward is exactly norm -> q/k/v -> rotary -> attention -> o_proj ->
 # residual -> norm -> MLP -> residual (no q/k norms, no scaled embeddings).
@@ -128,6 +131,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def input_tokens(ints: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's input token: from the host block, or the previous step's sampled token."""
+    previous = ints[PREVIOUS_ROW]
+    chained = last_tokens.index_select(0, previous.clamp(min=0))
+    return torch.where(previous >= 0, chained, ints[TOKEN])
+
+
 def decode_step(
     model: StaticModel,
     k_cache: list[torch.Tensor],
@@ -138,13 +148,15 @@ def decode_step(
     prompt_seen: torch.Tensor,
     output_counts: torch.Tensor,
     kv_positions: torch.Tensor,
+    last_tokens: torch.Tensor,
     full: bool,
     num_top: int,
 ) -> torch.Tensor:
     """One decode token per row of the input block: writes each row's key and value at its slot
     and position, attends to the slot's positions up to its own, samples; returns the result
-    block of :mod:`slotserve.engine.core.device_sampling`. ``kv_positions``: ``arange(kv_len)``."""
-    tokens, positions, slots = ints[TOKEN], ints[POSITION], ints[SLOT]
+    block of :mod:`slotserve.engine.core.device_sampling`. ``kv_positions``: ``arange(kv_len)``;
+    ``last_tokens``: the sampled tokens, read by the next step's chained rows and then written."""
+    tokens, positions, slots = input_tokens(ints, last_tokens), ints[POSITION], ints[SLOT]
     num_rows = tokens.shape[0]
     num_kv, head_dim = model.num_kv_heads, model.head_dim
     group = model.num_heads // num_kv
@@ -177,5 +189,10 @@ def decode_step(
         x = x + layer.mlp(layer.post_norm(x))
     logits = model.lm_head(model.norm(x))
     if full:
-        return full_result(logits, ints, floats, eos_mask, prompt_seen, output_counts, num_top)
-    return greedy_result(logits)
+        result = full_result(
+            logits, tokens, ints, floats, eos_mask, prompt_seen, output_counts, num_top
+        )
+    else:
+        result = greedy_result(logits)
+    last_tokens[:num_rows].copy_(result[:, 0].to(torch.int64))
+    return result

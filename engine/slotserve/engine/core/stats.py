@@ -82,3 +82,22 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
     # What was calibrated at load (measured, or read from the calibration cache), and its cost.
     calibrations: tuple[CalibrationRecord, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Which slot served which request in one step (for occupancy plots)."""
+
+    step: int
+    time: float
+    slots: dict[int, str]
+
+
+@dataclass
+class FinishedRequest:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: RequestMetrics | None
+    num_preemptions: int = 0
