@@ -53,6 +53,14 @@ NATIVE_STEP_MARGIN = 1.10
 CALIBRATION_ROUNDS = 5
 
 
+@dataclass
+class Bf16Gate:
+    """Shared by the layers of one model that hold bf16 prefill weights: whether this step
+    uses them (the runner turns it off for steps that score prompts, which stay fp32)."""
+
+    on: bool = True
+
+
 class NativeLinear(nn.Module):
     """``y = x @ W.T + b`` through the native kernels, ``W`` in fp32, int8 or int4."""
 
@@ -73,6 +81,10 @@ class NativeLinear(nn.Module):
         # is already contiguous fp32 is shared, not copied (a tied output layer stays one
         # tensor with the embedding).
         self.weight_fp32: torch.Tensor | None = None
+        # Products of more rows than the native kernels take run on this bf16 copy when set
+        # (bf16_prefill.py: prefill chunks on CPUs with bf16 units).
+        self.weight_bf16: torch.Tensor | None = None
+        self.bf16_gate = Bf16Gate(on=False)
         self.q = self.scale = self.minimum = torch.empty(0)
         if fmt == "float32":
             self.weight_fp32 = weight.detach().float().contiguous()
@@ -83,7 +95,7 @@ class NativeLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float()
 
     def nbytes(self) -> int:
-        tensors = [self.weight_fp32] if self.weight_fp32 is not None else []
+        tensors = [t for t in (self.weight_fp32, self.weight_bf16) if t is not None]
         tensors += [self.q, self.scale, self.minimum]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -98,7 +110,15 @@ class NativeLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
-        if rows.shape[0] > self.max_native_rows:
+        if (
+            rows.shape[0] > self.max_native_rows
+            and self.weight_bf16 is not None
+            and self.bf16_gate.on
+        ):
+            out = F.linear(rows.to(torch.bfloat16), self.weight_bf16).float()
+            if self.bias is not None:
+                out.add_(self.bias)
+        elif rows.shape[0] > self.max_native_rows:
             out = F.linear(rows, self.dense_weight(), self.bias)
         else:
             if self.weight_fp32 is not None:
@@ -115,6 +135,7 @@ class NativeLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, {self.format}, "
             f"native up to {self.max_native_rows} rows"
+            + (", bf16 beyond" if self.weight_bf16 is not None else "")
         )
 
 

@@ -18,6 +18,7 @@ import torch
 
 from slotserve.contracts.engine_argv import Quantization
 from slotserve.engine.core.attention import PrefillChunkInput, SlotStep, register_slot_attention
+from slotserve.engine.core.bf16_prefill import install_bf16_prefill
 from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.generation_defaults import eos_token_ids
@@ -40,6 +41,7 @@ from slotserve.engine.settings import (
     EngineSettings,
     LinearBackend,
     OverlapSteps,
+    PrefillDType,
 )
 from slotserve.settings import CommonSettings
 
@@ -166,6 +168,7 @@ class ModelRunner:
         decode_step: DecodeStep = "classic",
         static_warm_up: bool = True,
         overlap_steps: bool = False,
+        prefill_dtype: PrefillDType = "float32",
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -220,6 +223,12 @@ class ModelRunner:
         self.native_step = (
             native_step(model, self.native, self.k_cache, self.v_cache) if native_decode else None
         )
+        # bf16 prefill products run in the layers' torch path, so prefill chunks leave the
+        # native step (it multiplies in fp32); decode-only steps stay there.
+        self.bf16_gate = install_bf16_prefill(model, prefill_dtype)
+        self.prefill_bf16 = self.bf16_gate is not None
+        if self.prefill_bf16 and self.native_step is not None:
+            self.native_step.prefill = False
         self._arange = torch.arange(max_model_len, device=self.device)
         # Attention reads cache rows up to the longest decode of the step, past what each row
         # holds; masked positions still enter ``0 * value``, so they must hold finite numbers.
@@ -290,11 +299,14 @@ class ModelRunner:
 
     def _classic(self, chunks: Seq[ScheduledChunk]) -> list[int | SequenceError]:
         """One forward of every chunk (native step or transformers), the eager sampler."""
+        scoring = any(chunk.seq.prompt_logprobs is not None for chunk in chunks)
+        if self.bf16_gate is not None:
+            self.bf16_gate.on = not scoring  # scored prompts stay fp32 (bf16_prefill.py)
         if self._natively(chunks):
             hidden, sample_index = self._native_decode(chunks)
         else:
             hidden, sample_index = self._transformers_forward(chunks)
-        if any(chunk.seq.prompt_logprobs is not None for chunk in chunks):
+        if scoring:
             record_prompt_logprobs(chunks, hidden, self.logits)  # from this forward's rows
         if not sample_index:
             return []
@@ -577,6 +589,7 @@ def build_runner(
         quantization=settings.quantization,
         decode_step=decode_step,
         overlap_steps=pick_overlap_steps(settings.overlap_steps, decode_step, device),
+        prefill_dtype=settings.prefill_dtype,
     )
     if runner.static is not None:
         logger.info(

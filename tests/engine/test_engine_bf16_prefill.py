@@ -1,0 +1,155 @@
+"""Prefill products in bfloat16 (issue 24, item 2): with ``prefill_dtype bfloat16`` a prefill
+chunk's decoder products run as bf16 GEMMs on bf16 copies of the weights (fp32 accumulation),
+decode steps stay fp32 in the native step, the output projection stays fp32; a CPU without bf16
+units or a quantized model keeps fp32 prefill with a warning. The real model's prompt
+logprobs under bf16 prefill stay close to fp32's (the quality figures are bench/quant_quality.py's).
+
+On a CPU without bf16 units the tests that need the bf16 path claim the flags (torch then
+emulates bf16: slower, same numbers), so they run on every machine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_core_support import make_engine
+
+from slotserve.engine.core import bf16_prefill
+from slotserve.engine.core.native_linear import NativeLinear
+from slotserve.engine.core.params import SamplingParams
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This CPU as one with AVX512_BF16, whatever it has."""
+    real = bf16_prefill.cpu_identity()
+    flags = real["cpu_flags"] + " avx512_bf16"
+    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**real, "cpu_flags": flags})
+
+
+def decoder_layers(engine) -> list[NativeLinear]:
+    model = engine.runner.model
+    return [m for m in model.get_decoder().modules() if isinstance(m, NativeLinear)]
+
+
+def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
+    tiny_model_dir, bf16_cpu
+):
+    engine = make_engine(
+        tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native", max_batch_size=2
+    )
+    runner = engine.runner
+    assert runner.prefill_bf16 and runner.native_step is not None
+    assert not runner.native_step.prefill  # prefill chunks leave the fp32 native step
+    layers = decoder_layers(engine)
+    assert layers and all(layer.weight_bf16 is not None for layer in layers)
+    output = runner.model.get_output_embeddings()
+    assert getattr(output, "weight_bf16", None) is None  # logits stay fp32
+
+    layer = layers[0]
+    assert layer.weight_fp32 is not None and layer.weight_bf16 is not None
+    assert torch.equal(layer.weight_bf16, layer.weight_fp32.to(torch.bfloat16))
+    wide = torch.randn(layer.max_native_rows + 7, layer.in_features)
+    expected = F.linear(wide.to(torch.bfloat16), layer.weight_bf16).float()
+    if layer.bias is not None:
+        expected += layer.bias
+    assert torch.equal(layer(wide), expected)
+    narrow = wide[:1]
+    fp32 = F.linear(narrow.double(), layer.weight_fp32.double()).float()
+    assert torch.allclose(layer(narrow), fp32, atol=1e-5)  # one row: native fp32, not bf16
+
+    # Decode-only steps still run in the native step; prefill steps do not.
+    taken: list[list[int]] = []
+    takes = runner.native_step.takes
+    runner.native_step.takes = lambda sizes: taken.append(list(sizes)) or takes(sizes)  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[(i * 31 + 7) % 4000 + 50 for i in range(40)], [11, 22, 33, 44, 55, 66, 77, 88]]
+    seqs = engine.generate(prompts, params)
+    assert all(len(seq.token_ids) == 6 for seq in seqs)
+    assert any(max(sizes) > 1 for sizes in taken)  # prefill steps asked ...
+    assert runner.native_step.takes([1, 1]) and not runner.native_step.takes([40])
+
+
+def test_a_cpu_without_bf16_units_or_a_quantized_model_keeps_fp32_prefill(
+    tiny_model_dir, monkeypatch, caplog
+):
+    bare = {**bf16_prefill.cpu_identity(), "cpu_flags": "fpu sse2 avx2 fma"}
+    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: bare)
+    with caplog.at_level(logging.WARNING, logger=bf16_prefill.__name__):
+        engine = make_engine(tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native")
+    assert not engine.runner.prefill_bf16
+    assert all(layer.weight_bf16 is None for layer in decoder_layers(engine))
+    assert "needs a CPU with AMX-BF16 or AVX512_BF16" in caplog.text
+
+    caplog.clear()
+    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**bare, "cpu_flags": "avx512_bf16"})
+    with caplog.at_level(logging.WARNING, logger=bf16_prefill.__name__):
+        engine = make_engine(tiny_model_dir, prefill_dtype="bfloat16", quantization="int8")
+    assert not engine.runner.prefill_bf16
+    assert "needs the decoder's linear layers on the native kernels" in caplog.text
+
+
+SENTENCES = [
+    "The river ran past the old mill and under the stone bridge, where children threw sticks "
+    "into the water and raced to the other side to see whose stick came out first.",
+    "In the autumn the leaves collected against the arches, and the miller's dog barked at the "
+    "ducks that gathered there each morning before the market opened in the square.",
+    "A committee of engineers reviewed the proposal for a new railway line between the two "
+    "cities and concluded that the tunnel under the hills would cost more than expected.",
+    "She opened the letter slowly, read the first line twice, and then set it down on the "
+    "table beside the cold cup of tea that she had forgotten to drink an hour before.",
+]
+
+
+def first_token_logprobs(engine, prompts: list[list[int]]) -> list[dict[str, float]]:
+    """The five most likely first tokens of each prompt's continuation, with logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    ids = [f"q{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    best: dict[str, dict[str, float]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.logprobs:
+                best[output.request_id] = dict(output.logprobs[0].top)
+    return [best[request_id] for request_id in ids]
+
+
+@pytest.mark.slow
+def test_smollm2_under_bf16_prefill_stays_close_to_fp32_and_scores_exactly(smollm2_dir, bf16_cpu):
+    """The real model on real text: bf16 prefill moves the next token's logprob a little and
+    keeps its top-1 choice; a request that scores its prompt runs in fp32 even so (lm-eval's
+    loglikelihoods must equal fp32's to 1e-3 a token)."""
+    engines = {
+        dtype: make_engine(smollm2_dir, prefill_dtype=dtype, max_model_len=256, num_threads=2)
+        for dtype in ("float32", "bfloat16")
+    }
+    assert engines["bfloat16"].runner.prefill_bf16
+    texts = [f"{a} {b}" for a, b in zip(SENTENCES, SENTENCES[1:] + SENTENCES[:1], strict=True)]
+    prompts = [engines["float32"].tokenizer.encode(text) for text in texts]
+    widest_native = max(layer.max_native_rows for layer in decoder_layers(engines["bfloat16"]))
+    assert min(len(p) for p in prompts) > widest_native  # wide enough for the bf16 products
+    fp32 = first_token_logprobs(engines["float32"], prompts)
+    bf16 = first_token_logprobs(engines["bfloat16"], prompts)
+    deltas = []
+    for ours, theirs in zip(bf16, fp32, strict=True):
+        token = max(ours, key=ours.__getitem__)  # bf16's choice
+        best = max(theirs.values())
+        # The same choice, or a near-tie of fp32's that bf16's rounding tipped.
+        assert token in theirs and best - theirs[token] < 0.05, (ours, theirs)
+        deltas.append(abs(ours[token] - theirs[token]))
+    print(f"first-token logprob deltas under bf16 prefill: {deltas}")
+    assert 0 < max(deltas) < 0.1  # bf16 did run, and moved it little
+
+    scored = {}
+    for dtype, engine in engines.items():
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+        seq = engine.add_request(f"score-{dtype}", prompts[0], params)
+        while engine.has_unfinished():
+            engine.step()
+        assert seq.prompt_logprobs is not None
+        scored[dtype] = [entry.logprob for entry in seq.prompt_logprobs[1:]]
+    assert scored["bfloat16"] == pytest.approx(scored["float32"], abs=1e-4)
