@@ -118,6 +118,7 @@ def test_lm_eval_scores_equal_transformers(
 
     # loglikelihood: every (question, choice) equals transformers' to 1e-3 per token.
     hf_correct = []
+    worst_gap = 0.0  # per token, printed for closing notes (pytest -s)
     for sample in samples(folder, MC_TASK):
         doc = sample["doc"]
         ours = [float(resp[0][0]) for resp in sample["resps"]]
@@ -127,6 +128,7 @@ def test_lm_eval_scores_equal_transformers(
         ]
         for got, (expected, num_tokens) in zip(ours, theirs, strict=True):
             assert got == pytest.approx(expected, abs=1e-3 * num_tokens), (doc, ours, theirs)
+            worst_gap = max(worst_gap, abs(got - expected) / num_tokens)
         best = max(range(len(theirs)), key=lambda i: theirs[i][0])
         hf_correct.append(float(best == doc["answer"]))
         assert sample["acc"] == hf_correct[-1]
@@ -140,6 +142,12 @@ def test_lm_eval_scores_equal_transformers(
         assert sample["resps"][0][0] == expected, (prompt, sample["resps"], expected)
         hf_matches.append(sample["exact_match"])
     assert results[GEN_TASK]["exact_match,none"] == pytest.approx(sum(hf_matches) / len(hf_matches))
+    print(
+        f"lm-eval via {target}: {MC_TASK} acc {results[MC_TASK]['acc,none']:.4f} "
+        f"(HF {sum(hf_correct) / len(hf_correct):.4f}, {len(hf_correct)} questions, worst "
+        f"loglikelihood gap {worst_gap:.2e} a token); {GEN_TASK} exact_match "
+        f"{results[GEN_TASK]['exact_match,none']:.4f} (HF {sum(hf_matches) / len(hf_matches):.4f})"
+    )
 
 
 # ----------------------------------------------------------------------------- Responses API
