@@ -6,6 +6,8 @@ no host-device transfer but the allowed ones."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from engine_core_support import (
@@ -238,3 +240,31 @@ def test_the_real_model_ends_on_its_own_eos_the_same_way(smollm2_dir):
     reasons = {entry["reason"] for entry in got.values()}
     assert reasons <= {"stop", "length"} and "stop" in reasons
     assert engine.overlap.num_chained > 5 and engine.overlap.num_dropped_rows >= 1
+
+
+async def test_the_async_loop_streams_overlapped_steps(sharp_model_dir):
+    """The server's loop thread over an overlapped engine: a step in flight keeps the loop
+    stepping, and the streams are the plain static step's."""
+    from slotserve.engine.core.async_engine import AsyncEngine
+
+    prompts = make_prompts(5, seed=6)
+    params = SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True, stop=["ab"])
+    expected = make_engine(sharp_model_dir, max_batch_size=4, decode_step="static").generate(
+        prompts, params
+    )
+    engine = AsyncEngine(overlapped(sharp_model_dir, max_batch_size=4))
+    await engine.start()
+    try:
+        streams = [engine.add_request(f"a{i}", p, params) for i, p in enumerate(prompts)]
+
+        async def collect(stream):
+            return [output async for output in stream]
+
+        results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+    finally:
+        await engine.shutdown()
+    for outputs, reference in zip(results, expected, strict=True):
+        assert [t for o in outputs for t in o.token_ids] == reference.token_ids
+        assert "".join(o.text for o in outputs) == reference.text
+        assert outputs[-1].finish_reason == reference.finish_reason
+    assert engine.engine.overlap.num_chained > 5
