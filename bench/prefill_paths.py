@@ -1,0 +1,124 @@
+"""Prefill throughput by path, the paths interleaved in one process on one model.
+
+    .venv/bin/python -m bench.prefill_paths [--prompt-tokens 170 1000] [--rounds 3]
+
+A prefill chunk can run three ways: in the native C step (fp32 products, fused small ops, the
+default where the model's layers allow it), through the transformers modules with fp32
+products, or through them with bf16 products (``--prefill-dtype bfloat16``, on CPUs with bf16
+units). Which is fastest depends on the CPU (AMX, AVX512_BF16, L2 size) and on the prompt
+length, so this measures all three on one engine, switching the path between runs and rotating
+their order each round: a slow moment of a shared machine costs every path alike. Each run
+prefills 8 distinct prompts of the given length (1 new token, no prefix cache). Prints prompt
+tokens/s (median over rounds) and the ratio to the native step; ``--out`` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+from slotserve.engine.core.openmp import openmp_environment
+
+os.environ.update(openmp_environment())  # libgomp reads it when torch loads
+from pathlib import Path
+
+import torch
+
+from slotserve.engine.core.bf16_prefill import bf16_units
+from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.native_linear import NativeLinear
+from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.settings import EngineSettings
+from slotserve.models.resolve import resolve_model
+
+PATHS = ("native fp32", "modules fp32", "modules bf16")
+NUM_PROMPTS = 8
+
+
+def bf16_layers(engine: LLMEngine) -> dict[NativeLinear, torch.Tensor]:
+    """The layers holding bf16 prefill weights, and those weights."""
+    weights = {}
+    for layer in engine.runner.model.get_decoder().modules():
+        if isinstance(layer, NativeLinear) and layer.weight_bf16 is not None:
+            weights[layer] = layer.weight_bf16
+    return weights
+
+
+def set_path(engine: LLMEngine, path: str, weights: dict[NativeLinear, torch.Tensor]) -> None:
+    runner = engine.runner
+    assert runner.native_step is not None
+    runner.native_step.prefill = path == "native fp32"
+    # The runner turns the layers' bf16 gate on for every step that scores nothing, so the fp32
+    # run takes their bf16 weights away instead.
+    for layer, weight in weights.items():
+        layer.weight_bf16 = weight if path == "modules bf16" else None
+
+
+def prefill_rate(engine: LLMEngine, prompts: list[list[int]], tag: str) -> float:
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return sum(len(p) for p in prompts) / (time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="name, folder or hub id")
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[170, 1000])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    if not bf16_units():
+        print("this CPU has no bf16 units (amx_bf16, avx512_bf16): nothing to compare")
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    longest = max(args.prompt_tokens)
+    settings = EngineSettings(
+        model=str(resolve_model(args.model)),
+        prefill_dtype="bfloat16",
+        max_batch_size=NUM_PROMPTS,
+        max_model_len=max(2048, longest + 16),
+        enable_prefix_caching=False,
+    )
+    engine = LLMEngine.load(settings)
+    weights = bf16_layers(engine)
+    if not weights:
+        print("the model's layers are not native (see the engine's log): nothing to compare")
+        return 2
+    rng = random.Random(0)
+    load = os.getloadavg()
+    results: dict[int, dict[str, float]] = {}
+    for length in args.prompt_tokens:
+        rates: dict[str, list[float]] = {path: [] for path in PATHS}
+        for round_ in range(args.rounds):
+            order = PATHS[round_ % 3 :] + PATHS[: round_ % 3]
+            for path in order:
+                set_path(engine, path, weights)
+                vocab = engine.runner.shape.vocab_size
+                prompts = [
+                    [rng.randrange(100, vocab) for _ in range(length)] for _ in range(NUM_PROMPTS)
+                ]
+                rates[path].append(prefill_rate(engine, prompts, f"{length}-{round_}-{path}"))
+        results[length] = {path: statistics.median(r) for path, r in rates.items()}
+        native = results[length]["native fp32"]
+        figures = [f"{p} {v:.0f} tok/s ({v / native:.2f}x)" for p, v in results[length].items()]
+        print(f"{length:5d}-token prompts: " + ", ".join(figures))
+    print(f"load average at start {load[0]:.2f}, at end {os.getloadavg()[0]:.2f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"units": bf16_units(), "prompt_tokens_per_s": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
