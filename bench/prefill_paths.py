@@ -33,6 +33,7 @@ from slotserve.engine.core.bf16_prefill import bf16_units
 from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.native_linear import NativeLinear
 from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.runner import ModelRunner
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
 
@@ -42,8 +43,10 @@ NUM_PROMPTS = 8
 
 def bf16_layers(engine: LLMEngine) -> dict[NativeLinear, torch.Tensor]:
     """The layers holding bf16 prefill weights, and those weights."""
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)
     weights = {}
-    for layer in engine.runner.model.get_decoder().modules():
+    for layer in runner.model.get_decoder().modules():
         if isinstance(layer, NativeLinear) and layer.weight_bf16 is not None:
             weights[layer] = layer.weight_bf16
     return weights
@@ -51,7 +54,7 @@ def bf16_layers(engine: LLMEngine) -> dict[NativeLinear, torch.Tensor]:
 
 def set_path(engine: LLMEngine, path: str, weights: dict[NativeLinear, torch.Tensor]) -> None:
     runner = engine.runner
-    assert runner.native_step is not None
+    assert isinstance(runner, ModelRunner) and runner.native_step is not None
     runner.native_step.prefill = path == "native fp32"
     # The runner turns the layers' bf16 gate on for every step that scores nothing, so the fp32
     # run takes their bf16 weights away instead.
