@@ -35,7 +35,9 @@ replica leaves nothing behind for long:
 (4) plus ``DEMOTION_OFFSET_US`` once demoted (a ``DELAY`` level's request past its timeout).
 (5) ``dispatched`` (granted so far), ``refused`` (queued requests no offered engine could hold),
 ``bad_entries`` (entries or lease weights that did not parse, dropped), ``held`` (queue places
-held for promised clients), ``retry_horizon`` (us: the last place promised).
+held for promised clients), ``retry_horizon`` (us: the last place promised), ``settled`` (us:
+promises due up to then have opened their places), ``kept`` and ``lapsed`` (promises whose
+clients came back within their grace, and those that did not; halved past 64).
 (6) start-time fair queuing within a level (``gateway/lua_fair.py``); both deleted when the level
 has nothing waiting.
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every

@@ -187,7 +187,12 @@ class Twin:
             "inflight": {k: int(v) for k, v in self.sync.hgetall(key("inflight")).items()},
             "dispatched": int(stats.get("dispatched", 0)),
             "held": int(stats.get("held", 0)),
-            "promised": self.sync.zcard(key("retries")),
+            "promised": [
+                int(due) for _, due in self.sync.zrange(key("retries"), 0, -1, withscores=True)
+            ],
+            "horizon": int(stats.get("retry_horizon", 0)),
+            "settled": int(stats.get("settled", 0)),
+            "kept": (int(stats.get("kept", 0)), int(stats.get("lapsed", 0))),
             "demoting": set(self.sync.zrange(key("delays"), 0, -1)),
             "fair": self.redis_fair(pool),
         }
@@ -219,7 +224,10 @@ class Twin:
             "inflight": dict(state.inflight),
             "dispatched": state.num_dispatched,
             "held": state.num_held,
-            "promised": len(state.promised),
+            "promised": list(state.promised),
+            "horizon": state.retry_horizon_us,
+            "settled": state.settled_us,
+            "kept": (state.num_kept, state.num_lapsed),
             "demoting": set(state.delays),
             "fair": {
                 level: (dict(fair.fields), sorted(fair.tags.items(), key=lambda i: (i[1], i[0])))

@@ -35,6 +35,13 @@ PROMISE_WINDOW_US = 5_000_000
 # of a level takes them (``fair_share.py``, ``lua_fair.py``).
 MAX_WEIGHT = 1000
 TENANT_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
+# A promise is kept by a return (an arrival that must wait) from its due time until this much
+# later; past that its client is taken as gone: the promise lapses and no longer counts ahead
+# of anyone in a Retry-After.
+PROMISE_GRACE_US = 1_000_000
+# Promises kept and lapsed are counted (both halved once their sum passes this): promises count
+# ahead of a newcomer, and hold places, in the share that their clients lately came back.
+PROMISE_MEMORY = 64
 # The endpoint of a "grant" that refuses its request: no engine of the pool can ever hold its
 # slots (``Admission._on_grant`` raises ``NoEngineFitsError`` in its waiter, nothing is held).
 REFUSED = ""
@@ -227,6 +234,13 @@ def check_enqueue(
             raise InvalidAdmissionValueError(
                 f"{name} must be an integer between {low} and {high}, got {value!r}"
             )
+
+
+def kept_share(num_promises: int, num_kept: int, num_lapsed: int) -> int:
+    """``num_promises`` in the share of promises lately kept (rounded up; all of them before
+    any has been kept or has lapsed): how many of their clients are expected back (``lua.py``
+    computes the same)."""
+    return (num_promises * (num_kept + 1) + num_kept + num_lapsed) // (num_kept + num_lapsed + 1)
 
 
 def promise_horizon_us(pool: PoolPolicy) -> int:

@@ -41,6 +41,8 @@ from slotserve.gateway.admission_types import (
     DEMOTION_OFFSET_US,
     MAX_QUEUE_SIZE,
     MAX_WAIT_US,
+    PROMISE_GRACE_US,
+    PROMISE_MEMORY,
     PROMISE_WINDOW_US,
 )
 from slotserve.gateway.lua_epoch import EPOCH, HEARTBEAT
@@ -102,8 +104,9 @@ for i = 0, (INVALID and 0 or NUM_OFFERS) - 1 do
   end
 end
 local REST = FIRST_OFFER + (INVALID and 0 or NUM_OFFERS) * 3
-local DEMOTION_OFFSET, MAX_LEVEL, PROMISE_WINDOW_US = """
-    + f"{DEMOTION_OFFSET_US}, {MAX_PRIORITY_LEVELS}, {PROMISE_WINDOW_US}"
+local DEMOTION_OFFSET, MAX_LEVEL, PROMISE_WINDOW_US, PROMISE_GRACE_US = """
+    + f"{DEMOTION_OFFSET_US}, {MAX_PRIORITY_LEVELS}, {PROMISE_WINDOW_US}, {PROMISE_GRACE_US}"
+    + f"\nlocal PROMISE_MEMORY = {PROMISE_MEMORY}"
     + r"""
 """
     + FAIR
@@ -276,12 +279,46 @@ end
 -- places expire: only promises due within PROMISE_WINDOW_US hold one (a client that never comes
 -- back holds nothing for longer), and at most 3/4 of the queue is ever held (newcomers keep the
 -- rest, however many clients were told to come back).
-local NEAR = 0  -- promises due within the window
+-- A promise stays in K_RETRIES from its due time for PROMISE_GRACE_US: a return then keeps it
+-- (keep_promise); past that it lapses, its client gone, and counts ahead of nobody any more.
+-- ``settled``: the time up to which due promises have opened their places.
+-- Promises kept and lapsed lately (admission_types.kept_share): promises count, and hold
+-- places, in the share of them that their clients kept.
+local function count_promises(kept, lapsed)
+  if kept + lapsed == 0 then return end
+  kept, lapsed = stat('kept') + kept, stat('lapsed') + lapsed
+  while kept + lapsed > PROMISE_MEMORY do
+    kept, lapsed = math.floor(kept / 2), math.floor(lapsed / 2)
+  end
+  redis.call('HSET', K_STATS, 'kept', int(kept), 'lapsed', int(lapsed))
+end
+
+local function kept_share(n)
+  local kept, lapsed = stat('kept'), stat('lapsed')
+  return math.floor((n * (kept + 1) + kept + lapsed) / (kept + lapsed + 1))
+end
+
+local NEAR = 0  -- promises not yet due, due within the window (in the share kept)
 local function settle_promises(now)
   if HELD ~= nil then return end
-  local due = redis.call('ZREMRANGEBYSCORE', K_RETRIES, '-inf', int(now))
-  NEAR = redis.call('ZCOUNT', K_RETRIES, int(now), int(now + PROMISE_WINDOW_US))
+  local due = redis.call('ZCOUNT', K_RETRIES, '(' .. int(stat('settled')), int(now))
+  redis.call('HSET', K_STATS, 'settled', int(now))
+  local lapsed = redis.call('ZREMRANGEBYSCORE', K_RETRIES, '-inf', int(now - PROMISE_GRACE_US))
+  count_promises(0, lapsed)
+  NEAR = redis.call('ZCOUNT', K_RETRIES, '(' .. int(now), int(now + PROMISE_WINDOW_US))
+  NEAR = kept_share(NEAR)
   HELD = math.min(math.max(0, stat('held') - due), NEAR, math.floor(MAX_QUEUE * 3 / 4))
+end
+
+-- An arrival while promises are due is taken as a client coming back: it keeps the latest due
+-- one (most likely its own), which then counts ahead of nobody.
+local function keep_promise(now)
+  local kept = redis.call('ZREVRANGEBYSCORE', K_RETRIES, int(now),
+    '(' .. int(now - PROMISE_GRACE_US), 'LIMIT', 0, 1)
+  if #kept > 0 then
+    redis.call('ZREM', K_RETRIES, kept[1])
+    count_promises(1, 0)
+  end
 end
 
 local function hold_freed_places()
@@ -398,6 +435,7 @@ if redis.call('ZCARD', K_QUEUE) == 0 then
   end
 end
 settle_promises(now)
+keep_promise(now)
 local seq = redis.call('INCR', K_SEQ)
 local deadline = now + timeout_us
 -- Aging: a level is worth aging_us of waiting, so no level waits forever behind another.
@@ -430,7 +468,12 @@ end
 if redis.call('ZSCORE', K_QUEUE, rid) and redis.call('ZCARD', K_QUEUE) + HELD > max_size then
   drop(rid)
   fair_undo(level, tenant, fair_before)
-  local last = stat('retry_horizon')
+  -- Honest: never later than the drain, at the measured gap, of all that is ahead of it: the
+  -- queue and the live promises in the share kept (lapsed ones, their clients gone, count no
+  -- more and make the rest count less). With every client back it is the horizon itself.
+  local ahead = redis.call('ZCARD', K_QUEUE) + kept_share(redis.call('ZCARD', K_RETRIES))
+  ahead = math.min(ahead, math.floor(MAX_WAIT_US / drain_gap_us) + 1)
+  local last = math.min(stat('retry_horizon'), now + ahead * drain_gap_us)
   if last - now >= max_promise_us then
     -- Promises reach at most one queue timeout ahead (clients that ignore Retry-After must
     -- not push everyone's further out): come back when the promised ones are due.

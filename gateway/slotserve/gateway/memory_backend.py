@@ -19,6 +19,9 @@ from slotserve.gateway.admission_types import (
     DEFAULT_AGING_US,
     DEMOTION_OFFSET_US,
     MAX_LEASE_SLOTS,
+    MAX_WAIT_US,
+    PROMISE_GRACE_US,
+    PROMISE_MEMORY,
     PROMISE_WINDOW_US,
     REFUSED,
     CancelOutcome,
@@ -28,6 +31,7 @@ from slotserve.gateway.admission_types import (
     PoolPolicy,
     QueueFullError,
     check_enqueue,
+    kept_share,
     promise_horizon_us,
 )
 from slotserve.gateway.fair_share import FairLevel
@@ -83,6 +87,9 @@ class _PoolState:
     num_dispatched: int = 0
     retry_horizon_us: int = 0
     promised: list[int] = field(default_factory=list)  # promised return times (us), sorted
+    settled_us: int = 0  # due promises up to this time have opened their places
+    num_kept: int = 0  # promises kept lately (halved with num_lapsed past PROMISE_MEMORY)
+    num_lapsed: int = 0  # promises lapsed lately: their clients did not come back
     num_held: int = 0  # queue places held for promised clients
     num_near: int = 0  # promises due within PROMISE_WINDOW_US (the step's settle_promises)
     num_freed: int = 0  # leases released in the current step
@@ -220,12 +227,38 @@ class _PoolState:
 
     def settle_promises(self, now_us: int, max_queue_size: int) -> None:
         """Promises now due open the places held for them; only promises due within the
-        window hold one, and at most 3/4 of the queue (as ``settle_promises`` in Lua)."""
-        num_due = bisect.bisect_right(self.promised, now_us)
-        del self.promised[:num_due]
-        self.num_near = bisect.bisect_right(self.promised, now_us + PROMISE_WINDOW_US)
+        window hold one, and at most 3/4 of the queue; promises due longer than the grace ago
+        lapse (as ``settle_promises`` in Lua)."""
+        promised = self.promised
+        num_due = max(
+            0,
+            bisect.bisect_right(promised, now_us) - bisect.bisect_right(promised, self.settled_us),
+        )
+        self.settled_us = now_us
+        num_lapsed = bisect.bisect_right(promised, now_us - PROMISE_GRACE_US)
+        del promised[:num_lapsed]
+        self.count_promises(0, num_lapsed)
+        num_near = bisect.bisect_right(promised, now_us + PROMISE_WINDOW_US) - bisect.bisect_right(
+            promised, now_us
+        )
+        self.num_near = kept_share(num_near, self.num_kept, self.num_lapsed)
         held = min(max(0, self.num_held - num_due), self.num_near, max_queue_size * 3 // 4)
         self.num_held = held
+
+    def keep_promise(self, now_us: int) -> None:
+        """An arrival while promises are due keeps the latest due one (``lua.py``)."""
+        latest = bisect.bisect_right(self.promised, now_us) - 1
+        if latest >= 0 and self.promised[latest] > now_us - PROMISE_GRACE_US:
+            del self.promised[latest]
+            self.count_promises(1, 0)
+
+    def count_promises(self, kept: int, lapsed: int) -> None:
+        if kept + lapsed == 0:
+            return
+        kept, lapsed = self.num_kept + kept, self.num_lapsed + lapsed
+        while kept + lapsed > PROMISE_MEMORY:
+            kept, lapsed = kept // 2, lapsed // 2
+        self.num_kept, self.num_lapsed = kept, lapsed
 
     def hold_freed_places(self, max_queue_size: int) -> None:
         """Capacity freed by released leases is held for promised clients (``lua.py``)."""
@@ -238,10 +271,15 @@ class _PoolState:
 
     def promise_place(self, now_us: int, drain_gap_us: int, max_ahead_us: int) -> int:
         """A rejected client's Retry-After (whole seconds, in us): the next place that frees
-        after every place already promised, at most ``max_ahead_us`` ahead."""
-        if self.retry_horizon_us - now_us >= max_ahead_us:
-            return math.ceil((self.retry_horizon_us - now_us) / 1_000_000) * 1_000_000
-        self.retry_horizon_us = max(now_us, self.retry_horizon_us) + drain_gap_us
+        after every place already promised, at most ``max_ahead_us`` ahead, and never later
+        than the drain at ``drain_gap_us`` of the queue and of the live promises, in the share
+        kept (``lua.py``)."""
+        live = kept_share(len(self.promised), self.num_kept, self.num_lapsed)
+        ahead = min(len(self.queue) + live, MAX_WAIT_US // drain_gap_us + 1)
+        last = min(self.retry_horizon_us, now_us + ahead * drain_gap_us)
+        if last - now_us >= max_ahead_us:
+            return math.ceil((last - now_us) / 1_000_000) * 1_000_000
+        self.retry_horizon_us = max(now_us, last) + drain_gap_us
         retry_us = math.ceil((self.retry_horizon_us - now_us) / 1_000_000) * 1_000_000
         bisect.insort(self.promised, now_us + retry_us)
         return retry_us
@@ -371,6 +409,7 @@ class InProcessBackend:
                 self.hub.grant(pool.name, request_id, self.replica_id, slots, ranked[0].url, now)
                 return DispatchResult(len(state.queue), state.num_dispatched, 0)
         state.settle_promises(now, pool.max_queue_size)
+        state.keep_promise(now)
         entry = _Entry(self.replica_id, now + timeout_us, now, priority, slots)
         demote_at = 0
         if demote_after_us is not None and 0 < demote_after_us < timeout_us:
