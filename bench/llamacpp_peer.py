@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from bench.lib.machine import cpu_info, read_cpuinfo
 from slotserve.local.stack import free_port
 from slotserve.models.pull import ModelPullError, pull_gguf
 from slotserve.settings import CommonSettings
@@ -41,11 +42,6 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the version FACTS.md measured; pinned so runs com
 REQUIREMENT = f"llama-cpp-python[server]=={LLAMA_CPP_PYTHON}"
 NINJA_STEP = re.compile(r"\[(\d+)/(\d+)\]")
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
-# The flags that decide which kernels llama.cpp (built with -march=native) and torch can use.
-KEY_FLAGS = (
-    "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-    "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
-)  # fmt: skip
 console = Console(stderr=True)
 
 
@@ -117,20 +113,6 @@ def setup(venv_dir: Path, jobs: int, avx2_only: bool = False) -> int:
         return rc or 1
     console.print(f"[green]✓[/] built in {time.monotonic() - started:.0f}s: {venv_dir}")
     return 0
-
-
-def cpu_info(cpuinfo: str) -> dict[str, Any]:
-    """The CPU's model name and which of KEY_FLAGS it has, from /proc/cpuinfo's text."""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    flags = set(fields.get("flags", "").split())
-    return {
-        "model": fields.get("model name", "unknown"),
-        "cpu_count": os.cpu_count(),
-        "flags": [flag for flag in KEY_FLAGS if flag in flags],
-    }
 
 
 def run_worker(python: Path, gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -324,13 +306,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         args.extra_buffers = args.extra_buffers == "on"
     return args
-
-
-def read_cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no flags known
-        return ""
 
 
 def main(argv: list[str] | None = None) -> int:
