@@ -3,7 +3,10 @@ bound. Built on the local stack's own pieces (``slotserve.local``), not on the t
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -12,7 +15,7 @@ from pathlib import Path
 from slotserve.local.processes import http_ready, redis_ready
 from slotserve.local.stack import RedisPlan, free_port, redis_argv
 
-__all__ = ["RedisServer", "free_port", "http_ok", "wait_until"]
+__all__ = ["RedisServer", "ServerProcess", "free_port", "http_ok", "wait_until"]
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str = "") -> None:
@@ -64,3 +67,68 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.proc = None
+
+
+class ServerProcess:
+    """An HTTP server a benchmark runs in a session of its own (the server and any workers it
+    spawns, stopped together), its output in ``log_path``."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.argv, self.env, self.log_path = argv, env, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_s = 0.0
+        self.pid = 0  # the server's, once started; also its session's and process group's id
+
+    def start(self, ready_url: str, timeout: float) -> None:
+        """Start the server and wait until ``GET ready_url`` answers 2xx (``startup_s``)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.pid = self.proc.pid
+        ready = http_ready(ready_url)
+        while not ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: see {self.log_path}")
+            if time.monotonic() - started > timeout:
+                self.stop()
+                raise RuntimeError(f"server not ready in {timeout:.0f} s: see {self.log_path}")
+            time.sleep(0.5)
+        self.startup_s = time.monotonic() - started
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGINT to the server's session (a graceful stop), SIGKILL to what is left after
+        ``timeout`` seconds."""
+        if self.proc is None:
+            return
+        group = self.pid
+        for sig in (signal.SIGINT, signal.SIGKILL):
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=timeout)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # Workers the server spawned may outlive it: end the rest of its group, and wait until
+        # init has reaped them, so the next server starts on a machine they have left.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: not group_alive(group), timeout=10, what=f"process group {group}")
+
+
+def group_alive(group: int) -> bool:
+    """Whether any process (a zombie included) is left in process group ``group``."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
