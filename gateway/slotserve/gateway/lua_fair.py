@@ -95,8 +95,14 @@ local function fair_clear(level)
   redis.call('DEL', fair_key(level), fairq_key(level))
 end
 
+-- Every level's (one command: it runs whenever a script leaves the queue empty).
 local function fair_clear_all()
-  for level = 0, MAX_LEVEL do fair_clear(level) end
+  local keys = {}
+  for level = 0, MAX_LEVEL do
+    keys[#keys + 1] = fair_key(level)
+    keys[#keys + 1] = fairq_key(level)
+  end
+  redis.call('DEL', unpack(keys))
 end
 """
 )
