@@ -2,14 +2,15 @@
 
     .venv/bin/python -m bench.prefill_paths [--prompt-tokens 170 1000] [--rounds 3]
 
-A prefill chunk can run three ways: in the native C step (fp32 products, fused small ops, the
-default where the model's layers allow it), through the transformers modules with fp32
-products, or through them with bf16 products (``--prefill-dtype bfloat16``, on CPUs with bf16
-units). Which is fastest depends on the CPU (AMX, AVX512_BF16, L2 size) and on the prompt
-length, so this measures all three on one engine, switching the path between runs and rotating
-their order each round: a slow moment of a shared machine costs every path alike. Each run
-prefills 8 distinct prompts of the given length (1 new token, no prefix cache). Prints prompt
-tokens/s (median over rounds) and the ratio to the native step; ``--out`` writes JSON.
+A prefill chunk can run four ways: in the native C step (fused small ops) with its own fp32
+products (the default where the model's layers allow it) or with bf16 GEMMs through torch's
+oneDNN (``--prefill-dtype bfloat16``, on CPUs with bf16 units), or through the transformers
+modules with fp32 or bf16 products. Which is fastest depends on the CPU (AMX, AVX512_BF16,
+L2 size) and on the prompt length, so this measures all four on one engine, switching the
+path between runs and rotating their order each round: a slow moment of a shared machine
+costs every path alike. Each run prefills 8 distinct prompts of the given length (1 new
+token, no prefix cache). Prints prompt tokens/s (median over rounds) and the ratio to the
+native fp32 step; ``--out`` writes JSON.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from slotserve.engine.core.runner import ModelRunner
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
 
-PATHS = ("native fp32", "modules fp32", "modules bf16")
+PATHS = ("native fp32", "native bf16", "modules fp32", "modules bf16")
 NUM_PROMPTS = 8
 
 
@@ -55,11 +56,12 @@ def bf16_layers(engine: LLMEngine) -> dict[NativeLinear, torch.Tensor]:
 def set_path(engine: LLMEngine, path: str, weights: dict[NativeLinear, torch.Tensor]) -> None:
     runner = engine.runner
     assert isinstance(runner, ModelRunner) and runner.native_step is not None
-    runner.native_step.prefill = path == "native fp32"
+    runner.native_step.prefill = path.startswith("native")
     # The runner turns the layers' bf16 gate on for every step that scores nothing, so the fp32
-    # run takes their bf16 weights away instead.
+    # runs take their bf16 weights away instead (the native step's callback holds its own).
     for layer, weight in weights.items():
         layer.weight_bf16 = weight if path == "modules bf16" else None
+    runner.native_step.bf16_products = path == "native bf16"
 
 
 def prefill_rate(engine: LLMEngine, prompts: list[list[int]], tag: str) -> float:
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for length in args.prompt_tokens:
         rates: dict[str, list[float]] = {path: [] for path in PATHS}
         for round_ in range(args.rounds):
-            order = PATHS[round_ % 3 :] + PATHS[: round_ % 3]
+            order = PATHS[round_ % len(PATHS) :] + PATHS[: round_ % len(PATHS)]
             for path in order:
                 set_path(engine, path, weights)
                 vocab = engine.runner.shape.vocab_size

@@ -31,8 +31,7 @@ def bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def decoder_layers(engine) -> list[NativeLinear]:
-    model = engine.runner.model
-    return [m for m in model.get_decoder().modules() if isinstance(m, NativeLinear)]
+    return bf16_prefill.decoder_linears(engine.runner.model)
 
 
 def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
@@ -42,13 +41,15 @@ def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
         tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native", max_batch_size=2
     )
     runner = engine.runner
-    assert runner.prefill_bf16 and runner.native_step is not None
-    assert not runner.native_step.prefill  # prefill chunks leave the fp32 native step
+    step = runner.native_step
+    assert runner.prefill_bf16 and step is not None and step.prefill  # prefill stays native
     layers = decoder_layers(engine)
-    assert layers and all(layer.weight_bf16 is not None for layer in layers)
+    assert len(layers) == 4 * 2  # q/k/v (fused), o, gate/up, down of both layers
+    assert all(layer.weight_bf16 is not None for layer in layers)
     output = runner.model.get_output_embeddings()
     assert getattr(output, "weight_bf16", None) is None  # logits stay fp32
 
+    # The layers' own path (steps the native step does not take): wide rows in bf16.
     layer = layers[0]
     assert layer.weight_fp32 is not None and layer.weight_bf16 is not None
     assert torch.equal(layer.weight_bf16, layer.weight_fp32.to(torch.bfloat16))
@@ -61,16 +62,49 @@ def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
     fp32 = F.linear(narrow.double(), layer.weight_fp32.double()).float()
     assert torch.allclose(layer(narrow), fp32, atol=1e-5)  # one row: native fp32, not bf16
 
-    # Decode-only steps still run in the native step; prefill steps do not.
-    taken: list[list[int]] = []
-    takes = runner.native_step.takes
-    runner.native_step.takes = lambda sizes: taken.append(list(sizes)) or takes(sizes)  # type: ignore[method-assign]
+    # In the native step: a prefill chunk's 4 products a layer go through the bf16 callback,
+    # decode steps' and a scoring step's do not.
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    prompts = [[(i * 31 + 7) % 4000 + 50 for i in range(40)], [11, 22, 33, 44, 55, 66, 77, 88]]
-    seqs = engine.generate(prompts, params)
-    assert all(len(seq.token_ids) == 6 for seq in seqs)
-    assert any(max(sizes) > 1 for sizes in taken)  # prefill steps asked ...
-    assert runner.native_step.takes([1, 1]) and not runner.native_step.takes([40])
+    prompt = [(i * 31 + 7) % 4000 + 50 for i in range(40)]
+    engine.add_request("wide", prompt, params)
+    engine.step()  # the whole 40-token prompt in one chunk
+    assert step.wide_products == 4 * 2
+    while engine.has_unfinished():
+        engine.step()
+    assert step.wide_products == 4 * 2  # decode steps: fp32 native products
+    scoring = params.model_copy(update={"prompt_logprobs": 1, "max_tokens": 1})
+    engine.generate([prompt[::-1]], scoring)
+    assert step.wide_products == 4 * 2  # a scored prompt stays fp32
+
+
+def test_native_and_module_bf16_prefill_agree(tiny_model_dir, bf16_cpu):
+    """The native step with bf16 products and the layers' torch path with them compute the
+    same step (up to fp32 rounding order around the products)."""
+    prompts = [[(i * 13 + 5 * j) % 4000 + 50 for i in range(70 + 9 * j)] for j in range(3)]
+    figures = []
+    for native in (True, False):
+        engine = make_engine(
+            tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native", max_batch_size=3
+        )
+        assert engine.runner.native_step is not None
+        engine.runner.native_step.prefill = native
+        figures.append(first_token_logprobs(engine, prompts))
+        assert (engine.runner.native_step.wide_products > 0) == native
+    for ours, theirs in zip(*figures, strict=True):
+        assert ours.keys() == theirs.keys()
+        for token, logprob in ours.items():
+            assert logprob == pytest.approx(theirs[token], abs=2e-3)
+
+
+def test_a_failing_bf16_product_fails_the_step_with_its_own_error(tiny_model_dir, bf16_cpu):
+    engine = make_engine(tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native")
+    step = engine.runner.native_step
+    assert step is not None
+    step._bf16 = [torch.zeros(3, 5, dtype=torch.bfloat16)] * len(step._bf16)  # wrong shapes
+    with pytest.raises(RuntimeError):
+        step(list(range(100, 170)), list(range(70)), [0] * 70)
+    assert step._wide_error is None  # handed over, not kept for the next step
+    step(list(range(100, 103)), list(range(3)), [1] * 3)  # narrow steps never call it
 
 
 def test_a_cpu_without_bf16_units_or_a_quantized_model_keeps_fp32_prefill(

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from slotserve.engine.core.calibration import cpu_identity
+from slotserve.engine.core.fusion import QKVPart
 from slotserve.engine.core.native_linear import Bf16Gate, NativeLinear
 from slotserve.engine.settings import PrefillDType
 
@@ -41,6 +42,17 @@ def bf16_units(identity: Mapping[str, str] | None = None) -> list[str]:
     """Which of :data:`BF16_UNITS` this CPU has (empty: bf16 would be emulated)."""
     flags = set((identity or cpu_identity()).get("cpu_flags", "").split())
     return [unit for unit in BF16_UNITS if unit in flags]
+
+
+def decoder_linears(model: Any) -> list[NativeLinear]:
+    """The decoder's native layers, the fused q/k/v products included (their shared layer is
+    not a submodule: see fusion.QKVPart)."""
+    found: dict[int, NativeLinear] = {}
+    for module in model.get_decoder().modules():
+        linear = module.shared.linear if isinstance(module, QKVPart) else module
+        if isinstance(linear, NativeLinear):
+            found.setdefault(id(linear), linear)
+    return list(found.values())
 
 
 def install_bf16_prefill(
@@ -57,11 +69,7 @@ def install_bf16_prefill(
             "emulated, slower than fp32): prefill runs in float32"
         )
         return None
-    layers = [
-        module
-        for module in model.get_decoder().modules()
-        if isinstance(module, NativeLinear) and module.weight_fp32 is not None
-    ]
+    layers = [layer for layer in decoder_linears(model) if layer.weight_fp32 is not None]
     if not layers:
         logger.warning(
             "prefill_dtype bfloat16 needs the decoder's linear layers on the native kernels "

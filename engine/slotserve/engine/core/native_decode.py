@@ -30,11 +30,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from slotserve.engine.core.fusion import FusedGatedMLP, QKVPart
 from slotserve.engine.core.kernels import NativeKernels
-from slotserve.engine.core.native_linear import NativeLinear
+from slotserve.engine.core.native_linear import Bf16Gate, NativeLinear
 from slotserve.engine.core.native_rows_watch import STEP_OBSERVER
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,18 @@ LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2Dec
 NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 
 _Pointers = ctypes.c_void_p * PRODUCTS
+# kernels.h's slotserve_wide_product: (layer, which, x, m, k, y, n) -> 0 or nonzero.
+WideProduct = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+)
+NEVER = 2**62  # wide_rows that no step reaches: every product native
 
 
 class StepLayer(ctypes.Structure):
@@ -76,6 +89,8 @@ class StepModel(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("final_norm", ctypes.c_void_p),
         ("layers", ctypes.POINTER(StepLayer)),
+        ("wide", WideProduct),
+        ("wide_rows", ctypes.c_int64),
     ]
 
 
@@ -194,12 +209,48 @@ class NativeDecodeStep:
             layers=layers,
         )
         self._layers = layers  # the struct points into it
+        self.struct.wide_rows = NEVER
+        # bf16 prefill products (use_bf16_products): the layers' bf16 weights, the gate that
+        # turns them off for a step, the callback the C code calls and what it raised.
+        self._bf16: list[torch.Tensor] = []
+        self._gate: Bf16Gate | None = None
+        self._wide: Any = None
+        self._wide_error: BaseException | None = None
+        self.wide_products = 0  # bf16 products run through the callback (tests, benchmarks)
+        self.bf16_products = False  # use_bf16_products' switch (benchmarks turn it off)
         # Steps with prefill chunks run here too (False: through transformers, as before).
         self.prefill = True
         # The cache rows the C code writes: [slots, kv_heads, max_len, head_dim] per layer.
         self.num_slots = k_cache[0].shape[0]
         if tuple(k_cache[0].shape[1:]) != (kv_heads, self.struct.max_len, head_dim):
             raise NotSupported("the cache is not laid out [slots, kv_heads, max_len, head_dim]")
+
+    def use_bf16_products(self, gate: Bf16Gate) -> bool:
+        """Run products wider than :attr:`max_rows` (prefill chunks) as bf16 GEMMs through
+        torch's oneDNN on the layers' bf16 weights (``bf16_prefill.py``), while ``gate`` is on;
+        the rest of the step stays in C. False if a layer has no bf16 weights."""
+        weights = [linear.weight_bf16 for linear in self._linears]
+        if any(weight is None for weight in weights):
+            return False
+        self._bf16 = [weight for weight in weights if weight is not None]
+        self._gate = gate
+        self._wide = WideProduct(self._wide_product)  # kept: the struct holds only its address
+        self.struct.wide = self._wide
+        self.bf16_products = True
+        return True
+
+    def _wide_product(self, layer: int, which: int, x: int, m: int, k: int, y: int, n: int) -> int:
+        # Called from inside slotserve_llama_step (ctypes takes the GIL back for it).
+        try:
+            weight = self._bf16[layer * PRODUCTS + which]
+            rows = torch.frombuffer((ctypes.c_float * (m * k)).from_address(x), dtype=torch.float32)
+            out = torch.frombuffer((ctypes.c_float * (m * n)).from_address(y), dtype=torch.float32)
+            out.view(m, n).copy_(F.linear(rows.view(m, k).to(torch.bfloat16), weight))
+            self.wide_products += 1
+            return 0
+        except BaseException as error:  # an exception must not unwind through the C frames
+            self._wide_error = error
+            return 1
 
     @property
     def max_rows(self) -> int:
@@ -232,18 +283,27 @@ class NativeDecodeStep:
         if not decode and len(set(zip(slots, positions, strict=True))) != len(slots):
             raise ValueError("two rows of one step at the same slot and position")
         started = time.perf_counter()
+        if self._gate is not None:
+            bf16 = self.bf16_products and self._gate.on
+            self.struct.wide_rows = self.max_rows + 1 if bf16 else NEVER
         ids = torch.tensor(token_ids)
         positions_t = torch.tensor(positions)
         hidden = self.embed(ids).contiguous()  # a fresh tensor: the step overwrites it
         cos, sin = self.rotary(hidden.unsqueeze(0), positions_t.unsqueeze(0))
-        self.kernels.llama_step(
-            self.struct,
-            hidden,
-            cos[0].contiguous(),
-            sin[0].contiguous(),
-            torch.tensor(slots),
-            positions_t,
-        )
+        try:
+            self.kernels.llama_step(
+                self.struct,
+                hidden,
+                cos[0].contiguous(),
+                sin[0].contiguous(),
+                torch.tensor(slots),
+                positions_t,
+            )
+        except MemoryError:
+            error, self._wide_error = self._wide_error, None
+            if error is not None:  # the step failed in a bf16 product, not for memory
+                raise error from None
+            raise
         if self.observe is not None and decode:  # the watch compares decode steps only
             self.observe(len(token_ids), time.perf_counter() - started)
         return hidden

@@ -223,12 +223,13 @@ class ModelRunner:
         self.native_step = (
             native_step(model, self.native, self.k_cache, self.v_cache) if native_decode else None
         )
-        # bf16 prefill products run in the layers' torch path, so prefill chunks leave the
-        # native step (it multiplies in fp32); decode-only steps stay there.
+        # bf16 prefill products: in the native step (its wide products call back into torch's
+        # bf16 GEMM), else in the layers' torch path; decode-sized products stay fp32.
         self.bf16_gate = install_bf16_prefill(model, prefill_dtype)
         self.prefill_bf16 = self.bf16_gate is not None
-        if self.prefill_bf16 and self.native_step is not None:
-            self.native_step.prefill = False
+        step, gate = self.native_step, self.bf16_gate
+        if step is not None and gate is not None and not step.use_bf16_products(gate):
+            step.prefill = False
         self._arange = torch.arange(max_model_len, device=self.device)
         # Attention reads cache rows up to the longest decode of the step, past what each row
         # holds; masked positions still enter ``0 * value``, so they must hold finite numbers.

@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 /* Raised whenever a prototype below changes: a library of another ABI is never loaded. */
-#define SLOTSERVE_KERNEL_ABI 7
+#define SLOTSERVE_KERNEL_ABI 8
 /* Quantized weights per scale (and minimum) along K, both quantized formats. */
 #define SLOTSERVE_KERNEL_GROUP 32
 
@@ -34,6 +34,13 @@ struct scratch {
 
 /* llama_step.c: a model's shapes and weight pointers (native_decode.py's StepModel). */
 struct step_model;
+
+/* A product the caller computes for the step when it has at least step_model.wide_rows rows:
+ * y[m,n] = x[m,k] . W^T for product `which` (q/k/v, o, gate/up, down) of layer `layer`, bias
+ * left to the step. The engine passes one that runs bf16 GEMMs through torch's oneDNN (AMX or
+ * AVX512_BF16) for prefill chunks. Returns 0, or nonzero when it failed. */
+typedef int (*slotserve_wide_product)(int64_t layer, int64_t which, const float *x, int64_t m,
+                                      int64_t k, float *y, int64_t n);
 
 /* ---- the library itself (dispatch.c) ---- */
 int slotserve_kernel_abi(void);        /* SLOTSERVE_KERNEL_ABI */

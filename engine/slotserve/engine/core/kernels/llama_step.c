@@ -21,6 +21,11 @@
 
 enum { QKV, O, GATE_UP, DOWN, PRODUCTS };
 
+/* From this many rows (prefill chunks) the per-row work between the products (norms, rotary
+ * embedding and cache writes, SiLU * up, residual adds) is spread over the thread team; below
+ * it stays on the calling thread, where a decode step's few rows cost less than a wake-up. */
+#define SPREAD_ROWS 64
+
 struct step_layer {
     int64_t kind[PRODUCTS]; /* enum kind */
     const void *data[PRODUCTS];
@@ -38,6 +43,9 @@ struct step_model {
     float eps, scale;
     const float *final_norm;
     const struct step_layer *layers;
+    /* NULL, or the caller's product for steps of wide_rows rows and more (kernels.h). */
+    slotserve_wide_product wide;
+    int64_t wide_rows;
 };
 
 static void rms_norm_c(const float *x, const float *weight, int64_t n, float eps, float *out) {
@@ -111,11 +119,16 @@ static void rope(float *head, const float *cos, const float *sin, int64_t d) {
     }
 }
 
-static int product(const struct step_layer *layer, int which, const float *x, int64_t m, int64_t k,
-                   int64_t n, float *y, int threads, struct scratch *s) {
-    struct weights w = {(enum kind)layer->kind[which], layer->data[which], layer->scale[which],
-                        layer->minimum[which]};
-    if (slotserve_gemm_weights(x, m, k, w, n, y, threads, s) != 0) return -1;
+static int product(const struct step_model *model, int64_t l, int which, const float *x, int64_t m,
+                   int64_t k, int64_t n, float *y, int threads, struct scratch *s) {
+    const struct step_layer *layer = &model->layers[l];
+    if (model->wide != NULL && m >= model->wide_rows) {
+        if (model->wide(l, which, x, m, k, y, n) != 0) return -1;
+    } else {
+        struct weights w = {(enum kind)layer->kind[which], layer->data[which], layer->scale[which],
+                            layer->minimum[which]};
+        if (slotserve_gemm_weights(x, m, k, w, n, y, threads, s) != 0) return -1;
+    }
     const float *bias = layer->bias[which];
     if (bias != NULL)
         for (int64_t i = 0; i < m; i++)
@@ -151,10 +164,12 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
 
     for (int64_t l = 0; l < model->num_layers; l++) {
         const struct step_layer *layer = &model->layers[l];
+#pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
         for (int64_t i = 0; i < m; i++)
             rms_norm(x + i * hidden, layer->input_norm, hidden, model->eps, normed + i * hidden,
                      avx2);
-        if (product(layer, QKV, normed, m, hidden, nqkv, wide, threads, s)) goto done;
+        if (product(model, l, QKV, normed, m, hidden, nqkv, wide, threads, s)) goto done;
+#pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
         for (int64_t i = 0; i < m; i++) {
             float *row = wide + i * nqkv;
             const float *c = cos + i * d, *s = sin + i * d;
@@ -172,13 +187,16 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
         if (slotserve_attend(query, layer->k_cache, layer->v_cache, m, slots, model->kv_heads,
                              group, d, model->max_len, lens, model->scale, attended, threads, s))
             goto done;
-        if (product(layer, O, attended, m, nq, hidden, narrow, threads, s)) goto done;
+        if (product(model, l, O, attended, m, nq, hidden, narrow, threads, s)) goto done;
+#pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
         for (int64_t j = 0; j < m * hidden; j++) x[j] += narrow[j];
 
+#pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
         for (int64_t i = 0; i < m; i++)
             rms_norm(x + i * hidden, layer->post_attention_norm, hidden, model->eps,
                      normed + i * hidden, avx2);
-        if (product(layer, GATE_UP, normed, m, hidden, 2 * inter, wide, threads, s)) goto done;
+        if (product(model, l, GATE_UP, normed, m, hidden, 2 * inter, wide, threads, s)) goto done;
+#pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
         for (int64_t i = 0; i < m; i++) {
             const float *gate = wide + i * 2 * inter, *up = gate + inter;
             float *act = narrow + i * inter;
@@ -187,7 +205,8 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
             else
                 silu_mul_c(gate, up, inter, act);
         }
-        if (product(layer, DOWN, narrow, m, inter, hidden, normed, threads, s)) goto done;
+        if (product(model, l, DOWN, narrow, m, inter, hidden, normed, threads, s)) goto done;
+#pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
         for (int64_t j = 0; j < m * hidden; j++) x[j] += normed[j];
     }
     for (int64_t i = 0; i < m; i++) {
