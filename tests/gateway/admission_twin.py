@@ -139,6 +139,8 @@ class Twin:
             except AdmissionError as exc:
                 detail: tuple[object, ...] = (exc.status, exc.retry_after_s)
                 outcomes.append(Outcome(type(exc).__name__, detail))
+                if backends is self.redis:  # a refusal's step may still have granted others
+                    self.read_grant_lists()
                 continue
             if method == "cancel":
                 outcomes.append(Outcome(f"cancel:{result.state}", (result.endpoint,)))

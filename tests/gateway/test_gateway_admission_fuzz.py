@@ -46,6 +46,7 @@ enqueue = st.tuples(
     st.sampled_from([1, 250_000, 1_000_000, 1_500_000]),  # drain gap (us)
     st.sampled_from(["default", "a", "b.2"]),  # tenant
     st.sampled_from([1, 1, 2, 3, 1000]),  # its weight
+    st.sampled_from([0, 0, 1, 150_000, 1_000_000]),  # deadline gap (us; 0: no refusal)
 )
 offer = st.tuples(
     st.sampled_from([1, 2, 3, 4, 4, 4, 0, 5_000]), st.sampled_from([0.0, 0.25, 1.0, math.nan])
@@ -61,8 +62,8 @@ STEPS = [
     *[st.tuples(st.just("advance"), st.sampled_from([1, 300_000, 1_000_000, 2_500_000]))] * 2,
     st.tuples(st.just("kill"), replica),
     st.tuples(st.just("heartbeat"), replica),
-    st.tuples(st.just("hostile"), replica, st.integers(0, 14)),
-    st.tuples(st.just("raw"), replica, st.integers(0, 13)),
+    st.tuples(st.just("hostile"), replica, st.integers(0, 15)),
+    st.tuples(st.just("raw"), replica, st.integers(0, 14)),
 ]
 step = st.sampled_from(STEPS).flatmap(lambda kind: kind)
 pools = st.builds(
@@ -94,6 +95,7 @@ HOSTILE = [
     {"tenant": "a|b"},
     {"weight": 0},
     {"weight": 1001},
+    {"deadline_gap_us": -1},
 ]
 # Raw ARGV a script must refuse before its first write: (index after the shared ones, text).
 RAW_ENQUEUE = [
@@ -107,6 +109,7 @@ RAW_ENQUEUE = [
     (0, "a\x1fb"),  # request id with the grant separator
     (4, "2"),  # only-if-absent flag
     (7, "1e3"),  # aging
+    (13, "-1"),  # deadline gap
     (11, "-a"),  # tenant
     (11, "a\x1fb"),
     (12, "0"),  # weight
@@ -128,7 +131,7 @@ async def run_example(url: str, pool: PoolPolicy, initial: list, steps: list) ->
             before = dict(twin.redis_state(pool)["inflight"])  # type: ignore[call-overload]
             kind = op[0]
             if kind == "enqueue":
-                _, who, priority, slots, timeout_us, demote_us, aging_us, gap_us, tenant, w = op
+                _, who, priority, slots, timeout_us, demote_us, aging_us, gap_us, tenant, w, dl = op
                 request_id = f"r{number:04d}"
                 issued.append(request_id)
                 await twin.run(
@@ -145,6 +148,7 @@ async def run_example(url: str, pool: PoolPolicy, initial: list, steps: list) ->
                     slots=slots,
                     tenant=tenant,
                     weight=w,
+                    deadline_gap_us=dl,
                 )
             elif kind == "requeue" and (waiting := waiters(twin, issued)):
                 # A waiter whose entry may be gone, put back as a restore does (only if absent).
@@ -239,7 +243,7 @@ async def raw_call(twin: Twin, pool: PoolPolicy, offers: list, who: int, which: 
     index, text = RAW_ENQUEUE[which]
     args = backend._args(pool, offers)
     own: list[str | int] = [f"raw{which}", 5, 1_000_000, pool.max_queue_size, 0, 1, 1_000_000]
-    own += [0, pool.max_queue_size, 0, 1, "default", 1]
+    own += [0, pool.max_queue_size, 0, 1, "default", 1, 0]
     own[index] = text
     before = snapshot(twin)
     with pytest.raises(InvalidAdmissionValueError):

@@ -47,6 +47,7 @@ from slotserve.gateway.drain import (
     promise_gap_us,
     queue_drain_seconds,
     service_rate_per_s,
+    wait_gap_us,
 )
 from slotserve.gateway.routing import EndpointOffer, most_slots
 from slotserve.gateway.tenants import DEFAULT_TENANT
@@ -97,6 +98,7 @@ class Admission:
         tick_interval_s: float = 0.1,
         idle_tick_interval_s: float = 0.5,
         priority_aging_s: float = DEFAULT_AGING_US / 1e6,
+        deadline_refusal: bool = False,
     ) -> None:
         self.backend = backend
         self.offers = offers
@@ -105,6 +107,8 @@ class Admission:
         self.tick_interval_s = tick_interval_s
         self.idle_tick_interval_s = idle_tick_interval_s
         self.aging_us_default = int(priority_aging_s * 1_000_000)
+        # Refuse at once (429 deadline) a request whose predicted wait exceeds what it may wait.
+        self.deadline_refusal = deadline_refusal
         self.waiters: dict[str, Waiter] = {}
         # request id -> (pool, endpoint, slots held)
         self.leased: dict[str, tuple[str, str, int]] = {}
@@ -152,6 +156,13 @@ class Admission:
         num_slots = sum(offer.slots_total for offer in offers)
         drain, hold = self._drain.get(pool_name), self._hold.get(pool_name)
         return service_rate_per_s(drain, hold, num_slots, engines_rate_per_s(offers))
+
+    def deadline_gap_us(self, pool_name: str) -> int:
+        """The gap that predicts a queued request's wait (0: no deadline-aware refusal, or
+        nothing measured yet: never refuse on a guess)."""
+        if not self.deadline_refusal:
+            return 0
+        return wait_gap_us(self.service_rate(pool_name))
 
     def retry_after(self, pool_name: str, queue_depth: int | None = None) -> int:
         depth = self.queue_depth(pool_name) if queue_depth is None else queue_depth
@@ -260,6 +271,7 @@ class Admission:
                     slots=waiter.slots,
                     tenant=waiter.tenant,
                     weight=waiter.weight,
+                    deadline_gap_us=self.deadline_gap_us(pool.name),
                 )
             )
         except QueueFullError as exc:

@@ -174,6 +174,30 @@ class QueueTimeoutError(AdmissionError):
     code = "queue_timeout"
 
 
+class DeadlineUnreachableError(AdmissionError):
+    """The predicted wait (the places ahead of it, at the measured drain) is longer than the
+    request may wait (its deadline header or the queue timeout): refused at once instead of timing
+    out in the queue after holding a place (``--deadline-refusal``)."""
+
+    status = 429
+    code = "deadline"
+
+    @classmethod
+    def of(cls, pool_name: str, timeout_us: int, *, retry_after_s: int) -> DeadlineUnreachableError:
+        return cls(
+            f"the predicted queue wait in pool {pool_name!r} is longer than this request may "
+            f"wait ({timeout_us / 1e6:.1f} s: its x-slotserve-deadline-ms or the queue timeout)",
+            retry_after_s=retry_after_s,
+        )
+
+
+def predicted_wait_us(places_ahead: int, deadline_gap_us: int) -> int:
+    """A queued request's predicted wait: one gap per place ahead of it and one for its own
+    (the places ahead counted at most as far as any wait goes, so the product stays exact in a
+    double; ``lua.py`` computes the same)."""
+    return (min(places_ahead, MAX_WAIT_US // deadline_gap_us) + 1) * deadline_gap_us
+
+
 class BackendUnavailableError(AdmissionError):
     status = 503
     code = "admission_backend_unavailable"
@@ -212,6 +236,7 @@ def check_enqueue(
     slots: int,
     tenant: str = "default",
     weight: int = 1,
+    deadline_gap_us: int = 0,
 ) -> None:
     """Raise ``InvalidAdmissionValueError`` for any enqueue value outside the bounds; both
     backends call it first, and the Lua script repeats it (a caller's bug must not reach Redis)."""
@@ -225,6 +250,7 @@ def check_enqueue(
         "demote_after_us": (demote_after_us or 0, 0, MAX_WAIT_US),
         "slots": (slots, 1, MAX_LEASE_SLOTS),
         "weight": (weight, 1, MAX_WEIGHT),
+        "deadline_gap_us": (deadline_gap_us, 0, MAX_WAIT_US),
         "max_queue_size": (pool.max_queue_size, 0, MAX_QUEUE_SIZE),
         "level max_queue_size": (pool.level(priority).max_queue_size, 0, MAX_QUEUE_SIZE),
         "queue_timeout_us": (promise_horizon_us(pool), 1, MAX_WAIT_US),
@@ -280,6 +306,7 @@ class AdmissionBackend(Protocol):
         slots: int = 1,
         tenant: str = "default",
         weight: int = 1,
+        deadline_gap_us: int = 0,
     ) -> DispatchResult:
         """Queue a request (raising QueueFullError beyond maxQueueSize, or beyond its level's
         own ``maxQueueSize``), then dispatch.
@@ -305,6 +332,12 @@ class AdmissionBackend(Protocol):
         ``tenant``/``weight``: within its level, the request's place follows its tenant's
         weighted fair share (start-time fair queuing, ``fair_share.py``): the queue's order
         picks the level whose turn it is, the fair tags pick who goes within it.
+
+        ``deadline_gap_us`` > 0 (one over the measured drain rate): a request that has to wait
+        and whose predicted wait (``predicted_wait_us`` of the places ahead of it: the entries
+        of other levels ahead in the queue, and those of its level ahead in fair order) is
+        longer than ``timeout_us`` is taken out again and refused with
+        ``DeadlineUnreachableError``, Retry-After the excess; 0: never.
         """
         ...
 

@@ -277,6 +277,7 @@ def create_app(
         pools=registry.policies,
         lease_ttl_s=settings.lease_ttl_seconds,
         priority_aging_s=settings.priority_aging_seconds,
+        deadline_refusal=settings.deadline_refusal,
     )
     app[COLD_STARTS] = ColdStarts(settings.cold_start_seconds)
     budget_bytes = settings.memory_budget_bytes or default_budget_bytes(

@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-hold-at-zero: 503 no_ready_endpoint at once",
     )
     p.add_argument(
+        "--deadline-refusal",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="refuse at once (429 deadline) a request whose predicted queue wait exceeds its "
+        "deadline or the queue timeout (default off)",
+    )
+    p.add_argument(
         "--cold-start-seconds",
         type=float,
         default=None,

@@ -94,6 +94,16 @@ def promise_gap_us(rate_per_s: float) -> int:
     return min(MAX_WAIT_US, max(1, int(1_000_000 / (rate_per_s * PROMISE_SAFETY))))
 
 
+def wait_gap_us(rate_per_s: float) -> int:
+    """Microseconds between two places freeing at ``rate_per_s`` (no safety margin: it predicts
+    a queued request's wait); 0 when nothing is known."""
+    if not rate_per_s > 0:  # NaN too
+        return 0
+    if not math.isfinite(rate_per_s):
+        return 1
+    return min(MAX_WAIT_US, max(1, int(1_000_000 / rate_per_s)))
+
+
 def queue_drain_seconds(queue_depth: int, rate_per_s: float) -> int:
     """Retry-After for a request that timed out in the queue: the time to drain the queue ahead
     of a new arrival at the measured rate (1 s when nothing is known: try again soon)."""

@@ -382,7 +382,8 @@ end
 # (1 / measured drain rate), how far ahead (us) return times are promised to rejected clients,
 # the priority aging step (us of waiting worth one priority level), the level's own
 # maxQueueSize, when (us from now) the request is demoted (DELAY; 0: never), the slots it
-# takes (its ``n``), and its tenant's name and weight (``lua_fair.py``).
+# takes (its ``n``), its tenant's name and weight (``lua_fair.py``), and the gap (us) that predicts
+# its wait for a deadline-aware refusal (0 or absent: none).
 ENQUEUE = (
     _PRELUDE
     + r"""
@@ -403,6 +404,7 @@ local checks = {
   {'slots', int_arg(ARGV[REST + 10], 1, MAX_LEASE_SLOTS)},
   {'tenant', tenant_arg(ARGV[REST + 11])},
   {'weight', int_arg(ARGV[REST + 12], 1, MAX_WEIGHT)},
+  {'deadline_gap_us', ARGV[REST + 13] == nil and 0 or int_arg(ARGV[REST + 13], 0, MAX_WAIT_US)},
 }
 for _, check in ipairs(checks) do
   if check[2] == nil then return {'invalid', check[1]} end
@@ -412,6 +414,7 @@ local drain_gap_us, max_promise_us = checks[6][2], checks[7][2]
 local aging_us, level_max = checks[8][2], checks[9][2]
 local demote_us, slots = checks[10][2], checks[11][2]
 local tenant, weight = checks[12][2], checks[13][2]
+local deadline_gap_us = checks[14][2]
 local level = int(priority)
 local now = now_us()
 if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
@@ -436,6 +439,14 @@ if redis.call('ZCARD', K_QUEUE) == 0 then
 end
 settle_promises(now)
 keep_promise(now)
+-- Places ahead of a queued request: the entries of other levels before it in the queue (its
+-- rank less the others of its level, all older), and those of its level before it in fair order.
+local function predicted_wait(rid, level, gap)
+  local others = redis.call('ZRANK', K_QUEUE, rid)
+    - (int_value(redis.call('HGET', K_LEVELS, level), 1) - 1)
+  local ahead = math.max(0, others) + (redis.call('ZRANK', fairq_key(level), rid) or 0)
+  return (math.min(ahead, math.floor(MAX_WAIT_US / gap)) + 1) * gap
+end
 local seq = redis.call('INCR', K_SEQ)
 local deadline = now + timeout_us
 -- Aging: a level is worth aging_us of waiting, so no level waits forever behind another.
@@ -462,6 +473,17 @@ if level_max < max_size and redis.call('ZSCORE', K_QUEUE, rid)
   touch()
   return result('level_full', 0, math.ceil(
     math.min(ahead * drain_gap_us, max_promise_us) / 1000000) * 1000000)
+end
+-- Deadline-aware refusal: a request whose predicted wait is longer than it may wait is refused
+-- now, never timed out after holding a place (admission_types.predicted_wait_us).
+if deadline_gap_us > 0 and redis.call('ZSCORE', K_QUEUE, rid) then
+  local wait = predicted_wait(rid, level, deadline_gap_us)
+  if wait > timeout_us then
+    drop(rid)
+    fair_undo(level, tenant, fair_before)
+    touch()
+    return result('deadline', 0, math.ceil((wait - timeout_us) / 1000000) * 1000000)
+  end
 end
 -- A free slot takes anyone; a newcomer that has to wait may not take a place held for a
 -- promised client.

@@ -25,6 +25,7 @@ from slotserve.gateway.admission_types import (
     PROMISE_WINDOW_US,
     REFUSED,
     CancelOutcome,
+    DeadlineUnreachableError,
     DispatchResult,
     GrantCallback,
     NoEngineFitsError,
@@ -32,6 +33,7 @@ from slotserve.gateway.admission_types import (
     QueueFullError,
     check_enqueue,
     kept_share,
+    predicted_wait_us,
     promise_horizon_us,
 )
 from slotserve.gateway.fair_share import FairLevel
@@ -245,6 +247,18 @@ class _PoolState:
         held = min(max(0, self.num_held - num_due), self.num_near, max_queue_size * 3 // 4)
         self.num_held = held
 
+    def places_ahead(self, request_id: str, level: int) -> int:
+        """Entries of other levels before it in the queue (its rank less the others of its
+        level), and those of its level before it in fair order (``lua.py``; O(queue))."""
+        own = (self.queue[request_id], request_id)
+        rank = sum(1 for rid, score in self.queue.items() if (score, rid) < own)
+        others = max(0, rank - (self.level_counts.get(level, 1) - 1))
+        fair = self.fair.get(level)
+        if fair is None or request_id not in fair.tags:
+            return others
+        tag = (fair.tags[request_id], request_id)
+        return others + sum(1 for rid, t in fair.tags.items() if (t, rid) < tag)
+
     def keep_promise(self, now_us: int) -> None:
         """An arrival while promises are due keeps the latest due one (``lua.py``)."""
         latest = bisect.bisect_right(self.promised, now_us) - 1
@@ -384,6 +398,7 @@ class InProcessBackend:
         slots: int = 1,
         tenant: str = DEFAULT_TENANT,
         weight: int = 1,
+        deadline_gap_us: int = 0,
     ) -> DispatchResult:
         check_enqueue(
             pool,
@@ -395,6 +410,7 @@ class InProcessBackend:
             slots=slots,
             tenant=tenant,
             weight=weight,
+            deadline_gap_us=deadline_gap_us,
         )
         now = self.hub.clock_us()
         state = self.hub.pool(pool.name)
@@ -435,6 +451,17 @@ class InProcessBackend:
                 num_dispatched_total=state.num_dispatched,
                 retry_after_s=max(1, math.ceil(retry_us / 1_000_000)),
             )
+        if deadline_gap_us and request_id in state.queue:
+            # Deadline-aware refusal (``lua.py``): refused now, never timed out holding a place.
+            wait_us = predicted_wait_us(state.places_ahead(request_id, priority), deadline_gap_us)
+            if wait_us > timeout_us:
+                state._drop(request_id)
+                state.undo_fair(priority, tenant, fair_before)
+                raise DeadlineUnreachableError.of(
+                    pool.name,
+                    timeout_us,
+                    retry_after_s=math.ceil((wait_us - timeout_us) / 1_000_000),
+                )
         # A free slot takes anyone; a newcomer that has to wait may not take a place held for
         # a promised client.
         waiting = len(state.queue) + state.num_held

@@ -26,6 +26,7 @@ from slotserve.gateway.admission_types import (
     DEFAULT_AGING_US,
     BackendUnavailableError,
     CancelOutcome,
+    DeadlineUnreachableError,
     DispatchResult,
     GrantCallback,
     InvalidAdmissionValueError,
@@ -262,6 +263,7 @@ class RedisBackend:
         slots: int = 1,
         tenant: str = DEFAULT_TENANT,
         weight: int = 1,
+        deadline_gap_us: int = 0,
     ) -> DispatchResult:
         check_enqueue(
             pool,
@@ -273,15 +275,22 @@ class RedisBackend:
             slots=slots,
             tenant=tenant,
             weight=weight,
+            deadline_gap_us=deadline_gap_us,
         )
         level = pool.level(priority)
         demote_us = demote_after_us if demote_after_us and demote_after_us < timeout_us else 0
         args = [*self._args(pool, offers), request_id, priority, timeout_us, pool.max_queue_size]
         args += [1 if only_if_absent else 0, drain_gap_us]
         args += [promise_horizon_us(pool), aging_us, level.max_queue_size, demote_us]
-        args += [slots, tenant, weight]
+        args += [slots, tenant, weight, deadline_gap_us]
         reply = await self._run("enqueue", self.keys.pool(pool.name), args)
         result = self._result(reply)
+        if reply[0] == "deadline":
+            raise DeadlineUnreachableError.of(
+                pool.name,
+                timeout_us,
+                retry_after_s=max(1, int(reply[5]) // 1_000_000),  # type: ignore[call-overload]
+            )
         if reply[0] == "unfit":
             raise NoEngineFitsError.of(pool.name, slots, most_slots(offers))
         if reply[0] in ("full", "level_full"):

@@ -111,6 +111,13 @@ class GatewaySettings(BaseSettings):
         description="A request for a pool with no ready engine waits in the queue (bounded by "
         "the pool's queue size and timeout) until one is up; off: 503 no_ready_endpoint at once.",
     )
+    deadline_refusal: bool = Field(
+        False,
+        description="Refuse at once (429 deadline, Retry-After) a request whose predicted queue "
+        "wait (the places ahead of it at the measured drain) is longer than it may wait (its "
+        "x-slotserve-deadline-ms or the queue timeout), instead of letting it time out in the "
+        "queue; never before the drain has been measured.",
+    )
     cold_start_seconds: float = Field(
         30.0,
         gt=0,
