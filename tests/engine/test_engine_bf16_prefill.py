@@ -107,6 +107,30 @@ def test_a_failing_bf16_product_fails_the_step_with_its_own_error(tiny_model_dir
     step(list(range(100, 103)), list(range(3)), [1] * 3)  # narrow steps never call it
 
 
+def test_auto_takes_bf16_where_it_can_run_and_fp32_silently_elsewhere(
+    tiny_model_dir, monkeypatch, caplog
+):
+    identity = bf16_prefill.cpu_identity()
+    monkeypatch.setattr(
+        bf16_prefill, "cpu_identity", lambda: {**identity, "cpu_flags": "avx2 fma amx_bf16"}
+    )
+    engine = make_engine(tiny_model_dir, prefill_dtype="auto", linear_backend="native")
+    assert engine.runner.prefill_bf16
+    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**identity, "cpu_flags": "avx2 fma"})
+    with caplog.at_level(logging.INFO, logger=bf16_prefill.__name__):
+        engine = make_engine(tiny_model_dir, prefill_dtype="auto", linear_backend="native")
+        quantized = make_engine(tiny_model_dir, prefill_dtype="auto", quantization="int8")
+    assert not engine.runner.prefill_bf16 and not quantized.runner.prefill_bf16
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # auto never warns
+    assert "prefill products in float32: no bf16 units" in caplog.text
+
+
+def test_the_engine_default_is_auto():
+    from slotserve.engine.settings import EngineSettings
+
+    assert EngineSettings.model_fields["prefill_dtype"].default == "auto"
+
+
 def test_a_cpu_without_bf16_units_or_a_quantized_model_keeps_fp32_prefill(
     tiny_model_dir, monkeypatch, caplog
 ):

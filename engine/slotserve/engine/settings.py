@@ -27,7 +27,7 @@ from slotserve.engine.core.tool_parsers import ToolParserName
 LinearBackend = Literal["auto", "onednn", "aten", "native"]
 DecodeStep = Literal["auto", "classic", "static", "compiled"]
 OverlapSteps = Literal["auto", "on", "off"]
-PrefillDType = Literal["float32", "bfloat16"]
+PrefillDType = Literal["auto", "float32", "bfloat16"]
 
 
 class EngineSettings(BaseSettings):
@@ -68,11 +68,12 @@ class EngineSettings(BaseSettings):
         "step, eager) or compiled (that step through torch.compile; CUDA graphs on CUDA).",
     )
     prefill_dtype: PrefillDType = Field(
-        "float32",
-        description="CPU prefill products (chunks wider than the native kernels take): float32, "
-        "or bfloat16 (bf16 weight copies, activations rounded to bf16, fp32 accumulation; "
-        "several times faster on CPUs with AMX-BF16 or AVX512_BF16, refused with a warning "
-        "elsewhere). Decode steps stay float32.",
+        "auto",
+        description="CPU prefill products (chunks wider than the native kernels take): auto "
+        "(bfloat16 on CPUs with AMX-BF16 or AVX512_BF16 and native fp32 layers, else float32), "
+        "float32, or bfloat16 (bf16 weight copies, activations rounded to bf16, fp32 "
+        "accumulation; refused with a warning where the CPU would emulate it). Decode steps "
+        "and requests scoring their prompt (prompt logprobs) stay float32.",
     )
     overlap_steps: OverlapSteps = Field(
         "auto",

@@ -1,4 +1,5 @@
-"""Prefill products in bfloat16 (``--prefill-dtype bfloat16``): the decoder's fp32 native layers
+"""Prefill products in bfloat16 (``--prefill-dtype``, ``auto`` by default: bfloat16 wherever the
+CPU has bf16 units and the layers are native fp32): the decoder's fp32 native layers
 keep a bf16 copy of their weights, and a product of more rows than the native kernels take (a
 prefill chunk) runs as one bf16 GEMM through torch (oneDNN), accumulated in fp32, its result
 back in fp32. Decode steps are unchanged: fp32 weights through the native kernels.
@@ -58,12 +59,17 @@ def decoder_linears(model: Any) -> list[NativeLinear]:
 def install_bf16_prefill(
     model: Any, prefill_dtype: PrefillDType, identity: Mapping[str, str] | None = None
 ) -> Bf16Gate | None:
-    """Give the decoder's fp32 native layers their bf16 prefill weights when asked and the CPU
-    has bf16 units; returns the gate they share (on: wide products in bf16), else None."""
-    if prefill_dtype != "bfloat16":
+    """Give the decoder's fp32 native layers their bf16 prefill weights when asked (``auto``:
+    wherever it can run) and the CPU has bf16 units; returns the gate they share (on: wide
+    products in bf16), else None. Only an explicit ``bfloat16`` that cannot run warns."""
+    if prefill_dtype == "float32":
         return None
+    explicit = prefill_dtype == "bfloat16"
     units = bf16_units(identity)
     if not units:
+        if not explicit:
+            logger.info("prefill products in float32: no bf16 units on this CPU")
+            return None
         logger.warning(
             "prefill_dtype bfloat16 needs a CPU with AMX-BF16 or AVX512_BF16 (bf16 would be "
             "emulated, slower than fp32): prefill runs in float32"
@@ -71,6 +77,9 @@ def install_bf16_prefill(
         return None
     layers = [layer for layer in decoder_linears(model) if layer.weight_fp32 is not None]
     if not layers:
+        if not explicit:
+            logger.info("prefill products in float32: the decoder's layers are not native fp32")
+            return None
         logger.warning(
             "prefill_dtype bfloat16 needs the decoder's linear layers on the native kernels "
             "(fp32 weights, no quantization, linear_backend auto or native): prefill runs in "

@@ -243,14 +243,24 @@ class NativeDecodeStep:
         # Called from inside slotserve_llama_step (ctypes takes the GIL back for it).
         try:
             weight = self._bf16[layer * PRODUCTS + which]
-            rows = torch.frombuffer((ctypes.c_float * (m * k)).from_address(x), dtype=torch.float32)
-            out = torch.frombuffer((ctypes.c_float * (m * n)).from_address(y), dtype=torch.float32)
+            rows, out = self._floats(x, m * k), self._floats(y, m * n)
             out.view(m, n).copy_(F.linear(rows.view(m, k).to(torch.bfloat16), weight))
             self.wide_products += 1
             return 0
         except BaseException as error:  # an exception must not unwind through the C frames
             self._wide_error = error
             return 1
+
+    def _floats(self, address: int, count: int) -> torch.Tensor:
+        """``count`` floats at ``address``: a view of the workspace's tensor, where the step's
+        buffers come from once it has grown (a slice; a ctypes array type per call cost more
+        than the product at small shapes), else of the memory itself."""
+        block = self.kernels.workspace.buffer
+        if block is not None:
+            offset = address - block.data_ptr()
+            if offset >= 0 and offset % 4 == 0 and offset + 4 * count <= block.numel():
+                return block[offset : offset + 4 * count].view(torch.float32)
+        return torch.frombuffer((ctypes.c_float * count).from_address(address), dtype=torch.float32)
 
     @property
     def max_rows(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import threading
@@ -113,6 +114,11 @@ async def _load_and_start(state: ServerState) -> None:
 
             log.info("loading model %s", state.settings.model)
             engine = await _in_daemon_thread(AsyncEngine.load, state.settings)
+            # This process serves this one engine: its model's millions of Python objects
+            # live as long as the process, so they leave the collector's sight, and a full
+            # collection during a step (the bf16 prefill's callbacks allocate) no longer walks
+            # them, as vLLM does after loading. Not for a preloaded engine (tests, embedders).
+            gc.freeze()
         await engine.start()
     except UnsupportedSettingError as error:
         # A setting this model or machine cannot run: one clear line, no traceback, exit 2.
