@@ -279,9 +279,6 @@ end
 -- places expire: only promises due within PROMISE_WINDOW_US hold one (a client that never comes
 -- back holds nothing for longer), and at most 3/4 of the queue is ever held (newcomers keep the
 -- rest, however many clients were told to come back).
--- A promise stays in K_RETRIES from its due time for PROMISE_GRACE_US: a return then keeps it
--- (keep_promise); past that it lapses, its client gone, and counts ahead of nobody any more.
--- ``settled``: the time up to which due promises have opened their places.
 -- Promises kept and lapsed lately (admission_types.kept_share): promises count, and hold
 -- places, in the share of them that their clients kept.
 local function count_promises(kept, lapsed)
@@ -298,6 +295,9 @@ local function kept_share(n)
   return math.floor((n * (kept + 1) + kept + lapsed) / (kept + lapsed + 1))
 end
 
+-- A promise stays in K_RETRIES from its due time for PROMISE_GRACE_US: a return then keeps it
+-- (keep_promise); past that it lapses, its client gone, and counts ahead of nobody any more.
+-- ``settled``: the time up to which due promises have opened their places.
 local NEAR = 0  -- promises not yet due, due within the window (in the share kept)
 local function settle_promises(now)
   if HELD ~= nil then return end
