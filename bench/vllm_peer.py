@@ -82,9 +82,11 @@ SERVERS = {
     "vllm-both-cores": ServerSpec(
         "vLLM all cores", "vllm", env=(("VLLM_CPU_OMP_THREADS_BIND", all_cores()),)
     ),
+    # Its defaults prefill in bf16 where the CPU has bf16 units (--prefill-dtype auto); fp32
+    # is the exact engine, the default before.
     "slotserve": ServerSpec("slotserve defaults", "slotserve"),
-    "slotserve-bf16": ServerSpec(
-        "slotserve bf16 prefill", "slotserve", flags=("--prefill-dtype", "bfloat16")
+    "slotserve-fp32": ServerSpec(
+        "slotserve fp32 prefill", "slotserve", flags=("--prefill-dtype", "float32")
     ),
     "slotserve-int4": ServerSpec("slotserve int4", "slotserve", flags=("--quantization", "int4")),
 }

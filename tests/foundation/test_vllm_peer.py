@@ -41,7 +41,7 @@ def test_defaults_quick_and_bounds(
         "vllm",
         "vllm-both-cores",
         "slotserve",
-        "slotserve-bf16",
+        "slotserve-fp32",
         "slotserve-int4",
     ]
     quick = peer.parse_args(["--quick", "--servers", "vllm", "slotserve"])
