@@ -75,6 +75,9 @@ def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
     scoring = params.model_copy(update={"prompt_logprobs": 1, "max_tokens": 1})
     engine.generate([prompt[::-1]], scoring)
     assert step.wide_products == 4 * 2  # a scored prompt stays fp32
+    # A decode-only step wider than the native rows (the transformers path) stays fp32 too.
+    engine.generate([[11, 12], [13, 14]], params)
+    assert not runner.bf16_gate.on
 
 
 def test_native_and_module_bf16_prefill_agree(tiny_model_dir, bf16_cpu):
@@ -211,3 +214,20 @@ def test_smollm2_under_bf16_prefill_stays_close_to_fp32_and_scores_exactly(smoll
         assert seq.prompt_logprobs is not None
         scored[dtype] = [entry.logprob for entry in seq.prompt_logprobs[1:]]
     assert scored["bfloat16"] == pytest.approx(scored["float32"], abs=1e-4)
+
+
+def test_layers_stay_native_for_bf16_prefill_where_aten_wins_every_decode_size(
+    tiny_model_dir, bf16_cpu, monkeypatch
+):
+    """Where the calibration finds aten's products faster at every decode size (this Intel
+    Xeon, quiet), the layers still become native, at 0 native rows: decode products are aten's
+    as before, and the native step exists for prefill chunks with bf16 products."""
+    from slotserve.engine.core import linear_setup
+
+    monkeypatch.setattr(linear_setup, "choose_native_rows", lambda *a, **k: (0, None, None))
+    engine = make_engine(tiny_model_dir, prefill_dtype="auto")
+    assert engine.runner.prefill_bf16 and engine.runner.native_step is not None
+    assert {layer.max_native_rows for layer in decoder_layers(engine)} == {0}
+    assert engine.runner.native_step.max_rows == 0  # decode steps: the transformers path
+    fp32 = make_engine(tiny_model_dir, prefill_dtype="float32")
+    assert fp32.runner.native_step is None and not decoder_layers(fp32)  # as before

@@ -56,6 +56,14 @@ def decoder_linears(model: Any) -> list[NativeLinear]:
     return list(found.values())
 
 
+def wants_bf16_prefill(
+    prefill_dtype: PrefillDType, quantization: str, identity: Mapping[str, str] | None = None
+) -> bool:
+    """Whether the linear setup should keep native fp32 layers for bf16 prefill (asked for or
+    auto, fp32 weights, a CPU with bf16 units): decided before the layers are chosen."""
+    return prefill_dtype != "float32" and quantization == "none" and bool(bf16_units(identity))
+
+
 def install_bf16_prefill(
     model: Any, prefill_dtype: PrefillDType, identity: Mapping[str, str] | None = None
 ) -> Bf16Gate | None:

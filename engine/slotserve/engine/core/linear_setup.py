@@ -74,10 +74,14 @@ def set_up_linears(
     num_slots: int,
     calibration: CalibrationCache | None,
     native_step: bool = False,
+    native_for_prefill: bool = False,
 ) -> LinearLayers:
     """Replace ``model``'s linear layers as decided here (in place); see the module doc.
     ``native_step``: decode steps will run as one native call where the layers are native, so
-    native products are taken up to :data:`NATIVE_STEP_MARGIN` of aten's time."""
+    native products are taken up to :data:`NATIVE_STEP_MARGIN` of aten's time.
+    ``native_for_prefill``: the layers become native even where aten wins every decode size
+    (native up to 0 rows: each product is aten's F.linear, as the stock layer's), so that the
+    native step, with its bf16 prefill products, exists for prefill chunks."""
     if quantization == "int8" or quantization == "int4":
         return _quantized(model, quantization, native or load_kernels(CommonSettings().home))
     if linear_backend == "native" and native is None:
@@ -112,7 +116,7 @@ def set_up_linears(
                 native_step=native_step,
             )
             calibrations += [rows_record] if rows_record is not None else []
-        if native_rows > 0:
+        if native_rows > 0 or native_for_prefill:
             native_logits = install_native_fp32(model, native, native_rows)
             layers = LinearLayers(
                 native_logits or aten_logits(model.get_output_embeddings()), calibrations

@@ -18,7 +18,7 @@ import torch
 
 from slotserve.contracts.engine_argv import Quantization
 from slotserve.engine.core.attention import PrefillChunkInput, SlotStep, register_slot_attention
-from slotserve.engine.core.bf16_prefill import install_bf16_prefill
+from slotserve.engine.core.bf16_prefill import install_bf16_prefill, wants_bf16_prefill
 from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.generation_defaults import eos_token_ids
@@ -210,6 +210,9 @@ class ModelRunner:
             num_slots=num_slots,
             calibration=calibration,
             native_step=native_decode and self.native is not None and step_eligible(model),
+            native_for_prefill=native_decode
+            and step_eligible(model)
+            and wants_bf16_prefill(prefill_dtype, quantization),
         )
         self.logits = layers.logits
         self.calibrations: list[CalibrationRecord] = layers.calibrations
@@ -302,7 +305,10 @@ class ModelRunner:
         """One forward of every chunk (native step or transformers), the eager sampler."""
         scoring = any(chunk.seq.prompt_logprobs is not None for chunk in chunks)
         if self.bf16_gate is not None:
-            self.bf16_gate.on = not scoring  # scored prompts stay fp32 (bf16_prefill.py)
+            # bf16 for steps with a prefill chunk, unless one scores its prompt; decode-only
+            # steps stay fp32, however many rows (bf16_prefill.py).
+            prefill = any(chunk.num_tokens > 1 for chunk in chunks)
+            self.bf16_gate.on = prefill and not scoring
         if self._natively(chunks):
             hidden, sample_index = self._native_decode(chunks)
         else:
