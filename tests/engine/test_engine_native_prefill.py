@@ -103,14 +103,17 @@ def reference_attention(q, k_cache, v_cache, slots, lens, scale):
     return out
 
 
-@pytest.mark.parametrize("d", [64, 20])  # 20: not a multiple of 8, the plain C code
-@pytest.mark.parametrize(("start", "length"), [(0, 1), (0, 37), (13, 29), (50, 3)])
+# d 20: not a multiple of 8, the plain C code; 64, 48 and 128 take the AVX-512 blocks (rows of
+# a chunk 32 at a time, four queries at once: 37 and 70 leave partial blocks and quads; 48 is
+# under one 64-wide pass of the values, 128 two).
+@pytest.mark.parametrize("d", [64, 20, 48, 128])
+@pytest.mark.parametrize(("start", "length"), [(0, 1), (0, 37), (13, 29), (50, 3), (5, 70)])
 def test_chunk_attention_is_causal_over_the_slot_cache(kernels, isa, d, start, length):
     """A chunk of `length` rows in slot 1 from position `start` (earlier positions: a previous
     chunk or a prefix copy), next to a decode row of slot 2: each chunk row sees the positions
     up to its own, none after, as a causal SDPA over the chunk does."""
     torch.manual_seed(start * 100 + length + d)
-    kv_heads, group, max_len = 3, 3, 96
+    kv_heads, group, max_len = 3, 3, 96 if start + length < 96 else 128
     k_cache = torch.randn(3, kv_heads, max_len, d)
     v_cache = torch.randn(3, kv_heads, max_len, d)
     q = torch.randn(length + 1, kv_heads, group, d)
@@ -130,6 +133,23 @@ def test_chunk_attention_is_causal_over_the_slot_cache(kernels, isa, d, start, l
     causal = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
     causal = causal.reshape(kv_heads, group, length, d).permute(2, 0, 1, 3)
     torch.testing.assert_close(got[:length], causal, rtol=1e-4, atol=1e-5)
+
+
+def test_chunks_of_two_slots_side_by_side_attend_to_their_own_rows(kernels, isa):
+    """Two chunks back to back (slot 2 from position 0, slot 0 from 7), the second's first
+    row right after the first's last: the blocks never cross from one to the other."""
+    torch.manual_seed(3)
+    kv_heads, group, d, max_len = 2, 2, 64, 64
+    k_cache = torch.randn(3, kv_heads, max_len, d)
+    v_cache = torch.randn(3, kv_heads, max_len, d)
+    slots = [2] * 9 + [0] * 40
+    lens = [i + 1 for i in range(9)] + [7 + i + 1 for i in range(40)]
+    q = torch.randn(len(slots), kv_heads, group, d)
+    got = kernels.slot_attention(
+        q, k_cache, v_cache, torch.tensor(slots), torch.tensor(lens), 0.125
+    )
+    expected = reference_attention(q, k_cache, v_cache, slots, lens, 0.125)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_slot_attention_refuses_slots_outside_the_cache(kernels):
