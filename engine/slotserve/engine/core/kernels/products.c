@@ -288,21 +288,27 @@ static const float *panel_weights(struct weights w, int64_t n0, int64_t rows, in
 #define GROUP_PANELS 16
 #define BLOCK_ROWS 12 /* the 3-row (AVX2) and 4-row (AVX-512) register blocks both divide it */
 
+/* Each thread's buffer for unpacked quantized panels, `bytes` each (none for fp32 weights):
+ * 0, or -1 when out of memory (the workspace is then released to `mark`). */
+static int panel_buffers(struct scratch *s, enum kind kind, size_t bytes, int threads, size_t mark,
+                         char **buffers, void **owned) {
+    *buffers = NULL, *owned = NULL;
+    if (kind == F32) return 0;
+    *buffers = scratch_take(s, bytes * (size_t)threads, owned);
+    if (*buffers != NULL) return 0;
+    scratch_release(s, mark);
+    return -1;
+}
+
 static int gemm_wide(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
                      int threads, struct scratch *s, int avx512) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
     const int64_t num_groups = (panels + GROUP_PANELS - 1) / GROUP_PANELS;
     const size_t group_bytes = sizeof(float) * PANEL * GROUP_PANELS * (size_t)k;
     const size_t mark = scratch_mark(s);
-    void *owned = NULL;
-    char *buffers = NULL;
-    if (w.kind != F32) {
-        buffers = scratch_take(s, group_bytes * (size_t)threads, &owned);
-        if (buffers == NULL) {
-            scratch_release(s, mark);
-            return -1;
-        }
-    }
+    void *owned;
+    char *buffers;
+    if (panel_buffers(s, w.kind, group_bytes, threads, mark, &buffers, &owned)) return -1;
 #pragma omp parallel num_threads(threads)
     {
         float *buffer = NULL;
@@ -355,15 +361,9 @@ int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights 
      * multiple of 64 bytes, as k % 32 == 0). */
     const size_t panel_bytes = sizeof(float) * PANEL * (size_t)k;
     const size_t mark = scratch_mark(s);
-    void *owned = NULL;
-    char *buffers = NULL;
-    if (w.kind != F32) {
-        buffers = scratch_take(s, panel_bytes * (size_t)threads, &owned);
-        if (buffers == NULL) {
-            scratch_release(s, mark);
-            return -1;
-        }
-    }
+    void *owned;
+    char *buffers;
+    if (panel_buffers(s, w.kind, panel_bytes, threads, mark, &buffers, &owned)) return -1;
 #pragma omp parallel num_threads(threads)
     {
         float *buffer = NULL;
@@ -378,31 +378,11 @@ int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights 
         for (int64_t p = 0; p < panels; p++) {
             const int64_t n0 = p * PANEL;
             const int64_t rows = n - n0 < PANEL ? n - n0 : PANEL;
-            const float *panel;
             /* A panel some way ahead (see ahead_bytes): its bytes arrive while this one is
              * unpacked and multiplied. fp32 panels are prefetched inside dot_panel_avx2. */
             if (w.kind != F32 && panels_ahead > 0 && p + panels_ahead + 1 < panels)
                 prefetch_channels(w, n0 + panels_ahead * PANEL, PANEL, k);
-            if (w.kind == F32) {
-                panel = (const float *)w.data + n0 * k;
-            } else if (w.kind == Q8) {
-                const int8_t *q = (const int8_t *)w.data + n0 * k;
-                const float *sc = w.scale + n0 * (k / GROUP);
-                if (avx2 && rows == PANEL)
-                    unpack_q8_avx2(q, sc, k, buffer);
-                else
-                    unpack_q8_c(q, sc, k, rows, buffer);
-                panel = buffer;
-            } else {
-                const int64_t groups = k / GROUP;
-                const uint8_t *q = (const uint8_t *)w.data + n0 * (k / 2);
-                const float *sc = w.scale + n0 * groups, *mn = w.minimum + n0 * groups;
-                if (avx2 && rows == PANEL)
-                    unpack_q4_avx2(q, sc, mn, k, buffer);
-                else
-                    unpack_q4_c(q, sc, mn, k, rows, buffer);
-                panel = buffer;
-            }
+            const float *panel = panel_weights(w, n0, rows, k, avx2, buffer);
             if (avx2 && rows == PANEL) {
                 /* The next panel of this thread's chunk (fp32: the weights themselves). */
                 const float *next = NULL;
