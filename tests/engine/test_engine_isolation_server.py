@@ -9,8 +9,11 @@ stay exactly what they are without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -192,9 +195,9 @@ async def test_nan_logits_fail_that_request_only_with_openai_errors(engine):
     assert "zebra" not in logs and "ran away" not in logs
 
 
-async def test_a_broken_runner_fails_probes_and_ends_streams_retryably(tiny_model_dir):
-    """A step that raises (a device error) ends every request with a retryable 503-class
-    error, fails /health and /ready so Kubernetes restarts the pod, and is counted."""
+@contextlib.asynccontextmanager
+async def ready_tiny_server(tiny_model_dir) -> AsyncIterator[tuple[Any, TestClient]]:
+    """An in-process engine on the tiny model behind its HTTP app, once /ready says so."""
     from slotserve.engine.core.async_engine import AsyncEngine
     from slotserve.engine.http.server import create_app
 
@@ -207,6 +210,15 @@ async def test_a_broken_runner_fails_probes_and_ends_streams_retryably(tiny_mode
     try:
         while (await client.get("/ready")).status != 200:
             await asyncio.sleep(0.05)
+        yield engine, client
+    finally:
+        await client.close()
+
+
+async def test_a_broken_runner_fails_probes_and_ends_streams_retryably(tiny_model_dir):
+    """A step that raises (a device error) ends every request with a retryable 503-class
+    error, fails /health and /ready so Kubernetes restarts the pod, and is counted."""
+    async with ready_tiny_server(tiny_model_dir) as (engine, client):
         streamed = await client.post("/v1/completions", json=body("a", stream=True, max_tokens=400))
         assert (await streamed.content.readline()).startswith(b"data: ")
         plain = asyncio.create_task(
@@ -236,27 +248,15 @@ async def test_a_broken_runner_fails_probes_and_ends_streams_retryably(tiny_mode
             'slotserve_sequence_failures_total{model_name="tiny",reason="engine_failure"} 2.0'
             in metrics
         )
-    finally:
-        await client.close()
 
 
 async def test_a_request_racing_the_failure_is_told_the_engine_broke(tiny_model_dir, monkeypatch):
     """A request that passed the readiness check just before a step failed meets a stopped
     loop: it gets the same retryable engine_failure answer, with Retry-After (it once got a
     bare 'draining' 503 the gateway could not act on)."""
-    from slotserve.engine.core.async_engine import AsyncEngine
     from slotserve.engine.http import openai_routes
-    from slotserve.engine.http.server import create_app
 
-    settings = EngineSettings(
-        model=str(tiny_model_dir), served_model_name="tiny", num_threads=1, max_model_len=512
-    )
-    engine = await asyncio.to_thread(AsyncEngine.load, settings)
-    client = TestClient(TestServer(create_app(engine)))
-    await client.start_server()
-    try:
-        while (await client.get("/ready")).status != 200:
-            await asyncio.sleep(0.05)
+    async with ready_tiny_server(tiny_model_dir) as (engine, client):
         streamed = await client.post("/v1/completions", json=body("a", stream=True, max_tokens=400))
 
         def device_error(chunks):
@@ -270,5 +270,3 @@ async def test_a_request_racing_the_failure_is_told_the_engine_broke(tiny_model_
         resp = await client.post("/v1/completions", json=body("b", stream=False))
         assert resp.status == 503 and resp.headers["Retry-After"] == "1"
         assert (await resp.json())["error"]["code"] == "engine_failure"
-    finally:
-        await client.close()
