@@ -1,12 +1,17 @@
 """Fairness benchmark: a tenant that floods a pool against one that asks for its share.
 
-Everything runs on this machine: an engine double (tests/gateway/gateway_engine_double.py: each
-answer after a fixed service time, ``--slots`` at once), one real redis-server, gateway processes
-(3 on Redis, 1 in-process), the keys file declaring the tenants. Service times vary (uniform,
-0.5x to 1.5x ``--service-s``), as answers' lengths do. Requests go round-robin to the gateways:
+Everything runs on this machine: real ``slotserve engine`` processes (``--engine real``, the
+default: ``--model`` smollm2, ``--slots`` slots, ``--num-threads`` each), one real redis-server,
+gateway processes (3 on Redis, 1 in-process), the keys file declaring the tenants. Each answer
+asks for a number of new tokens drawn uniform from 0.5x to 1.5x ``--new-tokens`` (with
+``ignore_eos``), so service times vary as answers' lengths do. The pool's capacity is measured
+first: ``--slots`` closed-loop clients straight to the engine for ``--capacity-seconds``.
+``--engine double`` runs the engine double instead (tests/gateway/gateway_engine_double.py: each
+answer after 0.5x to 1.5x ``--service-s``; capacity slots / service_s). Requests go round-robin
+to the gateways:
 
 - tenant B at its share: Poisson arrivals at ``--load-b`` (0.8) of its share of the capacity
-  (share = weight_b / (weight_a + weight_b));
+  (share = its share of the slots, from weight_b / (weight_a + weight_b));
 - tenant A floods: closed-loop clients (send, wait for the answer, send again), ``--flood`` (10)
   times as many as its share of the slots: a backlog always waits.
 
@@ -14,10 +19,11 @@ Four runs per backend, side by side: B alone on a pool of its share's slots (wha
 promises it: its wait there is the reference); B alone on the whole pool; B under A's flood with
 A and B as tenants (weighted fair share); and the same flood with both keys in one tenant (first
 come, first served: what a gateway without tenants does). Each answer's queue wait is the
-gateway's own ``x-slotserve-queue-wait-ms``; slot use is the double's ``/load`` sampled every
-20 ms.
+gateway's own ``x-slotserve-queue-wait-ms``; slot use is the engine's ``/load`` (1 - slots_free /
+slots_total: slots held by a request) sampled every 20 ms.
 
-    .venv/bin/python bench/fairness_bench.py [--seconds 15] [--slots 4] [--service-s 0.2]
+    .venv/bin/python bench/fairness_bench.py [--seconds 15] [--slots 4] [--new-tokens 16]
+    .venv/bin/python bench/fairness_bench.py --engine double [--service-s 0.2]
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ import aiohttp
 import yaml
 
 from bench.lib.output import line_buffered_stdout
-from bench.lib.services import RedisServer, free_port, http_ok, wait_until
+from bench.lib.services import RedisServer, ServerProcess, free_port, http_ok, wait_until
+from slotserve.models.resolve import resolve_model
+from slotserve.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DOUBLE = ROOT / "tests" / "gateway" / "gateway_engine_double.py"
@@ -49,6 +57,7 @@ SLOTSERVE = ROOT / ".venv" / "bin" / "slotserve"
 QUEUE_WAIT_HEADER = "x-slotserve-queue-wait-ms"
 # Keys: A and B as tenants of their own, and both in one tenant (the first-come baseline).
 KEYS = {"fair": ("sk-a", "sk-b"), "one tenant": ("sk-shared-a", "sk-shared-b")}
+PROMPT = "Write a short story about a lighthouse keeper and the sea."
 
 
 def keys_file(weight_a: int, weight_b: int) -> str:
@@ -68,10 +77,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Procs:
-    """The double and the gateways, stopped together."""
+    """The engines (or doubles) and the gateways, stopped together."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.servers: list[ServerProcess] = []
 
     def start(self, argv: list[str], ready_url: str) -> str:
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -84,6 +94,20 @@ class Procs:
         argv = [sys.executable, str(DOUBLE), "--port", str(port), "--slots", str(slots)]
         argv += ["--delay", str(service_s), "--model", "m"]
         return self.start(argv, f"http://127.0.0.1:{port}/health")
+
+    def engine(self, name: str, slots: int, model: str, args: argparse.Namespace) -> str:
+        """A real ``slotserve engine`` serving ``model`` as ``name`` (its pool's name)."""
+        port = free_port()
+        argv = [str(SLOTSERVE), "engine", "--model", model, "--served-model-name", name]
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--max-batch-size", str(slots)]
+        argv += ["--num-threads", str(args.num_threads), "--max-model-len", "256"]
+        argv += ["--log-level", "WARNING"]
+        log = args.out.with_suffix(f".engine-{name}.log")
+        server = ServerProcess(argv, dict(os.environ), log)
+        self.servers.append(server)
+        url = f"http://127.0.0.1:{port}"
+        server.start(f"{url}/ready", timeout=300)
+        return url
 
     def gateway(self, pool_file: Path, keys: Path, redis_url: str | None) -> str:
         port = free_port()
@@ -102,6 +126,8 @@ class Procs:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        for server in self.servers:
+            server.stop()
 
 
 @dataclass(frozen=True)
@@ -116,8 +142,58 @@ class Load:
 @dataclass
 class TenantRun:
     waits_ms: list[float] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list)  # queue wait + the answer's time
     num_answered: int = 0
     errors: dict[int, int] = field(default_factory=dict)
+
+
+def request_body(model: str, rng: random.Random, args: argparse.Namespace) -> dict[str, object]:
+    """One completion request: a real engine's length from ``max_tokens``, the double's from
+    ``x_delay``; both 0.5x to 1.5x the mean."""
+    if args.engine == "double":
+        delay = args.service_s * rng.uniform(0.5, 1.5)
+        return {"model": model, "prompt": "hello", "max_tokens": 4, "x_delay": delay}
+    low, high = max(1, args.new_tokens // 2), max(1, args.new_tokens * 3 // 2)
+    max_tokens = rng.randint(low, high)
+    return {
+        "model": model, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True,
+        "temperature": 0.0,
+    }  # fmt: skip
+
+
+async def measure_capacity(
+    gateway: str, model: str, clients: int, args: argparse.Namespace
+) -> dict[str, float]:
+    """Answers per second of ``clients`` closed-loop clients through a gateway, enough to keep
+    its queue from emptying: what the pool delivers to a backlog, slot hand-offs included
+    (the first ``warm`` seconds' answers not counted)."""
+    rng = random.Random(11)
+    warm = 4.0
+    started = time.monotonic()
+    count_from, stop_at = started + warm, started + warm + args.capacity_seconds
+    num_answered, latency_s = 0, []
+    headers = {"Authorization": f"Bearer {KEYS['one tenant'][0]}"}
+
+    async def client(s: aiohttp.ClientSession) -> None:
+        nonlocal num_answered
+        while (sent := time.monotonic()) < stop_at:
+            body = request_body(model, rng, args)
+            async with s.post(f"{gateway}/v1/completions", json=body, headers=headers) as r:
+                await r.read()
+                r.raise_for_status()
+                wait_s = float(r.headers.get(QUEUE_WAIT_HEADER, "0")) / 1000  # 0: no gateway
+            if sent >= count_from:
+                num_answered += 1
+                latency_s.append(time.monotonic() - sent - wait_s)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        await asyncio.gather(*(client(s) for _ in range(clients)))
+    elapsed = time.monotonic() - count_from
+    return {
+        "answers_per_s": num_answered / elapsed,
+        "service_p50_s": percentile(latency_s, 0.5),
+        "service_mean_s": statistics.fmean(latency_s) if latency_s else float("nan"),
+    }
 
 
 async def run_phase(
@@ -134,10 +210,10 @@ async def run_phase(
         nonlocal sent
         url = gateways[sent % len(gateways)]
         sent += 1
-        payload: dict[str, object] = {"model": load.model, "prompt": "hello", "max_tokens": 4}
-        payload["x_delay"] = args.service_s * rng.uniform(0.5, 1.5)
+        payload = request_body(load.model, rng, args)
         headers = {"Authorization": f"Bearer {keys[tenant]}"}
         run = runs[tenant]
+        started = time.monotonic()
         async with s.post(f"{url}/v1/completions", json=payload, headers=headers) as r:
             await r.read()
             if r.status != 200:
@@ -146,6 +222,7 @@ async def run_phase(
                 return
             run.num_answered += 1
             run.waits_ms.append(float(r.headers.get(QUEUE_WAIT_HEADER, "nan")))
+            run.latencies_ms.append(1000 * (time.monotonic() - started))
 
     async def flood_client(s: aiohttp.ClientSession) -> None:
         while time.monotonic() < stop_at:
@@ -163,7 +240,8 @@ async def run_phase(
         while time.monotonic() < stop_at - 0.5:
             async with s.get(f"{engine}/load") as r:
                 load = await r.json()
-            busy.append(load["running"] / load["slots_total"])
+            # Slots held by a request (prefilling or decoding), as the gateway counts them.
+            busy.append(1 - load["slots_free"] / load["slots_total"])
             await asyncio.sleep(0.02)
 
     connector = aiohttp.TCPConnector(limit=0)
@@ -173,12 +251,14 @@ async def run_phase(
         await asyncio.gather(sample_load(s), arrivals_b(s), *floods)
         elapsed = time.monotonic() - started
     out: dict[str, Any] = {"slots_busy": statistics.fmean(busy) if busy else float("nan")}
+    out["load_average"] = list(os.getloadavg())
     for tenant, run in runs.items():
         if tenant == "a" and not load.clients_a:
             continue
         out[tenant] = {
             "wait_p50_ms": percentile(run.waits_ms, 0.5),
             "wait_p99_ms": percentile(run.waits_ms, 0.99),
+            "latency_p50_ms": percentile(run.latencies_ms, 0.5),
             "answered_per_s": run.num_answered / elapsed,
             "errors": run.errors,
         }
@@ -193,10 +273,14 @@ def share_slots(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def run_backend(
-    name: str, gateways: list[str], engines: dict[str, str], args: argparse.Namespace
+    name: str,
+    gateways: list[str],
+    engines: dict[str, str],
+    capacity_per_s: float,
+    args: argparse.Namespace,
 ) -> dict[str, dict[str, Any]]:
     slots_b, slots_a = share_slots(args)
-    rate_b = args.load_b * slots_b / args.service_s
+    rate_b = args.load_b * capacity_per_s * slots_b / args.slots
     fair = dict(zip(("a", "b"), KEYS["fair"], strict=True))
     shared = dict(zip(("a", "b"), KEYS["one tenant"], strict=True))
     phases = {
@@ -209,6 +293,8 @@ def run_backend(
     for phase, (keys, load, engine) in phases.items():
         print(f"  {name}: {phase} ({load}) for {args.seconds:.0f} s", flush=True)
         result[phase] = asyncio.run(run_phase(gateways, engine, keys, load, args))
+        row = result[phase]
+        print(f"    B p50 {row['b']['wait_p50_ms']:.0f} ms, busy {100 * row['slots_busy']:.1f}%")
         time.sleep(1.5)  # the last answers settle before the next run
     return result
 
@@ -235,16 +321,55 @@ def print_table(results: dict[str, dict], capacity_per_s: float, gap_ms: float) 
     )
 
 
+def start_engines(procs: Procs, tmp: Path, args: argparse.Namespace) -> dict[str, str]:
+    """The pool's engine and one of B's share of its slots (B's reference)."""
+    slots = {"m": args.slots, "share": share_slots(args)[0]}
+    if args.engine == "double":
+        return {name: procs.double(n, args.service_s) for name, n in slots.items()}
+    if args.model == "tiny":  # a 2-layer random Llama with SmolLM2's tokenizer
+        smollm2 = Path(resolve_model("smollm2", show_progress=True))
+        model = str(build_tiny_model(tmp / "tiny", tokenizer_dir=smollm2))
+    else:
+        model = resolve_model(args.model, show_progress=True)
+    return {name: procs.engine(name, n, model, args) for name, n in slots.items()}
+
+
+def capacities(gateway: str, engines: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    """The capacity the arrival rates are drawn from: on a real engine measured through a
+    gateway (``m``, ``share``), twice the slots' clients per pool, after a run straight to the
+    engine (``m direct``, ``share direct``: it warms the engine too); slots / service_s on the
+    double."""
+    if args.engine == "double":
+        return {"m": {"answers_per_s": args.slots / args.service_s}}
+    measured: dict[str, Any] = {}
+    for name, slots in (("m", args.slots), ("share", share_slots(args)[0])):
+        for label, url in ((f"{name} direct", engines[name]), (name, gateway)):
+            print(f"  capacity of {label}: {2 * slots} clients for {args.capacity_seconds:.0f} s")
+            row = measured[label] = asyncio.run(measure_capacity(url, name, 2 * slots, args))
+            print(f"    {row['answers_per_s']:.2f} answers/s, service p50 "
+                  f"{1000 * row['service_p50_s']:.0f} ms")  # fmt: skip
+    return measured
+
+
 def main() -> int:
     line_buffered_stdout()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--engine", choices=("real", "double"), default="real", help="slotserve engine or double"
+    )
+    parser.add_argument("--model", default="smollm2", help="real: name, folder or 'tiny'")
+    parser.add_argument("--num-threads", type=int, default=1, help="real: each engine's")
+    parser.add_argument("--new-tokens", type=int, default=16, help="real: mean per answer")
+    parser.add_argument("--capacity-seconds", type=float, default=12.0, help="real: measured")
     parser.add_argument("--seconds", type=float, default=15.0, help="per run")
-    parser.add_argument("--slots", type=int, default=4, help="the engine double's slots")
-    parser.add_argument("--service-s", type=float, default=0.2, help="each answer's time")
+    parser.add_argument("--slots", type=int, default=4, help="the pool engine's slots")
+    parser.add_argument("--service-s", type=float, default=0.2, help="double: each answer's")
     parser.add_argument("--flood", type=int, default=10, help="A's clients over its share")
     parser.add_argument("--load-b", type=float, default=0.8, help="B's rate / its share's")
     parser.add_argument("--weight-a", type=int, default=1)
     parser.add_argument("--weight-b", type=int, default=1)
+    parser.add_argument("--backends", nargs="+", choices=("memory", "redis"),
+                        default=["memory", "redis"])  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "fairness_bench.json")
     args = parser.parse_args()
     procs = Procs()
@@ -253,9 +378,7 @@ def main() -> int:
         redis = RedisServer(Path(tmp) / "redis")
         redis.start()
         try:
-            # The pool, and a pool of B's share of its slots (B's reference).
-            engines = {"m": procs.double(args.slots, args.service_s)}
-            engines["share"] = procs.double(share_slots(args)[0], args.service_s)
+            engines = start_engines(procs, Path(tmp), args)
             pools = [
                 {"model": name, "endpoints": [url], "admission": {"maxQueueSize": 1000}}
                 for name, url in engines.items()
@@ -264,17 +387,22 @@ def main() -> int:
             pool_file.write_text(yaml.safe_dump({"pools": pools}))
             keys = Path(tmp) / "keys"
             keys.write_text(keys_file(args.weight_a, args.weight_b))
-            in_process = [procs.gateway(pool_file, keys, None)]
-            on_redis = [procs.gateway(pool_file, keys, redis.url)]
-            on_redis += [procs.gateway(pool_file, keys, redis.url) for _ in range(2)]
-            time.sleep(2.0)  # every gateway has polled the double's /load
-            results["in-process, 1 replica"] = run_backend("in-process", in_process, engines, args)
-            results["Redis, 3 replicas"] = run_backend("Redis", on_redis, engines, args)
+            gateways: dict[str, list[str]] = {}
+            if "memory" in args.backends:
+                gateways["in-process, 1 replica"] = [procs.gateway(pool_file, keys, None)]
+            if "redis" in args.backends:
+                on_redis = [procs.gateway(pool_file, keys, redis.url) for _ in range(3)]
+                gateways["Redis, 3 replicas"] = on_redis
+            time.sleep(2.0)  # every gateway has polled the engines' /load
+            measured = capacities(next(iter(gateways.values()))[0], engines, args)
+            capacity = measured["m"]["answers_per_s"]
+            for backend, urls in gateways.items():
+                short = backend.split(",")[0]
+                results[backend] = run_backend(short, urls, engines, capacity, args)
         finally:
             procs.stop()
             redis.stop()
-    capacity = args.slots / args.service_s
-    print_table(results, capacity, 1000 * args.service_s / args.slots)
+    print_table(results, capacity, 1000 / capacity)
     for backend, phases in results.items():
         alone = phases["B alone, its share"]["b"]["wait_p50_ms"]
         flood = phases["flood, tenants"]["b"]["wait_p50_ms"]
@@ -285,7 +413,8 @@ def main() -> int:
     out = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "capacity_per_s": capacity,
-        "slot_gap_ms": 1000 * args.service_s / args.slots,
+        "capacities": measured,
+        "slot_gap_ms": 1000 / capacity,
         "load_average": load,
         "cpus": os.cpu_count(),
         "results": results,
