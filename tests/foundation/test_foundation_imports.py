@@ -39,10 +39,6 @@ PARTS = {
 # Cycles still to cut, each a strongly connected set of modules of the design graph. Remove an
 # entry when its cycle goes (the test below fails while a listed cycle no longer occurs).
 KNOWN_CYCLES: dict[frozenset[str], str] = {
-    # The step loop is also the composition root: LLMEngine.load builds the runner, and the runner
-    # takes eos_token_ids from the engine. Issue 23, item 1 (core/model/loader.py builds both;
-    # eos_token_ids moves to a pure leaf) removes it.
-    frozenset({"slotserve.engine.core.engine", "slotserve.engine.core.runner"}): "23.1",
     # Two classes own the waiter and lease tables (recovery reads Admission's under
     # TYPE_CHECKING). Issue 23, item 3 (a ledger owns waiters and leases; recovery takes the
     # ledger and the backend) removes it.

@@ -152,10 +152,11 @@ class TenantGate:
         self.held: dict[str, Tenant] = {}  # request id -> its tenant, while in flight here
         self._background: set[asyncio.Task[None]] = set()
 
-    def spawn(self, coro: Coroutine[object, object, None]) -> None:
+    def spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def take(self, tenant: Tenant, request_id: str, cost: int) -> QuotaRefusal | None:
         refusal = await self.store.take(tenant, request_id, cost)
@@ -260,8 +261,10 @@ async def tenant_middleware(request: web.Request, handler: Handler) -> web.Strea
         m.tenant_requests.labels(tenant.name, outcome_of(response)).inc()
         return response
     finally:
-        # In its own task: a client that went away cancels this handler, not the release.
-        gate.spawn(gate.finish(tenant, request_id, correction))
+        # In its own task, so that a client that went away cancels this handler, not the
+        # release; awaited (shielded) otherwise, so that a whole answer leaves only once its
+        # place is back: a client's next request, on any replica, must find it free.
+        await asyncio.shield(gate.spawn(gate.finish(tenant, request_id, correction)))
 
 
 async def _gate_ctx(app: web.Application) -> AsyncIterator[None]:
