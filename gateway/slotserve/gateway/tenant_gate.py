@@ -262,9 +262,12 @@ async def tenant_middleware(request: web.Request, handler: Handler) -> web.Strea
         return response
     finally:
         # In its own task, so that a client that went away cancels this handler, not the
-        # release; awaited (shielded) otherwise, so that a whole answer leaves only once its
-        # place is back: a client's next request, on any replica, must find it free.
-        await asyncio.shield(gate.spawn(gate.finish(tenant, request_id, correction)))
+        # release. With a max-inflight place it is awaited (shielded), so that a whole answer
+        # leaves only once the place is back: the client's next request, on any replica, must
+        # find it free; a token correction alone need not hold the answer.
+        finished = gate.spawn(gate.finish(tenant, request_id, correction))
+        if tenant.max_inflight is not None:
+            await asyncio.shield(finished)
 
 
 async def _gate_ctx(app: web.Application) -> AsyncIterator[None]:

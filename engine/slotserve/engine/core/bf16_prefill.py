@@ -56,24 +56,22 @@ def decoder_linears(model: Any) -> list[NativeLinear]:
     return list(found.values())
 
 
-def wants_bf16_prefill(
-    prefill_dtype: PrefillDType, quantization: str, identity: Mapping[str, str] | None = None
-) -> bool:
+def wants_bf16_prefill(prefill_dtype: PrefillDType, quantization: str, units: list[str]) -> bool:
     """Whether the linear setup should keep native fp32 layers for bf16 prefill (asked for or
-    auto, fp32 weights, a CPU with bf16 units): decided before the layers are chosen."""
-    return prefill_dtype != "float32" and quantization == "none" and bool(bf16_units(identity))
+    auto, fp32 weights, a CPU with bf16 ``units``): decided before the layers are chosen."""
+    return prefill_dtype != "float32" and quantization == "none" and bool(units)
 
 
 def install_bf16_prefill(
-    model: Any, prefill_dtype: PrefillDType, identity: Mapping[str, str] | None = None
+    model: Any, prefill_dtype: PrefillDType, units: list[str]
 ) -> Bf16Gate | None:
     """Give the decoder's fp32 native layers their bf16 prefill weights when asked (``auto``:
-    wherever it can run) and the CPU has bf16 units; returns the gate they share (on: wide
-    products in bf16), else None. Only an explicit ``bfloat16`` that cannot run warns."""
+    wherever it can run) and the CPU has bf16 ``units`` (:func:`bf16_units`); returns the gate
+    they share (on: wide products in bf16), else None. Only an explicit ``bfloat16`` that cannot
+    run warns."""
     if prefill_dtype == "float32":
         return None
     explicit = prefill_dtype == "bfloat16"
-    units = bf16_units(identity)
     if not units:
         if not explicit:
             logger.info("prefill products in float32: no bf16 units on this CPU")

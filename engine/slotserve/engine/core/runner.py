@@ -18,7 +18,11 @@ import torch
 
 from slotserve.contracts.engine_argv import Quantization
 from slotserve.engine.core.attention import PrefillChunkInput, SlotStep, register_slot_attention
-from slotserve.engine.core.bf16_prefill import install_bf16_prefill, wants_bf16_prefill
+from slotserve.engine.core.bf16_prefill import (
+    bf16_units,
+    install_bf16_prefill,
+    wants_bf16_prefill,
+)
 from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.generation_defaults import eos_token_ids
@@ -201,6 +205,8 @@ class ModelRunner:
         # The engine's own kernels (CPU, fp32, a C compiler): decode attention over the slot
         # rows in place, and decode-sized products where they beat aten. False: torch only.
         self.native = native_kernels(self.device, self.dtype) if use_native_kernels else None
+        # The CPU's bf16 units, read once: they decide whether prefill multiplies in bf16.
+        units = bf16_units() if prefill_dtype != "float32" else []
         # The linear layers (native, quantized, oneDNN-packed or stock) and the logits layer.
         layers = set_up_linears(
             model,
@@ -212,7 +218,7 @@ class ModelRunner:
             native_step=native_decode and self.native is not None and step_eligible(model),
             native_for_prefill=native_decode
             and step_eligible(model)
-            and wants_bf16_prefill(prefill_dtype, quantization),
+            and wants_bf16_prefill(prefill_dtype, quantization, units),
         )
         self.logits = layers.logits
         self.calibrations: list[CalibrationRecord] = layers.calibrations
@@ -228,7 +234,7 @@ class ModelRunner:
         )
         # bf16 prefill products: in the native step (its wide products call back into torch's
         # bf16 GEMM), else in the layers' torch path; decode-sized products stay fp32.
-        self.bf16_gate = install_bf16_prefill(model, prefill_dtype)
+        self.bf16_gate = install_bf16_prefill(model, prefill_dtype, units)
         self.prefill_bf16 = self.bf16_gate is not None
         step, gate = self.native_step, self.bf16_gate
         if step is not None and gate is not None and not step.use_bf16_products(gate):
