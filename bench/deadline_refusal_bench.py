@@ -32,17 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slotserve.gateway.admission import Admission
-from slotserve.gateway.admission_types import (
+from slotserve.gateway.admission.backends.memory import InProcessBackend, InProcessHub
+from slotserve.gateway.admission.drain import wait_gap_us
+from slotserve.gateway.admission.front import Admission
+from slotserve.gateway.admission.types import (
     DeadlineUnreachableError,
     PoolPolicy,
     QueueFullError,
     QueueTimeoutError,
     predicted_wait_us,
 )
-from slotserve.gateway.drain import wait_gap_us
-from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub
-from slotserve.gateway.routing import EndpointOffer
+from slotserve.gateway.pools.routing import EndpointOffer
 
 ROOT = Path(__file__).resolve().parent
 POOL = "m"

@@ -149,10 +149,10 @@ async def http_throughput(urls: list[str], seconds: float, concurrency: int) -> 
 
 
 def _admission_worker(redis_url: str, prefix: str, seconds: float, concurrency: int, queue) -> None:
-    from slotserve.gateway.admission import Admission
-    from slotserve.gateway.admission_types import PoolPolicy
-    from slotserve.gateway.redis_backend import RedisBackend
-    from slotserve.gateway.routing import EndpointOffer
+    from slotserve.gateway.admission.backends.redis import RedisBackend
+    from slotserve.gateway.admission.front import Admission
+    from slotserve.gateway.admission.types import PoolPolicy
+    from slotserve.gateway.pools.routing import EndpointOffer
 
     async def run() -> int:
         backend = RedisBackend(redis_url, f"bench-{os.getpid()}", prefix=prefix)

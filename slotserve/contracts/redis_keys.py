@@ -29,7 +29,8 @@ replica leaves nothing behind for long:
 | ``P:grants:{id}`` | LIST | grants made for replica ``id`` by others (1) | lease TTL |
 
 (1) each item is ``pool``, request id and endpoint joined by ``\\x1f``.
-(2) recreated when Redis lost its data; nobody dispatches before ``ready`` (see ``lua.py``).
+(2) recreated when Redis lost its data; nobody dispatches before ``ready`` (see the gateway's
+``admission/lua/scripts.py``).
 (3) written by every replica, read by the operator for ``status.admission``
 (``slotserve.admission_stats``).
 (4) plus ``DEMOTION_OFFSET_US`` once demoted (a ``DELAY`` level's request past its timeout).
@@ -94,7 +95,8 @@ class Keys:
 
 @dataclass(frozen=True)
 class DispatchArgs:
-    """The first arguments of every dispatching script (``lua.py``), in ARGV order.
+    """The first arguments of every dispatching script (the gateway's
+    ``admission/lua/scripts.py``), in ARGV order.
 
     :meth:`argv` builds them and :meth:`lua_locals` binds each to a Lua local named after its
     field in capitals, so neither side counts positions by hand. ``num_offers`` triples (url,

@@ -6,8 +6,8 @@ import re
 
 from chart_support import RELEASE, ROOT, env_of, load_yaml
 
-from slotserve.gateway.api_keys import parse_keys_file
-from slotserve.gateway.tenants import Tenant
+from slotserve.gateway.admission.tenants import Tenant
+from slotserve.gateway.http.api_keys import parse_keys_file
 
 GATEWAY = f"{RELEASE}-slotserve-gateway"
 OPERATOR = f"{RELEASE}-slotserve-operator"

@@ -10,9 +10,9 @@ import re
 from chart_support import NAMESPACE, RELEASE, ROOT
 from metric_registry import series_names
 
-from slotserve.engine.http.metrics import EngineMetrics
 from slotserve.engine.core.stats import EngineStats
-from slotserve.gateway.metrics import GatewayMetrics
+from slotserve.engine.http.metrics import EngineMetrics
+from slotserve.gateway.http.metrics import GatewayMetrics
 
 DASHBOARD = ROOT / "charts" / "slotserve" / "dashboards" / "slotserve-pools.json"
 CONFIGMAP = f"{RELEASE}-slotserve-dashboard"

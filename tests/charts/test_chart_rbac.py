@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from chart_support import NAMESPACE, RELEASE
 
-from slotserve.gateway.discovery import REQUIRED_RULES as GATEWAY_RULES
+from slotserve.gateway.pools.discovery import REQUIRED_RULES as GATEWAY_RULES
 from slotserve.operator.rbac import REQUIRED_RULES
 
 OPERATOR = f"{RELEASE}-slotserve-operator"

@@ -94,7 +94,7 @@ def slotserve_cli_file() -> str:
     [
         (".", "slotserve-*.whl", ["slotserve/cli.py", "slotserve/models/pull.py"], ["engine"]),
         ("engine", "slotserve_engine-*.whl", ["slotserve/engine/core/runner.py"], ["gateway"]),
-        ("gateway", "slotserve_gateway-*.whl", ["slotserve/gateway/app.py"], ["engine"]),
+        ("gateway", "slotserve_gateway-*.whl", ["slotserve/gateway/http/app.py"], ["engine"]),
         ("operator", "slotserve_operator-*.whl", ["slotserve/operator/handlers.py"], ["engine"]),
     ],
 )

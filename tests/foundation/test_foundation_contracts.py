@@ -235,7 +235,7 @@ def test_the_quantization_description_says_what_the_kernels_do() -> None:
 
 
 def test_the_generated_crd_lives_where_the_gateway_looks() -> None:
-    from slotserve.gateway import discovery, endpointslices
+    from slotserve.gateway.pools import discovery, endpointslices
 
     built = crd.build_crd()
     assert built["metadata"]["name"] == f"{coordinates.PLURAL}.{coordinates.GROUP}"
@@ -283,8 +283,8 @@ async def test_max_batch_size_reaches_the_gateway_slot_count_under_one_name(
     """CRD maxBatchSize -> operator argv -> engine settings -> scheduler -> /load -> gateway."""
     from slotserve.engine.core.async_engine import AsyncEngine
     from slotserve.engine.http.server import create_app
-    from slotserve.gateway.config import Pool, PoolRegistry
-    from slotserve.gateway.engines import EngineMonitor
+    from slotserve.gateway.pools.config import Pool, PoolRegistry
+    from slotserve.gateway.pools.engines import EngineMonitor
 
     spec = InferencePoolSpec.model_validate(
         {

@@ -10,11 +10,11 @@ import uuid
 
 import pytest
 
-from slotserve.gateway.admission import Admission
-from slotserve.gateway.admission_types import PoolPolicy
-from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub
-from slotserve.gateway.redis_backend import RedisBackend
-from slotserve.gateway.routing import EndpointOffer
+from slotserve.gateway.admission.backends.memory import InProcessBackend, InProcessHub
+from slotserve.gateway.admission.backends.redis import RedisBackend
+from slotserve.gateway.admission.front import Admission
+from slotserve.gateway.admission.types import PoolPolicy
+from slotserve.gateway.pools.routing import EndpointOffer
 
 LEASE_TTL_S = 1.0
 

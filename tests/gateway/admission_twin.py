@@ -20,11 +20,11 @@ import redis
 
 from slotserve.contracts.pool_spec import MAX_PRIORITY_LEVELS
 from slotserve.contracts.redis_keys import Keys
-from slotserve.gateway.admission_types import REFUSED, AdmissionError, PoolPolicy
-from slotserve.gateway.lua import SCRIPTS
-from slotserve.gateway.memory_backend import InProcessBackend, InProcessHub
-from slotserve.gateway.redis_backend import RedisBackend
-from slotserve.gateway.routing import EndpointOffer
+from slotserve.gateway.admission.backends.memory import InProcessBackend, InProcessHub
+from slotserve.gateway.admission.backends.redis import RedisBackend
+from slotserve.gateway.admission.lua.scripts import SCRIPTS
+from slotserve.gateway.admission.types import REFUSED, AdmissionError, PoolPolicy
+from slotserve.gateway.pools.routing import EndpointOffer
 
 REAL_CLOCK = """local function now_us()
   local t = redis.call('TIME')

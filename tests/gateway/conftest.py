@@ -11,7 +11,7 @@ from aiohttp import web
 from gateway_support import Spawner, write_pools
 from support import free_port
 
-from slotserve.gateway.app import create_app
+from slotserve.gateway.http.app import create_app
 from slotserve.gateway.settings import GatewaySettings
 
 

@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 from admission_cluster import LEASE_TTL_S
 
-from slotserve.gateway.admission import Admission
-from slotserve.gateway.admission_types import PoolPolicy, QueueFullError, QueueTimeoutError
+from slotserve.gateway.admission.front import Admission
+from slotserve.gateway.admission.types import PoolPolicy, QueueFullError, QueueTimeoutError
 
 
 async def test_slots_never_exceeded_across_replicas(cluster):

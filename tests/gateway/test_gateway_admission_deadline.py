@@ -17,13 +17,13 @@ from admission_cluster import Cluster
 from gateway_support import pool, write_pools
 from test_gateway_http import completion
 
-from slotserve.gateway.admission import Admission
-from slotserve.gateway.admission_types import (
+from slotserve.gateway.admission.drain import wait_gap_us
+from slotserve.gateway.admission.front import Admission
+from slotserve.gateway.admission.types import (
     DeadlineUnreachableError,
     PoolPolicy,
     QueueTimeoutError,
 )
-from slotserve.gateway.drain import wait_gap_us
 
 SERVICE_S = 0.2
 

@@ -9,15 +9,15 @@ import pytest
 from admission_cluster import Cluster
 from aiohttp.test_utils import TestClient, TestServer
 
-from slotserve.gateway.admission_types import PoolPolicy, QueueFullError
-from slotserve.gateway.drain import (
+from slotserve.gateway.admission.drain import (
     DrainRate,
     HoldTime,
     engines_rate_per_s,
     promise_gap_us,
     service_rate_per_s,
 )
-from slotserve.gateway.routing import EndpointOffer
+from slotserve.gateway.admission.types import PoolPolicy, QueueFullError
+from slotserve.gateway.pools.routing import EndpointOffer
 
 
 def test_the_engines_speed_is_the_last_resort_before_nothing():

@@ -18,8 +18,8 @@ import pytest
 import redis
 from admission_cluster import Cluster
 
-from slotserve.gateway.admission import Admission, Lease
-from slotserve.gateway.admission_types import PoolPolicy
+from slotserve.gateway.admission.front import Admission, Lease
+from slotserve.gateway.admission.types import PoolPolicy
 
 A_WAITING, B_WAITING = 20, 2  # A offers ten times what B does
 NUM_GRANTS = 24

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from admission_cluster import LEASE_TTL_S, Cluster
 
-from slotserve.gateway.admission_types import AdmissionError, PoolPolicy
+from slotserve.gateway.admission.types import AdmissionError, PoolPolicy
 
 
 async def test_a_disconnect_at_any_moment_leaks_no_slot(cluster):

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from support import RedisServer
 
 from slotserve.contracts.redis_keys import DispatchArgs
-from slotserve.gateway.admission_types import InvalidAdmissionValueError, LevelPolicy, PoolPolicy
-from slotserve.gateway.routing import EndpointOffer
+from slotserve.gateway.admission.types import InvalidAdmissionValueError, LevelPolicy, PoolPolicy
+from slotserve.gateway.pools.routing import EndpointOffer
 
 NUM_REPLICAS = 3
 LEASE_TTL_S = 2.0

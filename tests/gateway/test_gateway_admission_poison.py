@@ -19,8 +19,8 @@ import pytest
 from gateway_support import DOUBLE, Proc, pool
 from support import free_port, http_ok, wait_until
 
-from slotserve.gateway.admission_types import NoEngineFitsError, PoolPolicy
-from slotserve.gateway.routing import EndpointOffer
+from slotserve.gateway.admission.types import NoEngineFitsError, PoolPolicy
+from slotserve.gateway.pools.routing import EndpointOffer
 
 
 def _post(client, url: str, n: int):
@@ -161,6 +161,6 @@ def test_the_gateways_n_bound_is_the_engines():
     """The gateway image does not ship the engine, so it keeps its own copy of the engine's
     bound on ``n``; they must agree."""
     from slotserve.engine.http.choices import MAX_CHOICES as ENGINE_MAX_CHOICES
-    from slotserve.gateway.completions import MAX_CHOICES
+    from slotserve.gateway.http.completions import MAX_CHOICES
 
     assert MAX_CHOICES == ENGINE_MAX_CHOICES

@@ -12,8 +12,8 @@ import time
 
 from admission_cluster import Cluster
 
-from slotserve.gateway.admission import Admission
-from slotserve.gateway.admission_types import PoolPolicy
+from slotserve.gateway.admission.front import Admission
+from slotserve.gateway.admission.types import PoolPolicy
 
 AGING_S = 0.2
 SERVICE_S = 0.05

@@ -11,7 +11,7 @@ import pytest
 from gateway_support import pool, write_pools
 from test_gateway_http import completion
 
-from slotserve.gateway.api_keys import ALL_LEVELS, ApiKeys, ApiKeysError, parse_api_keys
+from slotserve.gateway.http.api_keys import ALL_LEVELS, ApiKeys, ApiKeysError, parse_api_keys
 
 
 def test_keys_file_levels_parse_and_errors_never_show_the_key(tmp_path):

@@ -13,8 +13,8 @@ import time
 import pytest
 from admission_cluster import Cluster
 
-from slotserve.gateway.admission import Admission, Lease
-from slotserve.gateway.admission_types import (
+from slotserve.gateway.admission.front import Admission, Lease
+from slotserve.gateway.admission.types import (
     LevelPolicy,
     PoolPolicy,
     QueueFullError,

@@ -17,8 +17,8 @@ import time
 import pytest
 from admission_cluster import Cluster
 
-from slotserve.gateway.admission import Admission
-from slotserve.gateway.admission_types import PoolPolicy, QueueFullError
+from slotserve.gateway.admission.front import Admission
+from slotserve.gateway.admission.types import PoolPolicy, QueueFullError
 
 SERVICE_S = 0.3  # the "engine": each admitted request holds its slot this long
 NUM_NEWCOMERS = 8

@@ -16,9 +16,14 @@ import time
 import pytest
 from admission_cluster import Cluster
 
-from slotserve.gateway.admission import Admission
-from slotserve.gateway.admission_types import PoolPolicy, QueueFullError, QueueTimeoutError
-from slotserve.gateway.drain import DrainRate, HoldTime, promise_gap_us, service_rate_per_s
+from slotserve.gateway.admission.drain import (
+    DrainRate,
+    HoldTime,
+    promise_gap_us,
+    service_rate_per_s,
+)
+from slotserve.gateway.admission.front import Admission
+from slotserve.gateway.admission.types import PoolPolicy, QueueFullError, QueueTimeoutError
 
 NUM_CLIENTS = 60
 SERVICE_S = 0.2

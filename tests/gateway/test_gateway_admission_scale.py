@@ -17,9 +17,9 @@ import pytest
 import redis.asyncio as aioredis
 from admission_cluster import Cluster
 
-from slotserve.gateway.admission_types import PoolPolicy
-from slotserve.gateway.redis_backend import RedisBackend
-from slotserve.gateway.routing import EndpointOffer
+from slotserve.gateway.admission.backends.redis import RedisBackend
+from slotserve.gateway.admission.types import PoolPolicy
+from slotserve.gateway.pools.routing import EndpointOffer
 
 SLOW_US = 20_000
 NUM_WAITING = 20_000

@@ -19,8 +19,8 @@ import pytest
 from admission_cluster import LEASE_TTL_S
 from gateway_support import pool
 
-from slotserve.gateway.admission import Admission
-from slotserve.gateway.admission_types import PoolPolicy
+from slotserve.gateway.admission.front import Admission
+from slotserve.gateway.admission.types import PoolPolicy
 
 
 async def _inflight_soon(replica: Admission, pool: PoolPolicy, expected: dict[str, int]) -> None:

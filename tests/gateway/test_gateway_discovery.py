@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 
-from slotserve.gateway.config import PoolRegistry
-from slotserve.gateway.discovery import PoolCatalog
+from slotserve.gateway.pools.config import PoolRegistry
+from slotserve.gateway.pools.discovery import PoolCatalog
 
 
 def ipool(namespace: str, name: str, model: str, created: str):

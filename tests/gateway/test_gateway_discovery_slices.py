@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import copy
 
-from slotserve.gateway import endpointslices
-from slotserve.gateway.config import PoolRegistry
-from slotserve.gateway.discovery import PoolCatalog
-from slotserve.gateway.endpointslices import EndpointIndex, endpoints_of_slice
+from slotserve.gateway.pools import endpointslices
+from slotserve.gateway.pools.config import PoolRegistry
+from slotserve.gateway.pools.discovery import PoolCatalog
+from slotserve.gateway.pools.endpointslices import EndpointIndex, endpoints_of_slice
 from slotserve.operator import builders
 
 

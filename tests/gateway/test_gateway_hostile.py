@@ -186,7 +186,7 @@ async def test_ready_details_only_with_a_key(gw, client, tmp_path):
 
 
 def test_keys_compare_digests_whatever_the_lengths(tmp_path):
-    from slotserve.gateway.api_keys import ApiKeys
+    from slotserve.gateway.http.api_keys import ApiKeys
 
     keys = tmp_path / "keys"
     keys.write_text("sk-the-real-key\nshort\n")

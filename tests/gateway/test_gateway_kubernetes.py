@@ -24,7 +24,7 @@ from support import free_port, http_ok, wait_until
 
 kubernetes = pytest.importorskip("kubernetes")
 
-from slotserve.gateway.discovery import REQUIRED_RULES, USER_AGENT  # noqa: E402
+from slotserve.gateway.pools.discovery import REQUIRED_RULES, USER_AGENT  # noqa: E402
 from slotserve.operator import crd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ import pytest
 from gateway_support import pool
 from support import free_port
 
-from slotserve.gateway.memory_budget import MemoryBudget, MemorySources, default_budget_bytes
-from slotserve.gateway.request_limits import check_json_bounds
+from slotserve.gateway.http.memory_budget import MemoryBudget, MemorySources, default_budget_bytes
+from slotserve.gateway.http.request_limits import check_json_bounds
 
 DEAD = "http://127.0.0.1:9"
 

@@ -22,9 +22,9 @@ from admission_cluster import Cluster
 from gateway_support import pool, write_pools
 from support import RedisServer
 
-from slotserve.gateway.admission import Admission
-from slotserve.gateway.admission_types import BackendUnavailableError, PoolPolicy
-from slotserve.gateway.redis_backend import CALL_TIMEOUT_S
+from slotserve.gateway.admission.backends.redis import CALL_TIMEOUT_S
+from slotserve.gateway.admission.front import Admission
+from slotserve.gateway.admission.types import BackendUnavailableError, PoolPolicy
 
 POOL = PoolPolicy("m", max_queue_size=10, queue_timeout_s=10)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from slotserve.contracts import redis_keys
-from slotserve.gateway.lua import SCRIPTS
+from slotserve.gateway.admission.lua.scripts import SCRIPTS
 
 
 def test_every_pool_key_and_stats_field_the_scripts_write_is_in_the_table():

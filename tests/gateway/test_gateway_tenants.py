@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from gateway_support import pool
 
-from slotserve.gateway.api_keys import ApiKeys, ApiKeysError, parse_keys_file
-from slotserve.gateway.quotas import InProcessQuotas
-from slotserve.gateway.tenants import MAX_PER_MINUTE, Tenant
+from slotserve.gateway.admission.quotas import InProcessQuotas
+from slotserve.gateway.admission.tenants import MAX_PER_MINUTE, Tenant
+from slotserve.gateway.http.api_keys import ApiKeys, ApiKeysError, parse_keys_file
 
 KEYS = """\
 # team a: two keys, limits stated once
@@ -191,7 +191,7 @@ async def test_max_inflight_is_released_exactly_disconnects_included(gw, spawn, 
 def test_estimates_and_outcome_labels_are_bounded():
     from aiohttp import web
 
-    from slotserve.gateway.tenant_gate import estimate_tokens, outcome_of
+    from slotserve.gateway.http.tenant_gate import estimate_tokens, outcome_of
 
     body = b"x" * 400
     assert estimate_tokens(body, None) == 100

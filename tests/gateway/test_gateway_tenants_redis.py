@@ -91,9 +91,9 @@ async def test_max_inflight_across_replicas_and_a_killed_replica_s_places_expire
 async def test_the_lua_buckets_decide_as_the_in_process_twin(redis_server):
     """The same calls on both stores give the same decisions (rates low enough that the few
     milliseconds between the two calls refill nothing that matters)."""
-    from slotserve.gateway.quotas import InProcessQuotas
-    from slotserve.gateway.quotas_redis import RedisQuotas
-    from slotserve.gateway.tenants import Tenant
+    from slotserve.gateway.admission.quotas import InProcessQuotas
+    from slotserve.gateway.admission.quotas_redis import RedisQuotas
+    from slotserve.gateway.admission.tenants import Tenant
 
     redis_store = RedisQuotas(redis_server.url, "twin")
     memory = InProcessQuotas()
@@ -131,7 +131,7 @@ async def test_the_lua_buckets_decide_as_the_in_process_twin(redis_server):
 
 
 async def test_a_bad_script_call_writes_nothing(redis_server):
-    from slotserve.gateway.quotas_redis import RedisQuotas
+    from slotserve.gateway.admission.quotas_redis import RedisQuotas
 
     store = RedisQuotas(redis_server.url, "bad")
     keys = ["bad:tenant:x:rpm", "bad:tenant:x:tpm", "bad:tenant:x:inflight"]

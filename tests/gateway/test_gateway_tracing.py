@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from slotserve.gateway import cli as gateway_cli
-from slotserve.gateway.app import create_app
+from slotserve.gateway.http.app import create_app
 from slotserve.gateway.settings import GatewaySettings
 from slotserve.tracing import TRACER
 

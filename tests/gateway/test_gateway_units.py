@@ -7,11 +7,11 @@ import subprocess
 import pytest
 from gateway_support import SLOTSERVE
 
-from slotserve.gateway.admission import DrainRate
-from slotserve.gateway.config import PoolConfigError, parse_pools
-from slotserve.gateway.discovery import InvalidPoolObjectError, pool_from_inference_pool
-from slotserve.gateway.proxy import SseEnding, last_event_end
-from slotserve.gateway.routing import (
+from slotserve.gateway.admission.front import DrainRate
+from slotserve.gateway.http.proxy import SseEnding, last_event_end
+from slotserve.gateway.pools.config import PoolConfigError, parse_pools
+from slotserve.gateway.pools.discovery import InvalidPoolObjectError, pool_from_inference_pool
+from slotserve.gateway.pools.routing import (
     EndpointOffer,
     load_score,
     rank_endpoints,

@@ -27,7 +27,7 @@ from support import RedisServer, free_port, wait_until
 
 from slotserve.admission_stats import WINDOW_TTL_S
 from slotserve.contracts.crd import API_VERSION, KIND
-from slotserve.gateway.admission_window import FLUSH_INTERVAL_S
+from slotserve.gateway.admission.window import FLUSH_INTERVAL_S
 from slotserve.operator import kube as kube_io
 from slotserve.operator.settings import OperatorSettings
 

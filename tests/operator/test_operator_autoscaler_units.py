@@ -138,7 +138,7 @@ def test_scaled_object_follows_keda_s_documented_spec():
 def test_scaled_object_query_uses_only_metrics_the_gateway_exports():
     import re
 
-    from slotserve.gateway.metrics import GatewayMetrics
+    from slotserve.gateway.http.metrics import GatewayMetrics
     from slotserve.operator.keda import demand_query
 
     query = demand_query('team/"chat"')

@@ -9,7 +9,7 @@ import pydantic
 import pytest
 from test_operator_crd import pool, validator
 
-from slotserve.gateway.admission_types import LevelPolicy, PoolPolicy
+from slotserve.gateway.admission.types import LevelPolicy, PoolPolicy
 from slotserve.operator import crd, models
 
 ADMISSION = {

@@ -57,7 +57,7 @@ def assert_gateway_reads(pool: dict[str, Any], max_batch_size: int):
     (The engines it routes to come from the EndpointSlices of the pool's Service, not from
     status.endpoints; test_operator_engines.py covers that path.)
     """
-    discovery = pytest.importorskip("slotserve.gateway.discovery")
+    discovery = pytest.importorskip("slotserve.gateway.pools.discovery")
     seen = discovery.pool_from_inference_pool(pool)
     assert seen.model == pool["spec"]["model"]["name"]
     assert seen.batching.max_batch_size == max_batch_size

@@ -89,7 +89,7 @@ rules (as a YAML list) whose resources have that scope; a rule mixing both is sp
 {{/*
 The gateway only reads: InferencePools (model name, batching, admission) and the EndpointSlices
 of the pools' Services (which engine pods are ready). Exactly
-slotserve.gateway.discovery.REQUIRED_RULES (a chart test compares them).
+slotserve.gateway.pools.discovery.REQUIRED_RULES (a chart test compares them).
 */}}
 {{- define "slotserve.gateway.rules" -}}
 - apiGroups: ["slotserve.dev"]

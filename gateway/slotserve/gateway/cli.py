@@ -9,8 +9,8 @@ import sys
 
 from aiohttp import web
 
-from slotserve.gateway.api_keys import ApiKeysError
-from slotserve.gateway.config import PoolConfigError
+from slotserve.gateway.http.api_keys import ApiKeysError
+from slotserve.gateway.pools.config import PoolConfigError
 from slotserve.gateway.settings import GatewaySettings
 from slotserve.settings import cli_settings, configure_logging
 from slotserve.tracing import TracingUnavailableError, shutdown_provider, tracer_provider_from_env
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     except TracingUnavailableError as exc:
         print(f"slotserve gateway: {exc}", file=sys.stderr)
         return 2
-    from slotserve.gateway.app import create_app
+    from slotserve.gateway.http.app import create_app
 
     try:
         app = create_app(settings, tracer_provider)

@@ -1,7 +1,7 @@
 """``autoscaling.provider: keda``: a KEDA ScaledObject that scales the pool's scale subresource
 from the gateways' Prometheus metrics, with the same target as the built-in scaler.
 
-The query is the built-in scaler's demand, from ``slotserve.gateway.metrics``: the shared queue
+The query is the built-in scaler's demand, from ``slotserve.gateway.http.metrics``: the shared queue
 (every gateway replica reports the whole queue, so ``max``), plus the requests in flight (each
 replica reports its own, so ``sum``), plus one while requests are refused for lack of an engine
 (so a pool at zero wakes up). KEDA's prometheus trigger divides it by ``threshold`` per replica

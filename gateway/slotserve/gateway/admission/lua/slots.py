@@ -1,0 +1,86 @@
+"""Slot accounting shared by the dispatching scripts (see ``scripts.py``): a lease weighs slots.
+
+A request takes one engine slot per choice (its ``n``), so its lease holds ``n`` slots:
+``inflight`` counts slots, not requests, and an endpoint is offered only to a request whose
+slots all fit. Leases of one slot (nearly all) store no weight; others store it in
+``P:{pool}:lease_slots``, which release, expiry and the heartbeat's restore read back.
+A request that no offered engine can hold is refused through the same delivery as a grant, with an
+empty endpoint (``types.REFUSED``). Needs the prelude's keys, ``OFFERS``, ``FREED``,
+``CALLER``, ``drop``, ``int``/``int_value`` (``values.py``) and ``LEASE_TTL_US``.
+"""
+
+from __future__ import annotations
+
+SLOTS = r"""
+-- The slots a lease holds (absent: one; unreadable: one, and counted).
+local function lease_slots(rid)
+  local raw = redis.call('HGET', K_LEASE_SLOTS, rid)
+  if not raw then return 1 end
+  local n = int_value(raw, nil)
+  if n == nil or n < 1 or n > MAX_LEASE_SLOTS then
+    redis.call('HINCRBY', K_STATS, 'bad_entries', 1)
+    return 1
+  end
+  return n
+end
+
+-- routing.rank_endpoints: room for `need` slots, lowest held share, then engine load, then URL.
+local function best_endpoint(need)
+  local best = nil
+  for _, o in ipairs(OFFERS) do
+    local used = tonumber(redis.call('HGET', K_INFLIGHT, o.url) or '0')
+    if used + need <= o.slots then
+      local ratio = used / o.slots
+      if best == nil or ratio < best.ratio
+          or (ratio == best.ratio and (o.load < best.load
+              or (o.load == best.load and o.url < best.url))) then
+        best = {url = o.url, load = o.load, ratio = ratio}
+      end
+    end
+  end
+  return best
+end
+
+local function release_lease(rid)
+  if redis.call('ZREM', K_LEASES, rid) == 0 then return false end
+  FREED = FREED + 1
+  local ep, n = redis.call('HGET', K_LEASE_EP, rid), lease_slots(rid)
+  redis.call('HDEL', K_LEASE_EP, rid)
+  redis.call('HDEL', K_LEASE_SLOTS, rid)
+  if ep and redis.call('HINCRBY', K_INFLIGHT, ep, int(-n)) <= 0 then
+    redis.call('HDEL', K_INFLIGHT, ep)
+  end
+  return true
+end
+
+local mine = {}
+
+-- To the caller in the reply, to another replica on its grant list.
+local function deliver(rid, replica, url)
+  if replica == CALLER then
+    mine[#mine + 1] = rid
+    mine[#mine + 1] = url
+  else
+    local gk = PREFIX .. ':grants:' .. replica
+    redis.call('RPUSH', gk, POOL .. '\31' .. rid .. '\31' .. url)
+    redis.call('PEXPIRE', gk, int(math.floor(LEASE_TTL_US / 1000)))
+  end
+end
+
+local function grant(rid, replica, url, slots, now, queued)
+  if queued ~= false then drop(rid) end
+  redis.call('ZADD', K_LEASES, int(now + LEASE_TTL_US), rid)
+  redis.call('HSET', K_LEASE_EP, rid, url)
+  if slots > 1 then redis.call('HSET', K_LEASE_SLOTS, rid, int(slots)) end
+  redis.call('HINCRBY', K_INFLIGHT, url, int(slots))
+  redis.call('HINCRBY', K_STATS, 'dispatched', 1)
+  deliver(rid, replica, url)
+end
+
+-- A queued request that no offered engine can hold: out of the queue, told so (no lease).
+local function refuse(rid, replica)
+  drop(rid)
+  redis.call('HINCRBY', K_STATS, 'refused', 1)
+  deliver(rid, replica, '')
+end
+"""

@@ -1,0 +1,1 @@
+"""The gateway's HTTP layer: the app, its endpoints, the proxy to the engines and its limits."""
