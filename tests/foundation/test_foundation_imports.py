@@ -36,16 +36,11 @@ PARTS = {
     "slotserve.operator": ROOT / "operator" / "slotserve" / "operator",
 }
 
-# Cycles still to cut, each a strongly connected set of modules of the design graph. Remove an
-# entry when its cycle goes (the test below fails while a listed cycle no longer occurs).
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    # Two classes own the waiter and lease tables (recovery reads Admission's under
-    # TYPE_CHECKING). Issue 23, item 3 (a ledger owns waiters and leases; recovery takes the
-    # ledger and the backend) removes it.
-    frozenset(
-        {"slotserve.gateway.admission.front", "slotserve.gateway.admission.recovery"}
-    ): "23.3",
-}
+# Cycles still to cut, each a strongly connected set of modules of the design graph, with the
+# issue item that removes it. Remove an entry when its cycle goes (the test below fails while a
+# listed cycle no longer occurs). None is left: the last, the gateway's admission front and its
+# recovery, went when a ledger took the waiter and lease tables (issue 23, item 3).
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 # The pure core: scheduling and cache bookkeeping, and what the step loop holds instead of the
 # torch classes (DESIGN.md: "pure Python and testable without torch").

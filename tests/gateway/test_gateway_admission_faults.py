@@ -53,7 +53,7 @@ async def test_a_disconnect_at_any_moment_leaks_no_slot(cluster):
     await replicas[0].release(lease)
     await asyncio.sleep(0.1)
     assert await replicas[0].backend.inflight(pool) == {}
-    assert all(not r.leased and not r.waiters for r in replicas)
+    assert all(not r.ledger.leases and not r.ledger.waiters for r in replicas)
 
 
 async def test_a_grant_in_the_reply_of_a_cancelled_enqueue_is_released(cluster):

@@ -110,7 +110,7 @@ async def test_a_queued_head_is_refused_when_the_engines_shrink(cluster):
         await asyncio.wait_for(big, 5)
     lease = await asyncio.wait_for(small, 5)
     assert lease.endpoint == "http://b" and time.monotonic() - started < 1
-    assert not other.leased and not other.waiters
+    assert not other.ledger.leases and not other.ledger.waiters
     await replica.release(lease)
     await replica.release(holder)
 

@@ -111,7 +111,7 @@ async def test_expiry_and_restore_give_back_and_take_back_n_slots(cluster):
     else:
         await replica.backend.client.flushall()
     assert await replica.backend.inflight(pool) == {}
-    await replica.backend.heartbeat(replica.keeper._held(), restore=True)
+    await replica.backend.heartbeat(replica.ledger.held_by_pool(), restore=True)
     assert await replica.backend.inflight(pool) == {"http://a": 3}
     await replica.release(lease)
     await _inflight_soon(replica, pool, {})

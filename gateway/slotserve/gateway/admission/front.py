@@ -12,9 +12,10 @@ caller cancelled while its enqueue step is in flight (the client went away) drop
 caller that leaves without a lease hands its request to ``_abandon``, which takes the entry out
 or gives the late grant back.
 
-Outages are ``recovery.LeaseKeeper``'s job: every backend step goes through it
-(``call``), it keeps the leases alive, and after an outage it puts back this replica's leases
-and requeues its waiters before ``acquire`` admits anything new.
+Which requests wait here and which leases this replica holds is the ``Ledger``'s
+(``ledger.py``); the front writes it. Outages are ``recovery.LeaseKeeper``'s job: every backend
+step goes through it (``call``), it keeps the ledger's leases alive, and after an outage it puts
+them back and requeues the ledger's waiters before ``acquire`` admits anything new.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from slotserve.gateway.admission.drain import (
     service_rate_per_s,
     wait_gap_us,
 )
+from slotserve.gateway.admission.ledger import Ledger, Waiter
 from slotserve.gateway.admission.recovery import LeaseKeeper
 from slotserve.gateway.admission.tenants import DEFAULT_TENANT
 from slotserve.gateway.admission.types import (
@@ -59,18 +61,6 @@ OffersFn = Callable[[str], Sequence[EndpointOffer]]
 PoolsFn = Callable[[], Sequence[PoolPolicy]]
 
 __all__ = ["Admission", "DrainRate", "Lease"]
-
-
-@dataclass
-class Waiter:
-    pool: PoolPolicy
-    future: asyncio.Future[str]
-    priority: int
-    deadline: float  # monotonic
-    demote_at: float | None = None  # monotonic; DELAY levels only
-    slots: int = 1  # slots its lease will hold: one per choice (``n``)
-    tenant: str = DEFAULT_TENANT  # its share within its level (``fair_share.py``)
-    weight: int = 1
 
 
 @dataclass(frozen=True)
@@ -109,9 +99,7 @@ class Admission:
         self.aging_us_default = int(priority_aging_s * 1_000_000)
         # Refuse at once (429 deadline) a request whose predicted wait exceeds what it may wait.
         self.deadline_refusal = deadline_refusal
-        self.waiters: dict[str, Waiter] = {}
-        # request id -> (pool, endpoint, slots held)
-        self.leased: dict[str, tuple[str, str, int]] = {}
+        self.ledger = Ledger()
         self._drain: dict[str, DrainRate] = {}
         self._hold: dict[str, HoldTime] = {}
         self._queue_depth: dict[str, int] = {}
@@ -119,7 +107,14 @@ class Admission:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[object]] = set()
         self._closing = False
-        self.keeper = LeaseKeeper(self)
+        self.keeper = LeaseKeeper(
+            self.ledger,
+            backend,
+            lease_ttl_s=lease_ttl_s,
+            offers=offers,
+            aging_us=self.aging_us,
+            on_result=self.apply,
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -193,13 +188,14 @@ class Admission:
         request_id = uuid.uuid4().hex
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         demote_at = None if demote_after_s is None else started + demote_after_s
-        self.waiters[request_id] = Waiter(
+        waiter = Waiter(
             pool, future, priority, started + timeout_s, demote_at, slots, tenant, weight
         )
+        self.ledger.add_waiter(request_id, waiter)
         owned = settled = False
         try:
             try:
-                await self._enqueue(request_id, self.waiters[request_id], timeout_s, demote_after_s)
+                await self._enqueue(request_id, waiter, timeout_s, demote_after_s)
             except BackendUnavailableError:
                 raise
             except AdmissionError:
@@ -218,7 +214,7 @@ class Admission:
             settled = True  # timed out and taken out; or refused at the head, nothing held
             raise
         finally:
-            self.waiters.pop(request_id, None)
+            self.ledger.remove_waiter(request_id)
             if not owned and not settled:
                 # Cancelled (client gone) or failed: a grant made meanwhile reaches
                 # ``_on_grant``, finds no waiter and is released; take the entry out too.
@@ -228,7 +224,7 @@ class Admission:
 
     async def release(self, lease: Lease) -> None:
         """Give the slot back (on the replica that acquired it; safe to repeat); never raises."""
-        if self.leased.pop(lease.request_id, None) is not None and lease.granted_at:
+        if self.ledger.drop(lease.request_id) and lease.granted_at:
             self._hold.setdefault(lease.pool.name, HoldTime()).observe(
                 time.monotonic() - lease.granted_at
             )
@@ -288,7 +284,7 @@ class Admission:
         if future.done():
             return future.result()
         if outcome.state == "granted":
-            self.leased[request_id] = (pool.name, outcome.endpoint, slots)
+            self.ledger.hold(request_id, pool.name, outcome.endpoint, slots)
             return outcome.endpoint
         raise QueueTimeoutError(
             f"request waited longer than its queue timeout in pool {pool.name!r}",
@@ -309,21 +305,21 @@ class Admission:
                 await asyncio.sleep(delay_s)
                 delay_s = min(1.0, delay_s * 2)
         if outcome.state == "granted":
-            self.leased[request_id] = (pool.name, outcome.endpoint, slots)
+            self.ledger.hold(request_id, pool.name, outcome.endpoint, slots)
             await self.release(Lease(request_id, pool, outcome.endpoint, 0.0))
 
     def _on_grant(self, pool_name: str, request_id: str, endpoint: str) -> None:
-        waiter = self.waiters.get(request_id)
+        waiter = self.ledger.waiter(request_id)
         if endpoint == REFUSED:  # at the head, no ready engine had its slots: nothing is held
             if waiter is not None and not waiter.future.done():
                 most = most_slots(self.offers(pool_name))
                 waiter.future.set_exception(NoEngineFitsError.of(pool_name, waiter.slots, most))
             return
         if waiter is not None and not waiter.future.done():
-            self.leased[request_id] = (pool_name, endpoint, waiter.slots)
+            self.ledger.hold(request_id, pool_name, endpoint, waiter.slots)
             waiter.future.set_result(endpoint)
             return
-        if request_id in self.leased:
+        if self.ledger.holds(request_id):
             return  # already ours (the grant came twice: in a reply and on the grant list)
         # Nobody here waits for it any more (timed out, client gone): give it back at once.
         policy = next((p for p in self.pools() if p.name == pool_name), PoolPolicy(pool_name))
@@ -372,7 +368,7 @@ class Admission:
 
     async def _tick_loop(self) -> None:
         while not self._closing:
-            waiting_pools = {waiter.pool.name for waiter in self.waiters.values()}
+            waiting_pools = self.ledger.waiting_pools()
             for pool in self.pools():
                 try:
                     await self.tick_pool(pool)

@@ -1,5 +1,8 @@
 """Keeping one replica's leases alive, and putting them back after the backend lost them.
 
+The keeper takes the replica's ``Ledger`` (its waiters and leases, written by the front) and the
+backend; what a requeue step did goes back to the front through ``on_result``.
+
 Every backend step goes through ``LeaseKeeper.call``, which keeps ``backend_ok`` (the up gauge)
 and asks for a restore when a step finds the backend away. Every lease TTL / 4 the keeper renews
 the replica's liveness and every lease it holds (one backend step). When the backend was
@@ -17,13 +20,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
-from slotserve.gateway.admission.types import AdmissionError, BackendUnavailableError
-
-if TYPE_CHECKING:
-    from slotserve.gateway.admission.front import Admission, Waiter
+from slotserve.gateway.admission.ledger import Ledger, Waiter
+from slotserve.gateway.admission.types import (
+    AdmissionBackend,
+    AdmissionError,
+    BackendUnavailableError,
+    DispatchResult,
+    PoolPolicy,
+)
+from slotserve.gateway.pools.routing import EndpointOffer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,8 +42,24 @@ class LeaseKeeper:
     """The heartbeat of one replica, whether its backend is up, and its recovery after an
     outage."""
 
-    def __init__(self, admission: Admission) -> None:
-        self.admission = admission
+    def __init__(
+        self,
+        ledger: Ledger,
+        backend: AdmissionBackend,
+        *,
+        lease_ttl_s: float,
+        offers: Callable[[str], Sequence[EndpointOffer]],
+        aging_us: Callable[[PoolPolicy], int],
+        on_result: Callable[[PoolPolicy, DispatchResult], None],
+    ) -> None:
+        self.ledger = ledger
+        self.backend = backend
+        self.lease_ttl_s = lease_ttl_s
+        # What a requeue needs from the front: its pools' offers and aging step, and where
+        # the step's result goes (queue depth, hold-back, lost state).
+        self.offers = offers
+        self.aging_us = aging_us
+        self.on_result = on_result
         self.backend_ok = True
         self.needs_restore = False
         self._wake = asyncio.Event()
@@ -72,7 +96,7 @@ class LeaseKeeper:
                 await self.beat()
             except Exception:  # keep heartbeating: a stopped heartbeat loses every lease
                 log.exception("admission heartbeat failed")
-            interval = RESTORE_RETRY_S if self.needs_restore else self.admission.lease_ttl_s / 4
+            interval = RESTORE_RETRY_S if self.needs_restore else self.lease_ttl_s / 4
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
             if self.needs_restore:
@@ -97,49 +121,42 @@ class LeaseKeeper:
                     raise
 
     async def _beat_once(self) -> None:
-        admission = self.admission
         restore = self.needs_restore
-        intact = await self.call(admission.backend.heartbeat(self._held(), restore=restore))
+        held = self.ledger.held_by_pool()
+        intact = await self.call(self.backend.heartbeat(held, restore=restore))
         if intact and not restore:
             return
         if not intact:
             # Our heartbeat came too late (a stall longer than the lease TTL) or the backend lost
             # its state: take back the leases we still use before anything else.
             log.warning("admission state lost or replica presumed dead; restoring leases")
-            await self.call(admission.backend.heartbeat(self._held(), restore=True))
+            await self.call(self.backend.heartbeat(self.ledger.held_by_pool(), restore=True))
         # Entries of our waiters may have been swept or lost: put back the missing ones.
         await self._requeue_waiters()
         if self.needs_restore:
-            log.info("admission backend is back; restored %d leases", len(admission.leased))
+            log.info("admission backend is back; restored %d leases", len(self.ledger.leases))
         self.needs_restore = False
-
-    def _held(self) -> dict[str, list[tuple[str, str, int]]]:
-        held: dict[str, list[tuple[str, str, int]]] = {}
-        for request_id, (pool_name, endpoint, slots) in list(self.admission.leased.items()):
-            held.setdefault(pool_name, []).append((request_id, endpoint, slots))
-        return held
 
     async def _requeue_waiters(self) -> None:
         """Put back every waiter whose entry is gone, all at once (one pipeline)."""
         now = time.monotonic()
-        waiting = [(rid, w) for rid, w in self.admission.waiters.items() if not w.future.done()]
+        waiting = self.ledger.still_waiting()
         await asyncio.gather(*(self._requeue(rid, w, now) for rid, w in waiting))
 
     async def _requeue(self, request_id: str, waiter: Waiter, now: float) -> None:
-        admission = self.admission
         remaining_us = max(1, int((waiter.deadline - now) * 1_000_000))
         demote_us = None  # a DELAY request keeps its demotion time (past: demoted at once)
         if waiter.demote_at is not None:
             demote_us = max(1, int((waiter.demote_at - now) * 1_000_000))
         try:
             result = await self.call(
-                admission.backend.enqueue(
+                self.backend.enqueue(
                     waiter.pool,
-                    admission.offers(waiter.pool.name),
+                    self.offers(waiter.pool.name),
                     request_id,
                     waiter.priority,
                     remaining_us,
-                    aging_us=admission.aging_us(waiter.pool),
+                    aging_us=self.aging_us(waiter.pool),
                     demote_after_us=demote_us,
                     only_if_absent=True,
                     slots=waiter.slots,
@@ -153,4 +170,4 @@ class LeaseKeeper:
             if not waiter.future.done():
                 waiter.future.set_exception(exc)
             return
-        admission.apply(waiter.pool, result)
+        self.on_result(waiter.pool, result)
