@@ -41,8 +41,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 
 from bench.lib.engine import Bench, hf_generate
 from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.model.runner import ModelRunner, ModelShape
 from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.runner import ModelRunner, ModelShape
 from slotserve.engine.settings import EngineSettings
 
 CONFIGS: dict[str, dict[str, Any]] = {

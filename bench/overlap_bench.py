@@ -31,7 +31,7 @@ import torch
 from bench.lib.engine import decode_prompt, greedy
 from bench.lib.output import line_buffered_stdout
 from slotserve.engine.core.engine import LLMEngine
-from slotserve.engine.core.runner import ModelRunner, load_model
+from slotserve.engine.core.model.runner import ModelRunner, load_model
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
 

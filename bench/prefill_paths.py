@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from slotserve.engine.core.bf16_prefill import bf16_units
 from slotserve.engine.core.engine import LLMEngine
-from slotserve.engine.core.native_linear import NativeLinear
+from slotserve.engine.core.model.bf16_prefill import bf16_units
+from slotserve.engine.core.model.native_linear import NativeLinear
+from slotserve.engine.core.model.runner import ModelRunner
 from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.runner import ModelRunner
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
 

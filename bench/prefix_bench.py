@@ -31,8 +31,8 @@ import torch
 
 from bench.lib.output import line_buffered_stdout
 from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.model.runner import ModelRunner, load_model, pick_device, pick_dtype
 from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.runner import ModelRunner, load_model, pick_device, pick_dtype
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
 

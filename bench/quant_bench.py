@@ -3,8 +3,8 @@
     .venv/bin/python bench/quant_bench.py --model smollm2 [--quick] [--llama-cpp PEER.json]
 
 For each quantization (none, int8, int4) the model is loaded fresh and quantized in place
-(``slotserve.engine.core.quantize.quantize_model``); its weight bytes and load+quantize seconds
-are recorded, and its quality against the fp32 model is measured on the shipped text
+(``slotserve.engine.core.model.quantize.quantize_model``); its weight bytes and load+quantize
+seconds are recorded, and its quality against the fp32 model is measured on the shipped text
 (``bench/quant_quality.py``: teacher-forced top-1 agreement and perplexity) before any engine
 touches it. Then decode tokens/s at each batch size, 128-token prompts, greedy, EOS ignored: our
 engine in-process with each model, and Hugging Face ``generate()`` in fp32 as the baseline,

@@ -27,9 +27,9 @@ os.environ.update(openmp_environment())  # libgomp reads it when torch loads
 import torch
 
 from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.model.sampling import Sampler
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.protocols import Tokenizer
-from slotserve.engine.core.sampling import Sampler
 from slotserve.engine.core.sequence import Sequence
 from slotserve.engine.core.structured import Grammars, json_schema_grammar
 from slotserve.engine.settings import EngineSettings

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.model.runner import ModelRunner
 from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.runner import ModelRunner
 from slotserve.engine.settings import EngineSettings
 
 

@@ -149,7 +149,7 @@ def load_quantized(source: str, mode: Quantization) -> tuple[Any, object | None,
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     report = None
     if mode != "none":
-        from slotserve.engine.core.quantize import quantize_model
+        from slotserve.engine.core.model.quantize import quantize_model
 
         report = quantize_model(model, mode)
     return model, report, time.perf_counter() - start

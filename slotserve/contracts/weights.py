@@ -24,7 +24,7 @@ WeightDType = Annotated[
         "float16; quantization needs float32 weights (auto on CPU)."
     ),
 ]
-# What the kernels do (engine/.../core/quantize.py, kernels/qgemm.c): both formats work in groups
+# What the kernels do (engine/.../model/quantize.py, kernels/qgemm.c): both formats work in groups
 # of 32 weights along a layer's input, not one scale per output channel.
 WeightQuantization = Annotated[
     Quantization,

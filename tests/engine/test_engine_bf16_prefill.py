@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from engine_core_support import make_engine
 
-from slotserve.engine.core import bf16_prefill
-from slotserve.engine.core.native_linear import NativeLinear
+from slotserve.engine.core.model import bf16_prefill
+from slotserve.engine.core.model.native_linear import NativeLinear
 from slotserve.engine.core.params import SamplingParams
 
 
@@ -222,7 +222,7 @@ def test_layers_stay_native_for_bf16_prefill_where_aten_wins_every_decode_size(
     """Where the calibration finds aten's products faster at every decode size (this Intel
     Xeon, quiet), the layers still become native, at 0 native rows: decode products are aten's
     as before, and the native step exists for prefill chunks with bf16 products."""
-    from slotserve.engine.core import linear_setup
+    from slotserve.engine.core.model import linear_setup
 
     monkeypatch.setattr(linear_setup, "choose_native_rows", lambda *a, **k: (0, None, None))
     engine = make_engine(tiny_model_dir, prefill_dtype="auto")

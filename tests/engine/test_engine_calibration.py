@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from slotserve.engine.core import linear, native_linear
-from slotserve.engine.core.calibration import CalibrationCache, Measurement, cpu_identity
-from slotserve.engine.core.linear import PackedLinear, onednn_supported
-from slotserve.engine.core.native_linear import NativeLinear
-from slotserve.engine.core.runner import ModelRunner
+from slotserve.engine.core.model import linear, native_linear
+from slotserve.engine.core.model.calibration import CalibrationCache, Measurement, cpu_identity
+from slotserve.engine.core.model.linear import PackedLinear, onednn_supported
+from slotserve.engine.core.model.native_linear import NativeLinear
+from slotserve.engine.core.model.runner import ModelRunner
 
 CPU_A = {"cpu_model": "Test CPU A", "cpu_flags": "avx2 fma", "machine": "x86_64", "torch": "t"}
 CPU_B = {**CPU_A, "cpu_flags": "avx2 avx512f fma"}

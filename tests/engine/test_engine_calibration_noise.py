@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slotserve.engine.core import calibration
-from slotserve.engine.core.calibration import (
+from slotserve.engine.core.kernels import load_kernels
+from slotserve.engine.core.model import calibration
+from slotserve.engine.core.model.calibration import (
     BUSY_WAIT_FRACTION,
     CalibrationCache,
     CalibrationRecord,
@@ -30,13 +31,16 @@ from slotserve.engine.core.calibration import (
     Rule,
     RunQueueWait,
 )
-from slotserve.engine.core.kernels import load_kernels
-from slotserve.engine.core.native_linear import (
+from slotserve.engine.core.model.native_linear import (
     NATIVE_STEP_MARGIN,
     NativeLinear,
     choose_native_rows,
 )
-from slotserve.engine.core.native_rows_watch import STEADY_STEPS, WARM_UP_STEPS, NativeRowsWatch
+from slotserve.engine.core.model.native_rows_watch import (
+    STEADY_STEPS,
+    WARM_UP_STEPS,
+    NativeRowsWatch,
+)
 from slotserve.settings import CommonSettings
 
 # Spawns CPU hogs and times steps: run alone (make test runs `serial` tests after the rest).
@@ -216,7 +220,7 @@ def test_steps_as_slow_as_timed_or_slower_keep_the_decision(tmp_path):
 
 
 def test_a_decision_another_engine_retook_is_adopted(tmp_path, monkeypatch):
-    monkeypatch.setattr("slotserve.engine.core.native_rows_watch.REREAD_EVERY", 10)
+    monkeypatch.setattr("slotserve.engine.core.model.native_rows_watch.REREAD_EVERY", 10)
     watch, applied, _ = watched(tmp_path, {"subset_mb": 1.0}, retaken="8")
     (stored,) = tmp_path.glob("native_rows-*.json")
     record = json.loads(stored.read_text())
@@ -231,8 +235,8 @@ def test_a_runner_applies_a_retaken_decision_live(tmp_path, monkeypatch):
     steps contradict it, the decision is taken again and its native layers follow at once."""
     from test_engine_calibration import tiny_llama
 
-    from slotserve.engine.core import native_linear
-    from slotserve.engine.core.runner import ModelRunner
+    from slotserve.engine.core.model import native_linear
+    from slotserve.engine.core.model.runner import ModelRunner
 
     slow = {"subset_mb": 0.1, **{f"native_ms_{r}": 1000.0 for r in (1, 2, 4)}}
     monkeypatch.setattr(native_linear, "measure_native_rows", lambda *a: quiet_rows("1", slow))
@@ -242,7 +246,8 @@ def test_a_runner_applies_a_retaken_decision_live(tmp_path, monkeypatch):
     assert first.calibrations[0].choice == "1"
     monkeypatch.setattr(native_linear, "measure_native_rows", lambda *a: quiet_rows("2", {}))
     monkeypatch.setattr(
-        "slotserve.engine.core.linear_setup.measure_native_rows", lambda *a: quiet_rows("2", {})
+        "slotserve.engine.core.model.linear_setup.measure_native_rows",
+        lambda *a: quiet_rows("2", {}),
     )
     runner = ModelRunner(
         tiny_llama(), num_slots=4, max_model_len=64, calibration=CalibrationCache(tmp_path, CPU)

@@ -36,7 +36,7 @@ def test_outputs_vary_so_equivalence_means_something(reference_model):
     assert len(set(out)) > 6
 
 
-# aten: PyTorch's own products; onednn: packed weights and fused MLPs (core/linear.py),
+# aten: PyTorch's own products; onednn: packed weights and fused MLPs (core/model/linear.py),
 # which "auto" picks for larger models; tiny test models would otherwise never exercise them.
 LINEAR_BACKENDS = ["aten", "onednn"]
 

@@ -8,8 +8,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from slotserve.engine.core.fusion import FusedGatedMLP, QKVPart, fuse_gated_mlps, fuse_qkv
-from slotserve.engine.core.linear import PackedLinear, onednn_supported, pack_linears
+from slotserve.engine.core.model.fusion import FusedGatedMLP, QKVPart, fuse_gated_mlps, fuse_qkv
+from slotserve.engine.core.model.linear import PackedLinear, onednn_supported, pack_linears
 
 pytestmark = pytest.mark.skipif(
     not onednn_supported(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
@@ -150,8 +150,8 @@ def test_a_second_setup_on_a_native_model_keeps_native_logits(tiny_llama):
     # Benchmarks build one runner per batch size on one model: the later runners must compute
     # logits as the first did, not fall back to aten because no plain linear is left to time.
     from slotserve.engine.core.kernels import load_kernels
-    from slotserve.engine.core.linear_setup import set_up_linears
-    from slotserve.engine.core.native_linear import NativeLinear
+    from slotserve.engine.core.model.linear_setup import set_up_linears
+    from slotserve.engine.core.model.native_linear import NativeLinear
     from slotserve.settings import CommonSettings
 
     kernels = load_kernels(CommonSettings().home)

@@ -15,8 +15,8 @@ from engine_core_support import build_sharp_tiny_model, make_engine
 
 from slotserve.engine.core.async_engine import AsyncEngine
 from slotserve.engine.core.errors import EngineNotRunningError
+from slotserve.engine.core.model.sampling import sample_tokens
 from slotserve.engine.core.params import GREEDY_TEMPERATURE_EPSILON, SamplingParams
-from slotserve.engine.core.sampling import sample_tokens
 from slotserve.engine.core.sequence import SequenceError
 
 PROMPTS = [[11, 12, 13], [200, 201, 202, 203, 204], [7, 8], [500, 42, 42, 9]]

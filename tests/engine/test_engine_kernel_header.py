@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from slotserve.engine.core import native_decode
 from slotserve.engine.core.kernels import ISAS, NativeKernels, Scratch, library, load_kernels
 from slotserve.engine.core.kernels.signatures import SIGNATURES
+from slotserve.engine.core.model import native_decode
 from slotserve.settings import CommonSettings
 
 HEADER = library.HEADER.read_text()

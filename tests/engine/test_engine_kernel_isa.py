@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from slotserve.engine.core.kernels import ISAS, NativeKernels, load_kernels
-from slotserve.engine.core.runner import ModelRunner
+from slotserve.engine.core.model.runner import ModelRunner
 from slotserve.settings import CommonSettings
 
 
@@ -114,7 +114,7 @@ def test_every_variant_steps_as_plain_c_does(kernels, simd):
 def test_the_start_up_log_and_load_report_say_which_ran(tmp_path, caplog):
     from test_engine_calibration import tiny_llama
 
-    from slotserve.engine.core.calibration import CalibrationCache
+    from slotserve.engine.core.model.calibration import CalibrationCache
 
     caplog.set_level(logging.INFO)
     kernels = load_kernels(tmp_path / "home")  # a fresh build: its load is logged

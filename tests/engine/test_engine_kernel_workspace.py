@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from slotserve.engine.core.kernels import NativeKernels, load_kernels
-from slotserve.engine.core.runner import ModelRunner
+from slotserve.engine.core.model.runner import ModelRunner
 from slotserve.settings import CommonSettings
 
 

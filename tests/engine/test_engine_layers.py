@@ -102,7 +102,7 @@ def test_the_check_lets_core_imports_through(source: str):
 def test_importing_the_engine_sets_no_openmp_environment():
     # The entry point applies it (the CLI, a benchmark, conftest); an import must not.
     code = (
-        "import os, slotserve.engine.core.runner, slotserve.engine.http.server\n"
+        "import os, slotserve.engine.core.model.runner, slotserve.engine.http.server\n"
         "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))\n"
         "from slotserve.engine.core.openmp import apply_openmp_environment\n"
         "import torch\n"

@@ -1,4 +1,4 @@
-"""Decode steps in one native call (core/native_decode.py, kernels/llama_step.c): the same hidden
+"""Decode steps in one native call (model/native_decode.py, kernels/llama_step.c): the same hidden
 states and tokens as the transformers path, on the AVX2 code and the plain C one, for fp32, int8
 and int4 weights, and no native step where the model is not one it computes exactly."""
 
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.kernels import load_kernels
-from slotserve.engine.core.native_decode import NativeDecodeStep
+from slotserve.engine.core.model.native_decode import NativeDecodeStep
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.scheduler import ScheduledChunk
 from slotserve.settings import CommonSettings

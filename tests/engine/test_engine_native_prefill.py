@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.kernels import NativeKernels, load_kernels
-from slotserve.engine.core.native_decode import NativeDecodeStep
+from slotserve.engine.core.model.native_decode import NativeDecodeStep
 from slotserve.engine.core.params import SamplingParams
 from slotserve.settings import CommonSettings
 

@@ -11,8 +11,8 @@ from engine_server_support import module_engine
 
 from slotserve.engine.core.detokenizer import TokenTexts
 from slotserve.engine.core.logprobs import MASKED_LOGPROB, SampledLogprobs
+from slotserve.engine.core.model.sampling import sample
 from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.sampling import sample
 
 # ------------------------------------------------------------------------------ the sampler
 

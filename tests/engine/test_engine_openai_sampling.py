@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from slotserve.engine.core.model.sampling import _top_k_top_p, sample
 from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.sampling import _top_k_top_p, sample
 
 
 def reference_row(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ from engine_core_support import (
 from transformers import AutoModelForCausalLM
 
 from slotserve.engine.core.errors import UnsupportedSettingError
-from slotserve.engine.core.host_sync import HostSyncCounter
+from slotserve.engine.core.model.host_sync import HostSyncCounter
 from slotserve.engine.core.params import SamplingParams
 
 NUM_NEW = 24
@@ -203,7 +203,7 @@ def test_a_chained_step_does_only_the_allowed_transfers(sharp_model_dir):
 
 
 def test_the_setting_needs_the_static_step(sharp_model_dir):
-    from slotserve.engine.core.runner import pick_overlap_steps
+    from slotserve.engine.core.model.runner import pick_overlap_steps
 
     with pytest.raises(UnsupportedSettingError, match="overlap_steps"):
         make_engine(sharp_model_dir, decode_step="classic", overlap_steps="on")

@@ -14,9 +14,9 @@ from engine_server_support import SLOTSERVE
 from test_engine_kernels import assert_int4_close, dequantize_q4, dequantize_q8
 
 from slotserve.engine.core.kernels import load_kernels
-from slotserve.engine.core.native_linear import QUANTIZED_MAX_ROWS, NativeLinear
+from slotserve.engine.core.model.native_linear import QUANTIZED_MAX_ROWS, NativeLinear
+from slotserve.engine.core.model.quantize import QuantizationUnsupported, native_layers, preflight
 from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.quantize import QuantizationUnsupported, native_layers, preflight
 from slotserve.settings import CommonSettings
 
 

@@ -15,9 +15,9 @@ from engine_core_support import (
 from transformers import AutoModelForCausalLM
 
 from slotserve.engine.core.errors import UnsupportedSettingError
-from slotserve.engine.core.host_sync import HostSyncCounter
+from slotserve.engine.core.model.host_sync import HostSyncCounter
+from slotserve.engine.core.model.static_buffers import bucket_sizes, kv_buckets
 from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.static_buffers import bucket_sizes, kv_buckets
 
 NUM_NEW = 24
 
@@ -227,7 +227,7 @@ def test_static_refuses_quantization_and_other_backends(sharp_model_dir):
 def test_gpu_memory_leaves_room_for_the_largest_step_and_refuses_what_cannot_fit():
     from transformers import LlamaConfig
 
-    from slotserve.engine.core.static_memory import headroom_bytes, kv_budget_bytes
+    from slotserve.engine.core.model.static_memory import headroom_bytes, kv_budget_bytes
 
     config = LlamaConfig(  # Llama-3-8B's shape
         hidden_size=4096,
@@ -251,9 +251,9 @@ def test_gpu_memory_leaves_room_for_the_largest_step_and_refuses_what_cannot_fit
 
 
 def test_static_sizing_fuses_before_reading_free_memory(sharp_model_dir):
-    from slotserve.engine.core.fusion import FusedGatedMLP, QKVPart
-    from slotserve.engine.core.runner import load_model
-    from slotserve.engine.core.static_memory import fuse_before_sizing
+    from slotserve.engine.core.model.fusion import FusedGatedMLP, QKVPart
+    from slotserve.engine.core.model.runner import load_model
+    from slotserve.engine.core.model.static_memory import fuse_before_sizing
 
     model, _ = load_model(str(sharp_model_dir), torch.device("cpu"), torch.float32)
     fuse_before_sizing(model)

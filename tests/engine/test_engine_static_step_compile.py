@@ -16,8 +16,8 @@ from engine_core_support import build_sharp_tiny_model, make_engine
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
+from slotserve.engine.core.model.static_decoder import StaticDecoder
 from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.static_decoder import StaticDecoder
 
 NUM_REQUESTS = 56
 

@@ -93,7 +93,12 @@ def slotserve_cli_file() -> str:
     ("folder", "wheel_glob", "present", "absent"),
     [
         (".", "slotserve-*.whl", ["slotserve/cli.py", "slotserve/models/pull.py"], ["engine"]),
-        ("engine", "slotserve_engine-*.whl", ["slotserve/engine/core/runner.py"], ["gateway"]),
+        (
+            "engine",
+            "slotserve_engine-*.whl",
+            ["slotserve/engine/core/model/runner.py"],
+            ["gateway"],
+        ),
         ("gateway", "slotserve_gateway-*.whl", ["slotserve/gateway/http/app.py"], ["engine"]),
         ("operator", "slotserve_operator-*.whl", ["slotserve/operator/handlers.py"], ["engine"]),
     ],

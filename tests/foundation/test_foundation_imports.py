@@ -313,8 +313,8 @@ def test_the_pure_core_reaches_no_torch(name: str) -> None:
 
 
 def test_the_torch_check_finds_a_real_chain() -> None:
-    chain = torch_chain("slotserve.engine.core.runner")
-    assert chain is not None and chain[0] == "slotserve.engine.core.runner"
+    chain = torch_chain("slotserve.engine.core.model.runner")
+    assert chain is not None and chain[0] == "slotserve.engine.core.model.runner"
     assert chain[-1].split(".")[0] == "torch"
 
 

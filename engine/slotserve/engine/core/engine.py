@@ -113,7 +113,7 @@ class LLMEngine:
     @classmethod
     def load(cls, settings: EngineSettings, **kwargs: Any) -> LLMEngine:
         """Load the model named in ``settings`` and size the KV cache (blocking, seconds)."""
-        from slotserve.engine.core.runner import build_runner
+        from slotserve.engine.core.model.runner import build_runner
         from slotserve.models.resolve import default_served_name, resolve_model
 
         source = resolve_model(settings.model)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from slotserve.engine.core.calibration import CalibrationRecord
     from slotserve.engine.core.logprobs import SampledLogprobs
+    from slotserve.engine.core.model.calibration import CalibrationRecord
     from slotserve.engine.core.prefix_cache import SlotCopy
     from slotserve.engine.core.scheduler import ScheduledChunk
     from slotserve.engine.core.sequence import SequenceError

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slotserve.contracts.pool_spec import BatchingPolicy
-from slotserve.engine.core.calibration import CalibrationRecord
 from slotserve.engine.core.logprobs import PromptTokenLogprobs, TokenLogprobs
+from slotserve.engine.core.model.calibration import CalibrationRecord
 from slotserve.engine.core.sequence import FinishReason, Sequence, SequenceError
 
 

@@ -11,7 +11,7 @@ The event loop never waits on the grammar engine: a request's grammar is built f
 and compiled once, in a thread within ``GRAMMAR_CHECK_SECONDS``, into a :class:`CompiledGrammar`
 (the text carrying its compiled matcher); each sequence, one per choice, gets a clone of that
 matcher (~0.1 ms, where compiling a 1 MB grammar takes 0.1-0.5 s), whose mask enters the batched
-sampling step (:mod:`slotserve.engine.core.sampling`); the sampled token is fed back to it.
+sampling step (:mod:`slotserve.engine.core.model.sampling`); the sampled token is fed back to it.
 Grammar text beyond ``MAX_GRAMMAR_CHARS`` is refused before any of that. Compiled grammars are
 remembered by their text (a repeated schema is not compiled again), within a bound on their total
 size.

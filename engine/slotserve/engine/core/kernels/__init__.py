@@ -341,7 +341,7 @@ class NativeKernels:
         positions: torch.Tensor,
     ) -> None:
         """One decode step of every layer of ``model`` (a ``StepModel`` from
-        :mod:`slotserve.engine.core.native_decode`, which checks the shapes) on ``hidden``
+        :mod:`slotserve.engine.core.model.native_decode`, which checks the shapes) on ``hidden``
         [rows, hidden] in place: embeddings in, final-normed hidden states out."""
         self._run(
             self._lib.slotserve_llama_step,

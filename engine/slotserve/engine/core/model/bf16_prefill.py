@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from slotserve.engine.core.calibration import cpu_identity
-from slotserve.engine.core.fusion import QKVPart
-from slotserve.engine.core.native_linear import Bf16Gate, NativeLinear
+from slotserve.engine.core.model.calibration import cpu_identity
+from slotserve.engine.core.model.fusion import QKVPart
+from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear
 from slotserve.engine.settings import PrefillDType
 
 logger = logging.getLogger(__name__)

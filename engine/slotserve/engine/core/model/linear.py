@@ -11,7 +11,7 @@ calibration on the model's own weights confirms it is faster on this machine.
 
 The calibration alternates the two backends round by round and decides on the median of the
 per-round ratios, so a busy moment slows both sides of a round alike and a spike moves one round,
-not the answer; the engine caches the decision per CPU kind (core/calibration.py).
+not the answer; the engine caches the decision per CPU kind (core/model/calibration.py).
 
 Packing converts the weight in place of the original, so memory does not grow, except for a
 tied output projection (its weight is also the input embedding and stays).
@@ -28,14 +28,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from slotserve.engine.core.calibration import (
+from slotserve.engine.core.model.calibration import (
     CalibrationCache,
     CalibrationRecord,
     Measurement,
     Rule,
     RunQueueWait,
 )
-from slotserve.engine.core.fusion import dense_linear, fuse_gated_mlps, fuse_qkv, replace_linears
+from slotserve.engine.core.model.fusion import (
+    dense_linear,
+    fuse_gated_mlps,
+    fuse_qkv,
+    replace_linears,
+)
 from slotserve.engine.settings import LinearBackend
 
 logger = logging.getLogger(__name__)

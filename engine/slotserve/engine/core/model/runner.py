@@ -17,29 +17,37 @@ from typing import Any
 import torch
 
 from slotserve.contracts.engine_argv import Quantization
-from slotserve.engine.core.attention import PrefillChunkInput, SlotStep, register_slot_attention
-from slotserve.engine.core.bf16_prefill import (
+from slotserve.engine.core.errors import UnsupportedSettingError
+from slotserve.engine.core.generation_defaults import eos_token_ids
+from slotserve.engine.core.logprobs import SampledLogprobs
+from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
+from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
+from slotserve.engine.core.model.attention import (
+    PrefillChunkInput,
+    SlotStep,
+    register_slot_attention,
+)
+from slotserve.engine.core.model.bf16_prefill import (
     bf16_units,
     install_bf16_prefill,
     wants_bf16_prefill,
 )
-from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
-from slotserve.engine.core.errors import UnsupportedSettingError
-from slotserve.engine.core.generation_defaults import eos_token_ids
-from slotserve.engine.core.linear_setup import native_kernels, set_up_linears
-from slotserve.engine.core.logprobs import SampledLogprobs
-from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
-from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
-from slotserve.engine.core.native_decode import native_step, step_eligible
+from slotserve.engine.core.model.calibration import CalibrationCache, CalibrationRecord
+from slotserve.engine.core.model.linear_setup import native_kernels, set_up_linears
+from slotserve.engine.core.model.native_decode import native_step, step_eligible
+from slotserve.engine.core.model.prompt_logprobs import record_prompt_logprobs
+from slotserve.engine.core.model.quantize import preflight
+from slotserve.engine.core.model.sampling import Sampler
+from slotserve.engine.core.model.static_decoder import LaunchedStep, StaticDecoder, serves
+from slotserve.engine.core.model.static_memory import (
+    fuse_before_sizing,
+    headroom_bytes,
+    kv_budget_bytes,
+)
 from slotserve.engine.core.prefix_cache import SlotCopy
-from slotserve.engine.core.prompt_logprobs import record_prompt_logprobs
 from slotserve.engine.core.protocols import Tokenizer
-from slotserve.engine.core.quantize import preflight
-from slotserve.engine.core.sampling import Sampler
 from slotserve.engine.core.scheduler import ScheduledChunk
 from slotserve.engine.core.sequence import SequenceError
-from slotserve.engine.core.static_decoder import LaunchedStep, StaticDecoder, serves
-from slotserve.engine.core.static_memory import fuse_before_sizing, headroom_bytes, kv_budget_bytes
 from slotserve.engine.settings import (
     DecodeStep,
     EngineSettings,

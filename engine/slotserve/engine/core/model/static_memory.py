@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from slotserve.engine.core.errors import UnsupportedSettingError
-from slotserve.engine.core.fusion import dense_linear, fuse_gated_mlps, fuse_qkv
+from slotserve.engine.core.model.fusion import dense_linear, fuse_gated_mlps, fuse_qkv
 
 # CUDA graph pools, cuBLAS workspaces and compiled kernels' scratch: not in any formula.
 FIXED_HEADROOM_BYTES = 1 << 30

@@ -9,7 +9,7 @@ the sequence's tokens (one copy, counted by :class:`static_buffers.Transfers` as
 its slot has a new owner, or when steps that did not run here (a prefill beside it, a
 preemption) left its counts behind.
 
-The rules are the eager ones (:mod:`slotserve.engine.core.penalties`): HF's repetition penalty
+The rules are the eager ones (:mod:`slotserve.engine.core.model.penalties`): HF's repetition penalty
 over prompt and output (a seen token's logit divided by the penalty when positive, multiplied
 when negative), then ``frequency x count`` and ``presence x (count > 0)`` over the output.
 """
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from slotserve.engine.core.static_buffers import (
+from slotserve.engine.core.model.static_buffers import (
     FREQUENCY,
     POSITION,
     PRESENCE,

@@ -17,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from slotserve.engine.core.static_buffers import Transfers
+from slotserve.engine.core.model.static_buffers import Transfers
 
 # Tensor methods and torch functions that read device values into Python, or Python data into
 # a tensor.

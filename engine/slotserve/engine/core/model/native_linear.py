@@ -23,16 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotserve.engine.core.calibration import (
+from slotserve.engine.core.kernels import NativeKernels
+from slotserve.engine.core.model.calibration import (
     CalibrationCache,
     CalibrationRecord,
     Measurement,
     Rule,
     RunQueueWait,
 )
-from slotserve.engine.core.fusion import QKVPart, replace_linears
-from slotserve.engine.core.kernels import NativeKernels
-from slotserve.engine.core.linear import first_layer_linears, interleaved_timings
+from slotserve.engine.core.model.fusion import QKVPart, replace_linears
+from slotserve.engine.core.model.linear import first_layer_linears, interleaved_timings
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ QUANTIZED_MAX_ROWS = 64
 ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)
 # Native must be this much faster at a row count to take it (the stock path is the default).
 NATIVE_MARGIN = 0.95
-# Where decode steps run as one native call (core/native_decode.py), native products may be up to
-# this much slower than aten's and the step still wins: it drops the per-op work around them.
+# Where decode steps run as one native call (model/native_decode.py), native products may be up
+# to this much slower than aten's and the step still wins: it drops the per-op work around them.
 # Measured on a 2-core EPYC (SmolLM2 fp32): the native step took 22 / 38 / 67 ms at 8 / 16 / 32
 # rows where the transformers path took 29 / 47 / 76 ms on native products and 104 ms on aten's
 # at 32 rows, which the products-only calibration had preferred there.

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from slotserve.engine.core.device_sampling import full_result, greedy_result
-from slotserve.engine.core.fusion import FusedGatedMLP, QKVPart
-from slotserve.engine.core.static_buffers import POSITION, PREVIOUS_ROW, SLOT, TOKEN
+from slotserve.engine.core.model.device_sampling import full_result, greedy_result
+from slotserve.engine.core.model.fusion import FusedGatedMLP, QKVPart
+from slotserve.engine.core.model.static_buffers import POSITION, PREVIOUS_ROW, SLOT, TOKEN
 
 # Decoder layers whose forward is exactly norm -> q/k/v -> rotary -> attention -> o_proj ->
 # residual -> norm -> MLP -> residual (no q/k norms, no scaled embeddings).
@@ -154,7 +154,8 @@ def decode_step(
 ) -> torch.Tensor:
     """One decode token per row of the input block: writes each row's key and value at its slot
     and position, attends to the slot's positions up to its own, samples; returns the result
-    block of :mod:`slotserve.engine.core.device_sampling`. ``kv_positions``: ``arange(kv_len)``;
+    block of :mod:`slotserve.engine.core.model.device_sampling`. ``kv_positions``:
+    ``arange(kv_len)``;
     ``last_tokens``: the sampled tokens, read by the next step's chained rows and then written."""
     tokens, positions, slots = input_tokens(ints, last_tokens), ints[POSITION], ints[SLOT]
     num_rows = tokens.shape[0]

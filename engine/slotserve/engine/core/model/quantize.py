@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from slotserve.engine.core.errors import UnsupportedSettingError
-from slotserve.engine.core.fusion import replace_linears
 from slotserve.engine.core.kernels import GROUP_SIZE, NativeKernels, load_kernels
-from slotserve.engine.core.native_linear import NativeLinear
+from slotserve.engine.core.model.fusion import replace_linears
+from slotserve.engine.core.model.native_linear import NativeLinear
 from slotserve.settings import CommonSettings
 
 logger = logging.getLogger(__name__)

@@ -2,12 +2,12 @@
 oneDNN-packed or stock, and the layer that computes the logits.
 
 - ``quantization`` int8/int4: every decoder linear is quantized onto the native kernels, the
-  output projection int8 (:mod:`slotserve.engine.core.quantize`).
+  output projection int8 (:mod:`slotserve.engine.core.model.quantize`).
 - fp32 on CPU with the native kernels built: decode-sized products run natively up to the row
   count where they stop beating aten (``auto``: measured and cached; ``native``: every decode
-  step), larger ones through torch (:mod:`slotserve.engine.core.native_linear`).
+  step), larger ones through torch (:mod:`slotserve.engine.core.model.native_linear`).
 - otherwise oneDNN-packed where that measured faster, else the stock layers
-  (:mod:`slotserve.engine.core.linear`).
+  (:mod:`slotserve.engine.core.model.linear`).
 
 Every choice and what it cost at load is returned as calibration records.
 """
@@ -22,11 +22,11 @@ from typing import Any, Literal
 import torch
 
 from slotserve.contracts.engine_argv import Quantization
-from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord, Measurement
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.kernels import KernelUnavailable, NativeKernels, load_kernels
-from slotserve.engine.core.linear import aten_logits, choose_linear_backend, pack_linears
-from slotserve.engine.core.native_linear import (
+from slotserve.engine.core.model.calibration import CalibrationCache, CalibrationRecord, Measurement
+from slotserve.engine.core.model.linear import aten_logits, choose_linear_backend, pack_linears
+from slotserve.engine.core.model.native_linear import (
     NATIVE_MARGIN,
     NATIVE_STEP_MARGIN,
     NativeLinear,
@@ -37,8 +37,8 @@ from slotserve.engine.core.native_linear import (
     measure_native_rows,
     streamed_native_weights,
 )
-from slotserve.engine.core.native_rows_watch import NativeRowsWatch
-from slotserve.engine.core.quantize import quantize_model
+from slotserve.engine.core.model.native_rows_watch import NativeRowsWatch
+from slotserve.engine.core.model.quantize import quantize_model
 from slotserve.engine.settings import LinearBackend
 from slotserve.settings import CommonSettings
 

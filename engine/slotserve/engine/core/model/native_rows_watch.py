@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from slotserve.engine.core.calibration import CalibrationCache, CalibrationRecord
+from slotserve.engine.core.model.calibration import CalibrationCache, CalibrationRecord
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Turn the last-position logits of a step into one token per sequence, batched.
 
 The pipeline runs on the whole ``[rows, vocab]`` tensor: ``min_tokens``, ``logit_bias`` and the
-penalties (:mod:`slotserve.engine.core.penalties`), the temperature (greedy rows keep theirs at 1),
-``top_k`` / ``top_p`` / ``min_p`` masks, then a draw per row. Python only builds the per-row
-parameter columns and reads the results back.
+penalties (:mod:`slotserve.engine.core.model.penalties`), the temperature (greedy rows keep
+theirs at 1), ``top_k`` / ``top_p`` / ``min_p`` masks, then a draw per row. Python only builds
+the per-row parameter columns and reads the results back.
 
 Draws invert each row's CDF with one uniform number: rows without a ``seed`` share one
 generator and one call, a seeded row draws its number from its own generator, so a seeded
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slotserve.engine.core.logprobs import SampledLogprobs
+from slotserve.engine.core.model.penalties import PenaltyState, process_logits
 from slotserve.engine.core.params import SamplingParams
-from slotserve.engine.core.penalties import PenaltyState, process_logits
 from slotserve.engine.core.sequence import SequenceError
 
 if TYPE_CHECKING:

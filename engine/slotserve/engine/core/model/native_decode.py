@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotserve.engine.core.fusion import FusedGatedMLP, QKVPart
 from slotserve.engine.core.kernels import NativeKernels
-from slotserve.engine.core.native_linear import Bf16Gate, NativeLinear
-from slotserve.engine.core.native_rows_watch import STEP_OBSERVER
+from slotserve.engine.core.model.fusion import FusedGatedMLP, QKVPart
+from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear
+from slotserve.engine.core.model.native_rows_watch import STEP_OBSERVER
 
 logger = logging.getLogger(__name__)
 

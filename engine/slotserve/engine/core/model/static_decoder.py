@@ -26,13 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slotserve.engine.core.device_penalties import PenaltyRows
-from slotserve.engine.core.device_sampling import seed_column
 from slotserve.engine.core.logprobs import SampledLogprobs
-from slotserve.engine.core.params import MAX_LOGPROBS
-from slotserve.engine.core.sampling import NON_FINITE_LOGITS
-from slotserve.engine.core.sequence import SequenceError
-from slotserve.engine.core.static_buffers import (
+from slotserve.engine.core.model.device_penalties import PenaltyRows
+from slotserve.engine.core.model.device_sampling import seed_column
+from slotserve.engine.core.model.sampling import NON_FINITE_LOGITS
+from slotserve.engine.core.model.static_buffers import (
     BAN_EOS,
     FLAGS,
     FREQUENCY,
@@ -57,7 +55,9 @@ from slotserve.engine.core.static_buffers import (
     kv_buckets,
     pick,
 )
-from slotserve.engine.core.static_step import StaticModel, decode_step, static_model
+from slotserve.engine.core.model.static_step import StaticModel, decode_step, static_model
+from slotserve.engine.core.params import MAX_LOGPROBS
+from slotserve.engine.core.sequence import SequenceError
 
 if TYPE_CHECKING:
     from slotserve.engine.core.sequence import Sequence

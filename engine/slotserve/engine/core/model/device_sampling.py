@@ -1,6 +1,6 @@
 """Sampling inside the static decode step: fixed shapes, no host round trip, one result tensor.
 
-The same rules as :mod:`slotserve.engine.core.sampling` (the penalties of
+The same rules as :mod:`slotserve.engine.core.model.sampling` (the penalties of
 :mod:`device_penalties`, temperature after a shift by the row's
 maximum, ``top_k`` then ``top_p`` renormalised over the kept tokens, then ``min_p``, an inverse-CDF
 draw, vLLM's processed logprobs), written for a captured graph: every row runs every operation
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from slotserve.engine.core.device_penalties import count_and_apply
-from slotserve.engine.core.static_buffers import (
+from slotserve.engine.core.model.device_penalties import count_and_apply
+from slotserve.engine.core.model.static_buffers import (
     BAN_EOS,
     FLAGS,
     GREEDY,

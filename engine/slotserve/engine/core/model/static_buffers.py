@@ -8,7 +8,7 @@ float64 values in the same block (a view of the same storage), so one copy moves
 Rows past the step's own are padding: token 0 at position 0 of the scratch slot, greedy.
 
 Every host-device transfer of the static step goes through :class:`Transfers`: the two it
-allows per step are counted there, and :mod:`slotserve.engine.core.host_sync` turns any other
+allows per step are counted there, and :mod:`slotserve.engine.core.model.host_sync` turns any other
 into a test failure. The result's copy back is started when the step is launched and waited for
 later (:class:`PendingResult`), so with overlapped steps the host stages step N+1 while the
 device still runs step N: each bucket therefore stages into two host blocks in turn (the copy

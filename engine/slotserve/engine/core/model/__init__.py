@@ -1,0 +1,1 @@
+"""The torch half of the engine: model preparation, linear layers, the runner and the loader."""
