@@ -15,14 +15,17 @@ to the gateways:
 - tenant A floods: closed-loop clients (send, wait for the answer, send again), ``--flood`` (10)
   times as many as its share of the slots: a backlog always waits.
 
-Four runs per backend, side by side: B alone on a pool of its share's slots (what its share
-promises it: its wait there is the reference); B alone on the whole pool; B under A's flood with
-A and B as tenants (weighted fair share); and the same flood with both keys in one tenant (first
-come, first served: what a gateway without tenants does). Each answer's queue wait is the
-gateway's own ``x-slotserve-queue-wait-ms``; slot use is the engine's ``/load`` (1 - slots_free /
-slots_total: slots held by a request) sampled every 20 ms.
+Four runs per backend, side by side: B beside A where A keeps to its share (closed-loop clients
+as many as its share of the slots, so B has its share's slots to itself on the same engine,
+stepping at the same speed as under the flood: what its share promises it, and the reference its
+flood wait is compared with); B alone on the whole pool; B under A's flood with A and B as
+tenants (weighted fair share); and the same flood with both keys in one tenant (first come,
+first served: what a gateway without tenants does). A separate engine of the share's slots is no
+reference on a real model: its steps are shorter, so at the same load its queue is another one.
+Each answer's queue wait is the gateway's own ``x-slotserve-queue-wait-ms``; slot use is the
+engine's ``/load`` (1 - slots_free / slots_total: slots held by a request) sampled every 20 ms.
 
-    .venv/bin/python bench/fairness_bench.py [--seconds 15] [--slots 4] [--new-tokens 16]
+    .venv/bin/python bench/fairness_bench.py [--seconds 60] [--slots 4] [--new-tokens 64]
     .venv/bin/python bench/fairness_bench.py --engine double [--service-s 0.2]
 """
 
@@ -56,6 +59,8 @@ DOUBLE = ROOT / "tests" / "gateway" / "gateway_engine_double.py"
 SLOTSERVE = ROOT / ".venv" / "bin" / "slotserve"
 QUEUE_WAIT_HEADER = "x-slotserve-queue-wait-ms"
 # Keys: A and B as tenants of their own, and both in one tenant (the first-come baseline).
+SHARE = "B at its share, A at its share"  # the reference: what B's share promises it
+FLOOD = "flood, tenants"
 KEYS = {"fair": ("sk-a", "sk-b"), "one tenant": ("sk-shared-a", "sk-shared-b")}
 PROMPT = "Write a short story about a lighthouse keeper and the sea."
 
@@ -229,10 +234,14 @@ async def run_phase(
             await one("a", s)
 
     async def arrivals_b(s: aiohttp.ClientSession) -> None:
+        # Poisson arrivals given their count: rate x seconds of them at uniform random times,
+        # so B offers exactly its rate (a free Poisson count of ~40 strays by +-15%, and
+        # above its share B would be measured queueing behind itself).
+        times = arrival_times(load.rate_b_per_s, args.seconds, random.Random(5))
         pending = set()
-        while (now := time.monotonic()) < stop_at:
+        for at in times:
+            await asyncio.sleep(max(0.0, stop_at - args.seconds + at - time.monotonic()))
             pending.add(asyncio.ensure_future(one("b", s)))
-            await asyncio.sleep(min(rng.expovariate(load.rate_b_per_s), stop_at - now))
         await asyncio.gather(*pending)
 
     async def sample_load(s: aiohttp.ClientSession) -> None:
@@ -249,7 +258,8 @@ async def run_phase(
         started = time.monotonic()
         floods = [flood_client(s) for _ in range(load.clients_a)]
         await asyncio.gather(sample_load(s), arrivals_b(s), *floods)
-        elapsed = time.monotonic() - started
+        # Rates over the window requests were sent in: the run's end waits for A's backlog.
+        elapsed = min(time.monotonic(), stop_at) - started
     out: dict[str, Any] = {"slots_busy": statistics.fmean(busy) if busy else float("nan")}
     out["load_average"] = list(os.getloadavg())
     for tenant, run in runs.items():
@@ -265,6 +275,12 @@ async def run_phase(
     return out
 
 
+def arrival_times(rate_per_s: float, seconds: float, rng: random.Random) -> list[float]:
+    """round(rate x seconds) arrival times in [0, seconds), uniform and sorted: a Poisson
+    process conditioned on its count."""
+    return sorted(rng.uniform(0, seconds) for _ in range(round(rate_per_s * seconds)))
+
+
 def share_slots(args: argparse.Namespace) -> tuple[int, int]:
     """B's and A's shares of the slots (at least one each)."""
     share_b = args.weight_b / (args.weight_a + args.weight_b)
@@ -275,7 +291,7 @@ def share_slots(args: argparse.Namespace) -> tuple[int, int]:
 def run_backend(
     name: str,
     gateways: list[str],
-    engines: dict[str, str],
+    engine: str,
     capacity_per_s: float,
     args: argparse.Namespace,
 ) -> dict[str, dict[str, Any]]:
@@ -284,13 +300,13 @@ def run_backend(
     fair = dict(zip(("a", "b"), KEYS["fair"], strict=True))
     shared = dict(zip(("a", "b"), KEYS["one tenant"], strict=True))
     phases = {
-        "B alone, its share": (fair, Load("share", rate_b), engines["share"]),
-        "B alone, whole pool": (fair, Load("m", rate_b), engines["m"]),
-        "flood, tenants": (fair, Load("m", rate_b, args.flood * slots_a), engines["m"]),
-        "flood, one tenant": (shared, Load("m", rate_b, args.flood * slots_a), engines["m"]),
+        SHARE: (fair, Load("m", rate_b, slots_a)),
+        "B alone, whole pool": (fair, Load("m", rate_b)),
+        FLOOD: (fair, Load("m", rate_b, args.flood * slots_a)),
+        "flood, one tenant": (shared, Load("m", rate_b, args.flood * slots_a)),
     }
     result: dict[str, dict[str, Any]] = {}
-    for phase, (keys, load, engine) in phases.items():
+    for phase, (keys, load) in phases.items():
         print(f"  {name}: {phase} ({load}) for {args.seconds:.0f} s", flush=True)
         result[phase] = asyncio.run(run_phase(gateways, engine, keys, load, args))
         row = result[phase]
@@ -321,33 +337,45 @@ def print_table(results: dict[str, dict], capacity_per_s: float, gap_ms: float) 
     )
 
 
-def start_engines(procs: Procs, tmp: Path, args: argparse.Namespace) -> dict[str, str]:
-    """The pool's engine and one of B's share of its slots (B's reference)."""
-    slots = {"m": args.slots, "share": share_slots(args)[0]}
+def wait_ratios(results: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """B's p50 and p99 waits under the flood over its waits on its share (A at its share)."""
+    out = {}
+    for backend, phases in results.items():
+        share, flood = phases[SHARE]["b"], phases[FLOOD]["b"]
+        out[backend] = {
+            q: flood[f"wait_{q}_ms"] / share[f"wait_{q}_ms"]
+            if share[f"wait_{q}_ms"] > 0
+            else float("inf")
+            for q in ("p50", "p99")
+        }
+    return out
+
+
+def start_engine(procs: Procs, tmp: Path, args: argparse.Namespace) -> str:
+    """The pool's engine (``m``)."""
     if args.engine == "double":
-        return {name: procs.double(n, args.service_s) for name, n in slots.items()}
+        return procs.double(args.slots, args.service_s)
     if args.model == "tiny":  # a 2-layer random Llama with SmolLM2's tokenizer
         smollm2 = Path(resolve_model("smollm2", show_progress=True))
         model = str(build_tiny_model(tmp / "tiny", tokenizer_dir=smollm2))
     else:
         model = resolve_model(args.model, show_progress=True)
-    return {name: procs.engine(name, n, model, args) for name, n in slots.items()}
+    return procs.engine("m", args.slots, model, args)
 
 
-def capacities(gateway: str, engines: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+def capacities(gateway: str, engine: str, args: argparse.Namespace) -> dict[str, Any]:
     """The capacity the arrival rates are drawn from: on a real engine measured through a
-    gateway (``m``, ``share``), twice the slots' clients per pool, after a run straight to the
-    engine (``m direct``, ``share direct``: it warms the engine too); slots / service_s on the
-    double."""
+    gateway (``m``), twice the slots' clients, after a run straight to the engine (``m direct``:
+    it warms the engine too); slots / service_s on the double."""
     if args.engine == "double":
         return {"m": {"answers_per_s": args.slots / args.service_s}}
     measured: dict[str, Any] = {}
-    for name, slots in (("m", args.slots), ("share", share_slots(args)[0])):
-        for label, url in ((f"{name} direct", engines[name]), (name, gateway)):
-            print(f"  capacity of {label}: {2 * slots} clients for {args.capacity_seconds:.0f} s")
-            row = measured[label] = asyncio.run(measure_capacity(url, name, 2 * slots, args))
-            print(f"    {row['answers_per_s']:.2f} answers/s, service p50 "
-                  f"{1000 * row['service_p50_s']:.0f} ms")  # fmt: skip
+    clients = 2 * args.slots
+    for label, url in (("m direct", engine), ("m", gateway)):
+        print(f"  capacity of {label}: {clients} clients for {args.capacity_seconds:.0f} s")
+        row = measured[label] = asyncio.run(measure_capacity(url, "m", clients, args))
+        print(f"    {row['answers_per_s']:.2f} answers/s, service p50 "
+              f"{1000 * row['service_p50_s']:.0f} ms")  # fmt: skip
     return measured
 
 
@@ -359,9 +387,9 @@ def main() -> int:
     )
     parser.add_argument("--model", default="smollm2", help="real: name, folder or 'tiny'")
     parser.add_argument("--num-threads", type=int, default=1, help="real: each engine's")
-    parser.add_argument("--new-tokens", type=int, default=16, help="real: mean per answer")
-    parser.add_argument("--capacity-seconds", type=float, default=12.0, help="real: measured")
-    parser.add_argument("--seconds", type=float, default=15.0, help="per run")
+    parser.add_argument("--new-tokens", type=int, default=64, help="real: mean per answer")
+    parser.add_argument("--capacity-seconds", type=float, default=30.0, help="real: measured")
+    parser.add_argument("--seconds", type=float, default=60.0, help="per run")
     parser.add_argument("--slots", type=int, default=4, help="the pool engine's slots")
     parser.add_argument("--service-s", type=float, default=0.2, help="double: each answer's")
     parser.add_argument("--flood", type=int, default=10, help="A's clients over its share")
@@ -378,11 +406,8 @@ def main() -> int:
         redis = RedisServer(Path(tmp) / "redis")
         redis.start()
         try:
-            engines = start_engines(procs, Path(tmp), args)
-            pools = [
-                {"model": name, "endpoints": [url], "admission": {"maxQueueSize": 1000}}
-                for name, url in engines.items()
-            ]
+            engine = start_engine(procs, Path(tmp), args)
+            pools = [{"model": "m", "endpoints": [engine], "admission": {"maxQueueSize": 1000}}]
             pool_file = Path(tmp) / "pools.yaml"
             pool_file.write_text(yaml.safe_dump({"pools": pools}))
             keys = Path(tmp) / "keys"
@@ -394,20 +419,21 @@ def main() -> int:
                 on_redis = [procs.gateway(pool_file, keys, redis.url) for _ in range(3)]
                 gateways["Redis, 3 replicas"] = on_redis
             time.sleep(2.0)  # every gateway has polled the engines' /load
-            measured = capacities(next(iter(gateways.values()))[0], engines, args)
+            measured = capacities(next(iter(gateways.values()))[0], engine, args)
             capacity = measured["m"]["answers_per_s"]
             for backend, urls in gateways.items():
                 short = backend.split(",")[0]
-                results[backend] = run_backend(short, urls, engines, capacity, args)
+                results[backend] = run_backend(short, urls, engine, capacity, args)
         finally:
             procs.stop()
             redis.stop()
     print_table(results, capacity, 1000 / capacity)
-    for backend, phases in results.items():
-        alone = phases["B alone, its share"]["b"]["wait_p50_ms"]
-        flood = phases["flood, tenants"]["b"]["wait_p50_ms"]
-        ratio = flood / alone if alone > 0 else float("inf")
-        print(f"{backend}: B's p50 wait under the flood / alone on its share = {ratio:.2f}")
+    ratios = wait_ratios(results)
+    for backend, ratio in ratios.items():
+        print(
+            f"{backend}: B's wait under the flood / on its share: p50 {ratio['p50']:.2f},"
+            f" p99 {ratio['p99']:.2f}"
+        )
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs")
     out = {
@@ -415,6 +441,7 @@ def main() -> int:
         "capacity_per_s": capacity,
         "capacities": measured,
         "slot_gap_ms": 1000 / capacity,
+        "wait_ratios": ratios,
         "load_average": load,
         "cpus": os.cpu_count(),
         "results": results,
