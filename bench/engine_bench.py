@@ -36,7 +36,7 @@ from bench.lib.engine import (
 )
 from bench.lib.output import line_buffered_stdout
 from bench.lib.plots import plot_decode, plot_occupancy, plot_poisson
-from slotserve.engine.core.model.runner import load_model, pick_device, pick_dtype
+from slotserve.engine.core.model.loader import load_model, pick_device, pick_dtype
 from slotserve.engine.core.stats import RequestMetrics
 from slotserve.models.resolve import resolve_model
 

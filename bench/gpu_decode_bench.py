@@ -22,6 +22,7 @@ most of the test's time).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -41,6 +42,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 
 from bench.lib.engine import Bench, hf_generate
 from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.model.prepare import PreparedModel, prepare_model
 from slotserve.engine.core.model.runner import ModelRunner, ModelShape
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.settings import EngineSettings
@@ -150,6 +152,21 @@ def hf_tokens(bench: Bench, new_tokens: int, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def prepared_for(bench: Bench, decode_step: str) -> PreparedModel:
+    """``bench.model`` prepared once for both sides: each runs the static step (compiled or
+    eager) on the model's stock layers, so they differ only in the step their runner builds."""
+    if decode_step not in ("static", "compiled"):
+        raise SystemExit(f"--graphs-on/--graphs-off: static or compiled, not {decode_step}")
+    if bench.prepared is None:
+        bench.prepared = prepare_model(
+            bench.model,
+            None,
+            max_rows=1,
+            decode_step=decode_step,  # type: ignore[arg-type]
+        )
+    return dataclasses.replace(bench.prepared, decode_step=decode_step)  # type: ignore[arg-type]
+
+
 def ours_engine(
     bench: Bench, batch: int, prompt_len: int, decode_step: str
 ) -> tuple[LLMEngine, ModelRunner]:
@@ -165,10 +182,9 @@ def ours_engine(
         decode_step=decode_step,  # type: ignore[arg-type]
     )
     runner = ModelRunner(
-        bench.model,
+        prepared_for(bench, decode_step),
         num_slots=batch,
         max_model_len=1024,
-        decode_step=decode_step,  # type: ignore[arg-type]
         static_warm_up=False,
         overlap_steps=True,  # measure_ours switches it off and on: one compile serves both
     )

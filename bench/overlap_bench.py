@@ -31,9 +31,12 @@ import torch
 from bench.lib.engine import decode_prompt, greedy
 from bench.lib.output import line_buffered_stdout
 from slotserve.engine.core.engine import LLMEngine
-from slotserve.engine.core.model.runner import ModelRunner, load_model
+from slotserve.engine.core.model.loader import find_kernels, load_model
+from slotserve.engine.core.model.prepare import prepare_model
+from slotserve.engine.core.model.runner import ModelRunner
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
+from slotserve.settings import CommonSettings
 
 MAX_MODEL_LEN = 512
 REQUEST_IDS = itertools.count()
@@ -54,11 +57,17 @@ def build(source: str, batch: int, decode_step: str) -> LLMEngine:
         enable_prefix_caching=False,
         decode_step=decode_step,  # type: ignore[arg-type]
     )
-    runner = ModelRunner(
+    kernels = find_kernels(torch.device("cpu"), torch.float32, CommonSettings().home)
+    prepared = prepare_model(
         model,
+        kernels,
+        max_rows=batch,
+        decode_step=decode_step,  # type: ignore[arg-type]
+    )
+    runner = ModelRunner(
+        prepared,
         num_slots=batch,
         max_model_len=MAX_MODEL_LEN,
-        decode_step=decode_step,  # type: ignore[arg-type]
         overlap_steps=decode_step != "classic",  # switched per run on the static engine
     )
     return LLMEngine(

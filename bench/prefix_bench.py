@@ -31,10 +31,13 @@ import torch
 
 from bench.lib.output import line_buffered_stdout
 from slotserve.engine.core.engine import LLMEngine
-from slotserve.engine.core.model.runner import ModelRunner, load_model, pick_device, pick_dtype
+from slotserve.engine.core.model.loader import find_kernels, load_model, pick_device, pick_dtype
+from slotserve.engine.core.model.prepare import PreparedModel, prepare_model
+from slotserve.engine.core.model.runner import ModelRunner
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
+from slotserve.settings import CommonSettings
 
 RULES = (
     "Answer briefly and politely.",
@@ -56,25 +59,33 @@ def system_prompt(tokenizer, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def make_engine(model, tokenizer, *, enable: bool, slots: int, max_model_len: int) -> LLMEngine:
+def make_engine(
+    prepared: PreparedModel, tokenizer, *, enable: bool, slots: int, max_model_len: int
+) -> LLMEngine:
     settings = EngineSettings(
         model="bench",
         max_batch_size=slots,
         max_model_len=max_model_len,
         enable_prefix_caching=enable,
     )
-    runner = ModelRunner(model, num_slots=slots, max_model_len=max_model_len)
+    runner = ModelRunner(prepared, num_slots=slots, max_model_len=max_model_len)
     return LLMEngine(
         settings, runner, tokenizer, kv_cache_tokens=slots * max_model_len, model_name="bench"
     )
 
 
 def run_once(
-    model, tokenizer, prompts: list[list[int]], *, enable: bool, warm: bool, new_tokens: int
+    prepared: PreparedModel,
+    tokenizer,
+    prompts: list[list[int]],
+    *,
+    enable: bool,
+    warm: bool,
+    new_tokens: int,
 ) -> dict:
     max_model_len = max(len(p) for p in prompts) + new_tokens + 8
     engine = make_engine(
-        model, tokenizer, enable=enable, slots=len(prompts), max_model_len=max_model_len
+        prepared, tokenizer, enable=enable, slots=len(prompts), max_model_len=max_model_len
     )
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     if warm:
@@ -125,6 +136,9 @@ def main() -> None:
         [*system, *tokenizer.encode(f"\nQuestion {i}: what does rule {3 * i + 1} ask of me?")]
         for i in range(args.requests)
     ]
+    # Every run's runner on one model, its layers prepared once.
+    kernels = find_kernels(device, dtype, CommonSettings().home)
+    prepared = prepare_model(model, kernels, max_rows=len(prompts))
     print(
         f"{args.requests} requests: a {len(system)}-token system prompt + "
         f"{len(prompts[0]) - len(system)}-{len(prompts[-1]) - len(system)} tokens each, "
@@ -136,7 +150,12 @@ def main() -> None:
         for warm in (True, False):
             for enable in (False, True) if repeat % 2 == 0 else (True, False):
                 row = run_once(
-                    model, tokenizer, prompts, enable=enable, warm=warm, new_tokens=args.new_tokens
+                    prepared,
+                    tokenizer,
+                    prompts,
+                    enable=enable,
+                    warm=warm,
+                    new_tokens=args.new_tokens,
                 )
                 runs.append(row)
                 print(

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.lib.engine import Bench, interleaved_step_ms
 from slotserve.engine.core.kernels import ISAS, load_kernels
-from slotserve.engine.core.model.runner import load_model, pick_device, pick_dtype
+from slotserve.engine.core.model.loader import load_model, pick_device, pick_dtype
 from slotserve.models.resolve import resolve_model
 from slotserve.settings import CommonSettings
 

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from slotserve.engine.core.engine import LLMEngine
+from slotserve.engine.core.model.loader import find_kernels
+from slotserve.engine.core.model.prepare import PreparedModel, prepare_model
 from slotserve.engine.core.model.runner import ModelRunner
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.settings import EngineSettings
+from slotserve.settings import CommonSettings
 
 
 @dataclass
@@ -30,10 +33,20 @@ class Bench:
     hf_model: Any  # None when a benchmark runs no HF side
     prompt_ids: list[int]
     device: torch.device
-    # Slots of every runner built on ``model``: the first runner replaces the model's linear
-    # layers once, calibrated for this many rows, and later runners (other batch sizes) keep
-    # them; a real engine sizes them for its max_batch_size. 0: each batch's own size.
+    # Slots of every runner built on ``model``: its linear layers are prepared once, at the
+    # first engine, calibrated for this many rows, and every engine (each batch size) runs on
+    # them; a real engine sizes them for its max_batch_size. 0: the first engine's batch size.
     slots: int = 0
+    # ``model`` prepared for the engines (by the first make_engine).
+    prepared: PreparedModel | None = field(default=None, repr=False)
+
+    def prepare(self, max_rows: int) -> PreparedModel:
+        """``model``'s layers set up for the engines, once (later calls return the same)."""
+        if self.prepared is None:
+            param = next(self.model.parameters())
+            kernels = find_kernels(param.device, param.dtype, CommonSettings().home)
+            self.prepared = prepare_model(self.model, kernels, max_rows=max(self.slots, max_rows))
+        return self.prepared
 
 
 def make_engine(bench: Bench, **settings: Any) -> LLMEngine:
@@ -44,7 +57,7 @@ def make_engine(bench: Bench, **settings: Any) -> LLMEngine:
     settings.setdefault("enable_prefix_caching", False)
     engine_settings = EngineSettings(model="bench", **settings)
     runner = ModelRunner(
-        bench.model,
+        bench.prepare(engine_settings.max_batch_size),
         num_slots=max(bench.slots, engine_settings.max_batch_size),
         max_model_len=max_model_len,
     )

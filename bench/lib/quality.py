@@ -149,9 +149,11 @@ def load_quantized(source: str, mode: Quantization) -> tuple[Any, object | None,
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     report = None
     if mode != "none":
+        from slotserve.engine.core.kernels import load_kernels
         from slotserve.engine.core.model.quantize import quantize_model
+        from slotserve.settings import CommonSettings
 
-        report = quantize_model(model, mode)
+        report = quantize_model(model, mode, load_kernels(CommonSettings().home))
     return model, report, time.perf_counter() - start
 
 

@@ -134,3 +134,17 @@ def make_prompts(num: int, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     lengths = [3 + (i * 7) % 61 for i in range(num)]  # 3 .. 63 tokens, all different-ish
     return [torch.randint(3, 49_000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def runner_on(model, *, num_slots: int, max_model_len: int, native_kernels: bool = True, **options):
+    """A runner of ``num_slots`` rows on ``model`` prepared as the loader prepares it: with the
+    native kernels (unless ``native_kernels`` is False), calibrated for ``num_slots`` rows;
+    ``options``: prepare_model's (``calibration``, ``linear_backend``, ``quantization``, ...)."""
+    from slotserve.engine.core.kernels import load_kernels
+    from slotserve.engine.core.model.prepare import prepare_model
+    from slotserve.engine.core.model.runner import ModelRunner
+    from slotserve.settings import CommonSettings
+
+    kernels = load_kernels(CommonSettings().home) if native_kernels else None
+    prepared = prepare_model(model, kernels, max_rows=num_slots, **options)
+    return ModelRunner(prepared, num_slots=num_slots, max_model_len=max_model_len)

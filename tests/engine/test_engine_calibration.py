@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from engine_core_support import runner_on
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -146,12 +147,12 @@ def tiny_llama() -> LlamaForCausalLM:
 
 def runner(cache: CalibrationCache, use_native_kernels: bool = False) -> ModelRunner:
     # Without the native kernels, ``auto`` is the oneDNN-or-aten choice these tests are about.
-    return ModelRunner(
+    return runner_on(
         tiny_llama(),
         num_slots=4,
         max_model_len=64,
         calibration=cache,
-        use_native_kernels=use_native_kernels,
+        native_kernels=use_native_kernels,
     )
 
 
@@ -195,7 +196,7 @@ def test_the_cached_choice_is_what_the_runner_does(tmp_path, monkeypatch, choice
 
 
 def test_explicit_backends_calibrate_nothing(tmp_path):
-    r = ModelRunner(
+    r = runner_on(
         tiny_llama(),
         num_slots=2,
         max_model_len=32,
@@ -272,7 +273,7 @@ def test_native_rows_allow_slower_products_where_the_whole_step_runs_natively(
         return Measurement("4")
 
     monkeypatch.setattr(native_linear, "measure_native_rows", measure)
-    r = ModelRunner(
+    r = runner_on(
         tiny_llama(),
         num_slots=4,
         max_model_len=64,

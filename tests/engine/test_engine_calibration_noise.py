@@ -233,14 +233,14 @@ def test_a_decision_another_engine_retook_is_adopted(tmp_path, monkeypatch):
 def test_a_runner_applies_a_retaken_decision_live(tmp_path, monkeypatch):
     """A real runner whose cached decision was timed 1000x slower than this machine: its decode
     steps contradict it, the decision is taken again and its native layers follow at once."""
+    from engine_core_support import runner_on
     from test_engine_calibration import tiny_llama
 
     from slotserve.engine.core.model import native_linear
-    from slotserve.engine.core.model.runner import ModelRunner
 
     slow = {"subset_mb": 0.1, **{f"native_ms_{r}": 1000.0 for r in (1, 2, 4)}}
     monkeypatch.setattr(native_linear, "measure_native_rows", lambda *a: quiet_rows("1", slow))
-    first = ModelRunner(
+    first = runner_on(
         tiny_llama(), num_slots=4, max_model_len=64, calibration=CalibrationCache(tmp_path, CPU)
     )
     assert first.calibrations[0].choice == "1"
@@ -249,7 +249,7 @@ def test_a_runner_applies_a_retaken_decision_live(tmp_path, monkeypatch):
         "slotserve.engine.core.model.linear_setup.measure_native_rows",
         lambda *a: quiet_rows("2", {}),
     )
-    runner = ModelRunner(
+    runner = runner_on(
         tiny_llama(), num_slots=4, max_model_len=64, calibration=CalibrationCache(tmp_path, CPU)
     )
     assert runner.calibrations[0].source == "cached"

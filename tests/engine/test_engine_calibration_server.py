@@ -40,7 +40,7 @@ async def test_calibrations_are_counted_and_the_second_start_reads_them(
     tiny_model_dir, tmp_path, monkeypatch, caplog
 ):
     monkeypatch.setenv("SLOTSERVE_HOME", str(tmp_path))
-    caplog.set_level(logging.INFO, logger="slotserve.engine.core.model.runner")
+    caplog.set_level(logging.INFO, logger="slotserve.engine.core.model.loader")
     first, first_metrics = await load_report(tiny_model_dir)
     second, second_metrics = await load_report(tiny_model_dir)
 

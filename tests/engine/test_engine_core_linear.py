@@ -146,21 +146,24 @@ def test_auto_backend_falls_back_when_onednn_fails(tiny_llama, monkeypatch, capl
     assert "oneDNN linear failed in calibration" in caplog.text
 
 
-def test_a_second_setup_on_a_native_model_keeps_native_logits(tiny_llama):
-    # Benchmarks build one runner per batch size on one model: the later runners must compute
-    # logits as the first did, not fall back to aten because no plain linear is left to time.
+def test_runners_of_other_batch_sizes_share_the_prepared_native_logits(tiny_llama):
+    # Benchmarks build one runner per batch size on one model: the model is prepared once and
+    # every runner computes logits as the first did (native, the rows it was prepared for), not
+    # through aten, with no second calibration.
     from slotserve.engine.core.kernels import load_kernels
-    from slotserve.engine.core.model.linear_setup import set_up_linears
     from slotserve.engine.core.model.native_linear import NativeLinear
+    from slotserve.engine.core.model.prepare import prepare_model
+    from slotserve.engine.core.model.runner import ModelRunner
     from slotserve.settings import CommonSettings
 
     kernels = load_kernels(CommonSettings().home)
-    setup = dict(quantization="none", num_slots=6, calibration=None)
-    first = set_up_linears(tiny_llama, kernels, linear_backend="native", **setup)
-    second = set_up_linears(tiny_llama, kernels, linear_backend="auto", **setup)
-    assert isinstance(first.logits, NativeLinear) and isinstance(second.logits, NativeLinear)
-    assert second.logits.max_native_rows == first.logits.max_native_rows == 6
-    assert second.calibrations == []
+    prepared = prepare_model(tiny_llama, kernels, max_rows=6, linear_backend="native")
+    first = ModelRunner(prepared, num_slots=6, max_model_len=32)
+    second = ModelRunner(prepared, num_slots=2, max_model_len=32)
+    assert isinstance(first.logits, NativeLinear) and second.logits is first.logits
+    assert second.logits.max_native_rows == 6
+    assert second.calibrations == first.calibrations == prepared.calibrations
+    assert [record.name for record in prepared.calibrations] == ["native_kernels"]
     hidden = torch.randn(3, 64)
     with torch.inference_mode():
         torch.testing.assert_close(second.logits(hidden), hidden @ tiny_llama.lm_head.weight.T)

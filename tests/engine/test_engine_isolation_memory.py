@@ -139,7 +139,7 @@ def test_the_engine_sizes_its_cache_by_the_container_limit(tmp_path, tiny_model_
     """The tiny model's KV is 2 (k, v) x 2 layers x 2 heads x 16 dims x 4 bytes = 512 bytes a
     token; a container with 1 MiB of headroom at fraction 0.5 holds 1024 tokens: 4 rows of 256,
     not the 8 asked for."""
-    from slotserve.engine.core.model.runner import build_runner
+    from slotserve.engine.core.model.loader import build_runner
     from slotserve.engine.settings import EngineSettings
 
     sources = fake_host(tmp_path, "0::/\n")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_core_support import runner_on
 
 from slotserve.engine.core.kernels import ISAS, NativeKernels, load_kernels
-from slotserve.engine.core.model.runner import ModelRunner
 from slotserve.settings import CommonSettings
 
 
@@ -96,7 +96,7 @@ def test_every_variant_steps_as_plain_c_does(kernels, simd):
     """A whole native decode step (every kernel at once) under each variant."""
     from test_engine_calibration import tiny_llama
 
-    runner = ModelRunner(tiny_llama(), num_slots=4, max_model_len=64, linear_backend="native")
+    runner = runner_on(tiny_llama(), num_slots=4, max_model_len=64, linear_backend="native")
     step = runner.native_step
     assert step is not None
     hidden = {}
@@ -122,7 +122,7 @@ def test_the_start_up_log_and_load_report_say_which_ran(tmp_path, caplog):
         "native kernels" in r.getMessage() and kernels.build.origin in r.getMessage()
         for r in caplog.records
     )
-    runner = ModelRunner(
+    runner = runner_on(
         tiny_llama(), num_slots=4, max_model_len=64, calibration=CalibrationCache(tmp_path)
     )
     record = runner.calibrations[-1]

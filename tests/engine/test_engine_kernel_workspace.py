@@ -9,9 +9,9 @@ import threading
 
 import pytest
 import torch
+from engine_core_support import runner_on
 
 from slotserve.engine.core.kernels import NativeKernels, load_kernels
-from slotserve.engine.core.model.runner import ModelRunner
 from slotserve.settings import CommonSettings
 
 
@@ -95,7 +95,7 @@ def test_decode_attention_allocates_nothing_in_steady_state(kernels):
 def test_a_native_decode_step_allocates_nothing_in_steady_state(kernels, quantization):
     from test_engine_calibration import tiny_llama
 
-    runner = ModelRunner(
+    runner = runner_on(
         tiny_llama(),
         num_slots=4,
         max_model_len=64,

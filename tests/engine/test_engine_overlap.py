@@ -203,7 +203,7 @@ def test_a_chained_step_does_only_the_allowed_transfers(sharp_model_dir):
 
 
 def test_the_setting_needs_the_static_step(sharp_model_dir):
-    from slotserve.engine.core.model.runner import pick_overlap_steps
+    from slotserve.engine.core.model.loader import pick_overlap_steps
 
     with pytest.raises(UnsupportedSettingError, match="overlap_steps"):
         make_engine(sharp_model_dir, decode_step="classic", overlap_steps="on")

@@ -14,8 +14,9 @@ from engine_server_support import SLOTSERVE
 from test_engine_kernels import assert_int4_close, dequantize_q4, dequantize_q8
 
 from slotserve.engine.core.kernels import load_kernels
+from slotserve.engine.core.model.loader import find_kernels
 from slotserve.engine.core.model.native_linear import QUANTIZED_MAX_ROWS, NativeLinear
-from slotserve.engine.core.model.quantize import QuantizationUnsupported, native_layers, preflight
+from slotserve.engine.core.model.quantize import QuantizationUnsupported, native_layers
 from slotserve.engine.core.params import SamplingParams
 from slotserve.settings import CommonSettings
 
@@ -96,12 +97,13 @@ def test_quantized_smollm2_still_answers(smollm2_dir, mode):
     assert result.text == "The capital of France is Paris."
 
 
-def test_preflight_refuses_what_cannot_run():
+def test_preflight_refuses_what_cannot_run(tmp_path):
+    # Before the model loads: the loader's one kernel lookup refuses the quantization first.
     with pytest.raises(QuantizationUnsupported, match="CPU only"):
-        preflight("int8", torch.device("cuda"), torch.float32)
+        find_kernels(torch.device("cuda"), torch.float32, tmp_path, quantization="int8")
     with pytest.raises(QuantizationUnsupported, match="float32"):
-        preflight("int4", torch.device("cpu"), torch.bfloat16)
-    assert preflight("none", torch.device("cuda"), torch.bfloat16) is None
+        find_kernels(torch.device("cpu"), torch.bfloat16, tmp_path, quantization="int4")
+    assert find_kernels(torch.device("cuda"), torch.bfloat16, tmp_path) is None
 
 
 # An engine process on a machine without a trusted compiler and without a prebuilt library

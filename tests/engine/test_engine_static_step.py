@@ -252,7 +252,7 @@ def test_gpu_memory_leaves_room_for_the_largest_step_and_refuses_what_cannot_fit
 
 def test_static_sizing_fuses_before_reading_free_memory(sharp_model_dir):
     from slotserve.engine.core.model.fusion import FusedGatedMLP, QKVPart
-    from slotserve.engine.core.model.runner import load_model
+    from slotserve.engine.core.model.loader import load_model
     from slotserve.engine.core.model.static_memory import fuse_before_sizing
 
     model, _ = load_model(str(sharp_model_dir), torch.device("cpu"), torch.float32)

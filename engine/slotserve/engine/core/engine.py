@@ -16,11 +16,7 @@ from typing import Any
 
 from slotserve.engine.core.detokenizer import IncrementalDetokenizer, TokenTexts
 from slotserve.engine.core.errors import InvalidRequestError
-from slotserve.engine.core.generation_defaults import (
-    GenerationDefaults,
-    eos_token_ids,
-    load_generation_defaults,
-)
+from slotserve.engine.core.generation_defaults import GenerationDefaults, eos_token_ids
 from slotserve.engine.core.kv_cache import KVCacheManager
 from slotserve.engine.core.limits import RequestLimits
 from slotserve.engine.core.overlap import Collected, StepOverlap
@@ -112,21 +108,19 @@ class LLMEngine:
 
     @classmethod
     def load(cls, settings: EngineSettings, **kwargs: Any) -> LLMEngine:
-        """Load the model named in ``settings`` and size the KV cache (blocking, seconds)."""
-        from slotserve.engine.core.model.runner import build_runner
-        from slotserve.models.resolve import default_served_name, resolve_model
+        """Load the model named in ``settings`` and size the KV cache (blocking, seconds); see
+        :mod:`slotserve.engine.core.model.loader`."""
+        from slotserve.engine.core.model.loader import load_engine_parts
 
-        source = resolve_model(settings.model)
-        runner, tokenizer, kv_cache_tokens = build_runner(settings, source)
-        name = settings.served_model_name or default_served_name(settings.model)
-        kwargs.setdefault(
-            "generation_defaults",
-            load_generation_defaults(
-                settings.generation_config, source, settings.override_generation_config
-            ),
-        )
+        parts = load_engine_parts(settings)
+        kwargs.setdefault("generation_defaults", parts.generation_defaults)
         return cls(
-            settings, runner, tokenizer, kv_cache_tokens=kv_cache_tokens, model_name=name, **kwargs
+            settings,
+            parts.runner,
+            parts.tokenizer,
+            kv_cache_tokens=parts.kv_cache_tokens,
+            model_name=parts.model_name,
+            **kwargs,
         )
 
     # -- requests ---------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Which linear layers a model runs with, decided once at load: quantized, native fp32,
+"""Which linear layers a model runs with, decided here and nowhere else, once at load (by
+:func:`~slotserve.engine.core.model.prepare.prepare_model`): quantized, native fp32,
 oneDNN-packed or stock, and the layer that computes the logits.
 
 - ``quantization`` int8/int4: every decoder linear is quantized onto the native kernels, the
@@ -23,7 +24,7 @@ import torch
 
 from slotserve.contracts.engine_argv import Quantization
 from slotserve.engine.core.errors import UnsupportedSettingError
-from slotserve.engine.core.kernels import KernelUnavailable, NativeKernels, load_kernels
+from slotserve.engine.core.kernels import NativeKernels
 from slotserve.engine.core.model.calibration import CalibrationCache, CalibrationRecord, Measurement
 from slotserve.engine.core.model.linear import aten_logits, choose_linear_backend, pack_linears
 from slotserve.engine.core.model.native_linear import (
@@ -40,7 +41,6 @@ from slotserve.engine.core.model.native_linear import (
 from slotserve.engine.core.model.native_rows_watch import NativeRowsWatch
 from slotserve.engine.core.model.quantize import quantize_model
 from slotserve.engine.settings import LinearBackend
-from slotserve.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +51,6 @@ class LinearLayers:
     calibrations: list[CalibrationRecord] = field(default_factory=list)
     # Checks the native-rows decision against the steady-state decode steps (fp32, auto).
     watch: NativeRowsWatch | None = None
-
-
-def native_kernels(device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
-    """The native kernels where they serve this device and dtype and can be built, else None
-    (the torch code paths run instead: slower, never wrong)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return None
-    try:
-        return load_kernels(CommonSettings().home)
-    except KernelUnavailable as error:
-        logger.warning("native kernels unavailable, decode attention runs in torch: %s", error)
-        return None
 
 
 def set_up_linears(
@@ -83,19 +71,18 @@ def set_up_linears(
     (native up to 0 rows: each product is aten's F.linear, as the stock layer's), so that the
     native step, with its bf16 prefill products, exists for prefill chunks."""
     if quantization == "int8" or quantization == "int4":
-        return _quantized(model, quantization, native or load_kernels(CommonSettings().home))
+        if native is None:
+            raise UnsupportedSettingError(
+                f"quantization {quantization} runs on the native kernels: a CPU, float32 "
+                "weights and a C compiler (gcc) to build them"
+            )
+        return _quantized(model, quantization, native)
     if linear_backend == "native" and native is None:
         raise UnsupportedSettingError(
             "linear_backend native needs the native kernels: a CPU, float32 weights and a C "
             "compiler (gcc) to build them"
         )
     calibrations: list[CalibrationRecord] = []
-    installed = _installed_native_rows(model)
-    if native is not None and installed is not None:
-        # A runner built earlier on this model (benchmarks build one per batch size) made its
-        # decoder native: the logits follow that decision, as they did for that runner.
-        native_logits = install_native_fp32(model, native, installed)
-        return LinearLayers(native_logits or aten_logits(model.get_output_embeddings()))
     rows_record = question = None
     products_bytes = sum(
         m.weight.numel() * m.weight.element_size()
@@ -194,14 +181,6 @@ def _watch(
     )
     watch.attach(model.get_decoder())
     return watch
-
-
-def _installed_native_rows(model: Any) -> int | None:
-    """The row limit of the fp32 native layers already in ``model``'s decoder, if any."""
-    for module in model.get_decoder().modules():
-        if isinstance(module, NativeLinear) and module.format == "float32":
-            return module.max_native_rows
-    return None
 
 
 def kernels_record(kernels: NativeKernels) -> CalibrationRecord:

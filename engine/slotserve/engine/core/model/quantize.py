@@ -26,10 +26,9 @@ import torch
 from torch import nn
 
 from slotserve.engine.core.errors import UnsupportedSettingError
-from slotserve.engine.core.kernels import GROUP_SIZE, NativeKernels, load_kernels
+from slotserve.engine.core.kernels import GROUP_SIZE, NativeKernels
 from slotserve.engine.core.model.fusion import replace_linears
 from slotserve.engine.core.model.native_linear import NativeLinear
-from slotserve.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +57,9 @@ def native_layers(model: nn.Module) -> list[NativeLinear]:
     return list(found.values())
 
 
-def _check_device(mode: str, device: torch.device, dtype: torch.dtype) -> None:
+def check_device(mode: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise :class:`QuantizationUnsupported` unless ``mode`` can run on ``device`` from
+    ``dtype`` weights (a CPU, float32)."""
     if device.type != "cpu":
         raise QuantizationUnsupported(
             f"quantization {mode} runs on CPU only (native kernels); this engine is on "
@@ -71,26 +72,10 @@ def _check_device(mode: str, device: torch.device, dtype: torch.dtype) -> None:
         )
 
 
-def preflight(mode: str, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
-    """Before the model loads: refuse a quantization this device or dtype cannot run, and build
-    (or find) the kernels, so a bad setting fails in milliseconds, not after the load."""
-    if mode == "none":
-        return None
-    _check_device(mode, device, dtype)
-    kernels = load_kernels(CommonSettings().home)
-    if not kernels.avx2:
-        logger.warning(
-            "quantization %s: this CPU lacks AVX2/FMA; the kernels run their plain C version "
-            "(correct, several times slower)",
-            mode,
-        )
-    return kernels
-
-
 def check_quantizable(model: nn.Module, mode: str) -> None:
     """Raise :class:`QuantizationUnsupported` if ``model`` cannot run ``mode`` here."""
     param = next(model.parameters())
-    _check_device(mode, param.device, param.dtype)
+    check_device(mode, param.device, param.dtype)
     decoder = model.get_decoder()  # type: ignore[operator]
     linears = [m for m in decoder.modules() if type(m) is nn.Linear]
     if not linears:
@@ -106,22 +91,13 @@ def check_quantizable(model: nn.Module, mode: str) -> None:
 
 
 def quantize_model(
-    model: nn.Module, mode: Literal["int8", "int4"], kernels: NativeKernels | None = None
+    model: nn.Module, mode: Literal["int8", "int4"], kernels: NativeKernels
 ) -> QuantizationReport:
     """Replace the decoder's linear layers with quantized :class:`NativeLinear` ones, and the
     output projection with an int8 one, in place (the input embedding stays as it is, even
-    when the two were tied). ``kernels`` defaults to the library built under SLOTSERVE_HOME.
-    """
+    when the two were tied)."""
     start = time.perf_counter()
-    done = native_layers(model)
-    if done and not any(type(m) is nn.Linear for m in model.get_decoder().modules()):  # type: ignore[operator]
-        # A second runner on a model quantized already (benchmarks, tests): reuse it.
-        if any(m.format not in (mode, "int8") for m in done):
-            raise QuantizationUnsupported(f"this model is quantized already, not to {mode}")
-        return QuantizationReport(mode, len(done), 0, sum(m.nbytes() for m in done), 0.0)
     check_quantizable(model, mode)
-    if kernels is None:
-        kernels = load_kernels(CommonSettings().home)
     decoder = model.get_decoder()  # type: ignore[operator]
     linears = [m for m in decoder.modules() if type(m) is nn.Linear]
     lm_head = model.get_output_embeddings()  # type: ignore[operator]

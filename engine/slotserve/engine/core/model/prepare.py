@@ -1,0 +1,117 @@
+"""A loaded model made ready for the engine, once: its attention, its linear layers and the
+layer that computes the logits.
+
+:func:`prepare_model` does all the layer surgery a model gets (runners only read it), so any
+number of runners can be built on one :class:`PreparedModel`: a served engine builds one, a
+benchmark one per batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slotserve.contracts.engine_argv import Quantization
+from slotserve.engine.core.errors import UnsupportedSettingError
+from slotserve.engine.core.kernels import NativeKernels
+from slotserve.engine.core.model.attention import register_slot_attention
+from slotserve.engine.core.model.bf16_prefill import (
+    Bf16Gate,
+    bf16_units,
+    install_bf16_prefill,
+    wants_bf16_prefill,
+)
+from slotserve.engine.core.model.calibration import CalibrationCache, CalibrationRecord
+from slotserve.engine.core.model.linear_setup import set_up_linears
+from slotserve.engine.core.model.native_decode import NativeDecodeStep, native_step, step_eligible
+from slotserve.engine.settings import DecodeStep, LinearBackend, PrefillDType
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """A model whose layers are set up, and what every runner built on it shares."""
+
+    model: Any
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    # The native kernels the layers and decode attention run on; None: torch only.
+    kernels: NativeKernels | None
+    # What was decided (or measured) at load, and what it cost.
+    calibrations: list[CalibrationRecord]
+    decode_step: DecodeStep
+    # Runners build the native step over their KV rows where the model's layers allow it.
+    native_decode: bool
+    # Shared by the bf16 prefill weights: on for steps with a prefill chunk (the runner's).
+    bf16_gate: Bf16Gate | None
+
+    @property
+    def static(self) -> bool:
+        """Whether decode steps run the static step (stock products, no C kernels)."""
+        return self.decode_step in ("static", "compiled")
+
+    def native_step(
+        self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]
+    ) -> NativeDecodeStep | None:
+        """The native step over a runner's KV rows, or None where it cannot run (logged)."""
+        if not self.native_decode:
+            return None
+        step = native_step(self.model, self.kernels, k_cache, v_cache)
+        gate = self.bf16_gate
+        # bf16 prefill products: in the native step (its wide products call back into torch's
+        # bf16 GEMM), else in the layers' torch path; decode-sized products stay fp32.
+        if step is not None and gate is not None and not step.use_bf16_products(gate):
+            step.prefill = False
+        return step
+
+
+def prepare_model(
+    model: Any,
+    kernels: NativeKernels | None,
+    *,
+    max_rows: int,
+    calibration: CalibrationCache | None = None,
+    linear_backend: LinearBackend = "auto",
+    quantization: Quantization = "none",
+    native_decode: bool = True,
+    decode_step: DecodeStep = "classic",
+    prefill_dtype: PrefillDType = "float32",
+) -> PreparedModel:
+    """Set up ``model``'s layers in place for runners of up to ``max_rows`` slots.
+
+    ``kernels``: the native kernels the loader found for this device and dtype (None: torch
+    only; quantization needs them). The static decode step (``decode_step`` static or
+    compiled) runs the model's stock modules: no C kernels, no packing."""
+    model.set_attn_implementation(register_slot_attention())
+    if decode_step in ("static", "compiled"):
+        if quantization != "none" or linear_backend not in ("auto", "aten"):
+            raise UnsupportedSettingError(
+                f"decode_step {decode_step} runs stock products: it needs quantization none "
+                f"and linear_backend auto or aten (got {quantization}, {linear_backend})"
+            )
+        kernels, native_decode, linear_backend = None, False, "aten"
+    # The CPU's bf16 units, read once: they decide whether prefill multiplies in bf16.
+    units = bf16_units() if prefill_dtype != "float32" else []
+    eligible = step_eligible(model)
+    layers = set_up_linears(
+        model,
+        kernels,
+        linear_backend=linear_backend,
+        quantization=quantization,
+        num_slots=max_rows,
+        calibration=calibration,
+        native_step=native_decode and kernels is not None and eligible,
+        native_for_prefill=native_decode
+        and eligible
+        and wants_bf16_prefill(prefill_dtype, quantization, units),
+    )
+    return PreparedModel(
+        model=model,
+        logits=layers.logits,
+        kernels=kernels,
+        calibrations=layers.calibrations,
+        decode_step=decode_step,
+        native_decode=native_decode,
+        bf16_gate=install_bf16_prefill(model, prefill_dtype, units),
+    )
