@@ -27,6 +27,9 @@ replica leaves nothing behind for long:
 | ``P:epoch`` | HASH | admission epoch: ``id``, ``created``, ``ready`` (us) (2) | STATE |
 | ``P:replica:{id}`` | STRING | present while replica ``id`` heartbeats | lease TTL |
 | ``P:grants:{id}`` | LIST | grants made for replica ``id`` by others (1) | lease TTL |
+| ``P:tenant:{name}:rpm`` | HASH | tenant's requests bucket: ``level``, ``at`` (7) | to full |
+| ``P:tenant:{name}:tpm`` | HASH | tenant's tokens bucket: ``level``, ``at`` (7) | to full |
+| ``P:tenant:{name}:inflight`` | ZSET | tenant's requests in flight; score = expiry (ms) | (7) |
 
 (1) each item is ``pool``, request id and endpoint joined by ``\\x1f``.
 (2) recreated when Redis lost its data; nobody dispatches before ``ready`` (see the gateway's
@@ -41,6 +44,8 @@ promises due up to then have opened their places), ``kept`` and ``lapsed`` (prom
 clients came back within their grace, and those that did not; halved past 64).
 (6) start-time fair queuing within a level (``gateway/lua_fair.py``); both deleted when the level
 has nothing waiting.
+(7) the gateway's ``admission/lua/quotas.py``: a bucket (``at`` in ms) lives until it would have
+refilled (absent is full), the in-flight set until no replica refreshed it for its TTL.
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
 write. Times are Redis server time (``TIME``) in microseconds, so replica clocks never matter.
 """
@@ -48,6 +53,7 @@ write. Times are Redis server time (``TIME``) in microseconds, so replica clocks
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 STATE_TTL_S = 3600
 GRANT_SEPARATOR = "\x1f"
@@ -66,6 +72,8 @@ POOL_KEY_NAMES = (
     "delays",
     "lease_slots",
 )
+
+TENANT_KEY_NAMES = ("rpm", "tpm", "inflight")
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,22 @@ class Keys:
         """The pool's admission counts of window ``number`` (``slotserve.admission_stats``)."""
         return self.pool_key(pool_name, f"window:{number}")
 
+    def waiting(self, pool_name: str, replica_id: str) -> str:
+        return self.pool_key(pool_name, f"waiting:{replica_id}")
+
+    def fair(self, pool_name: str, level: int | str) -> str:
+        return self.pool_key(pool_name, f"fair:{level}")
+
+    def fair_queue(self, pool_name: str, level: int | str) -> str:
+        return self.pool_key(pool_name, f"fairq:{level}")
+
+    def tenant(self, tenant_name: str) -> list[str]:
+        """The tenant's quota keys in the order the quota scripts expect them (KEYS[1..3])."""
+        return [f"{self.prefix}:tenant:{tenant_name}:{name}" for name in TENANT_KEY_NAMES]
+
+    def epoch(self) -> str:
+        return f"{self.prefix}:epoch"
+
     def replica(self, replica_id: str) -> str:
         return f"{self.prefix}:replica:{replica_id}"
 
@@ -93,13 +117,86 @@ class Keys:
         return f"{self.prefix}:grants:{replica_id}"
 
 
+# Marks a Lua expression inside a key that ``Keys`` builds while the scripts' source is put
+# together (never at run time); the literal parts of key names never hold it.
+_LUA_MARK = "\x00"
+
+
+def lua_expr(expression: str) -> str:
+    """A key part that :func:`lua_key` writes as the Lua ``expression`` itself, not as text."""
+    return f"{_LUA_MARK}{expression}{_LUA_MARK}"
+
+
+def lua_key(key: str) -> str:
+    """The Lua that builds ``key``, a ``Keys`` name whose variable parts are :func:`lua_expr`:
+    ``lua_key(Keys(lua_expr("PREFIX")).replica(lua_expr("id")))`` is
+    ``PREFIX .. ':replica:' .. id``. So the scripts spell no key by hand."""
+    parts = key.split(_LUA_MARK)
+    if len(parts) % 2 == 0:
+        raise ValueError(f"an unclosed Lua expression in key {key!r}")
+    pieces = []
+    for index, part in enumerate(parts):
+        if index % 2:
+            pieces.append(part)
+        elif part:
+            pieces.append("'" + part.replace("\\", "\\\\").replace("'", "\\'") + "'")
+    return " .. ".join(pieces)
+
+
+def lua_key_locals(names: tuple[str, ...]) -> str:
+    """``local K_<NAME> = KEYS[n]``, one local per name, in KEYS order: ``POOL_KEY_NAMES``
+    for the admission scripts, ``TENANT_KEY_NAMES`` for the quota ones."""
+    return "".join(
+        f"local K_{name.upper()} = KEYS[{number}]\n" for number, name in enumerate(names, start=1)
+    )
+
+
+class ScriptArgs:
+    """A script's arguments as a frozen dataclass whose field order is the ARGV order.
+
+    :meth:`argv` builds them (a bool as 1/0: Redis takes no bools; a tuple, only as the last
+    field, spread to the end of ARGV) and :meth:`lua_args` binds each to a Lua local, so
+    neither side counts positions by hand.
+    """
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # what makes ``fields`` take a subclass
+
+    def argv(self) -> list[str | int]:
+        out: list[str | int] = []
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, tuple):
+                out.extend(value)
+            else:
+                out.append(int(value) if isinstance(value, bool) else value)
+        return out
+
+    @classmethod
+    def lua_args(cls, first: int | str) -> str:
+        """``local ARG_<FIELD> = ARGV[first + k]``: each argument's text as passed, for the
+        script to check before it uses it. A tuple (last) field binds ``ARG_<FIELD>_AT``
+        instead, the ARGV index it starts at (it runs to ``#ARGV``)."""
+        lines = []
+        for offset, field in enumerate(fields(cls)):
+            if isinstance(first, int):
+                index = str(first + offset)
+            else:
+                index = f"{first} + {offset}" if offset else first
+            if str(field.type).startswith("tuple"):
+                lines.append(f"local ARG_{field.name.upper()}_AT = {index}\n")
+            else:
+                lines.append(f"local ARG_{field.name.upper()} = ARGV[{index}]\n")
+        return "".join(lines)
+
+
 @dataclass(frozen=True)
-class DispatchArgs:
+class DispatchArgs(ScriptArgs):
     """The first arguments of every dispatching script (the gateway's
     ``admission/lua/scripts.py``), in ARGV order.
 
     :meth:`argv` builds them and :meth:`lua_locals` binds each to a Lua local named after its
-    field in capitals, so neither side counts positions by hand. ``num_offers`` triples (url,
+    field in capitals (numbers through ``tonumber``), so neither side counts positions by
+    hand. ``num_offers`` triples (url,
     slots_total, load_score) follow, then each script's own arguments.
     """
 
@@ -112,9 +209,6 @@ class DispatchArgs:
     sweep_batch: int
     max_queue: int  # the pool's maxQueueSize
     num_offers: int
-
-    def argv(self) -> list[str | int]:
-        return [getattr(self, field.name) for field in fields(self)]
 
     @classmethod
     def lua_locals(cls) -> str:

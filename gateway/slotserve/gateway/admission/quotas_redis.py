@@ -15,8 +15,11 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from slotserve.contracts.redis_keys import Keys, ScriptArgs
 from slotserve.gateway.admission.backends.redis import CALL_TIMEOUT_S, make_client
+from slotserve.gateway.admission.lua.args import ChargeArgs, RefreshArgs, TakeArgs
 from slotserve.gateway.admission.lua.quotas import SCRIPTS
+from slotserve.gateway.admission.lua.replies import TakeReply
 from slotserve.gateway.admission.quotas import MAX_COST_TOKENS, QuotaRefusal, retry_after_s
 from slotserve.gateway.admission.tenants import Tenant
 
@@ -44,12 +47,11 @@ class RedisQuotas:
         self.scripts = {name: self.client.register_script(src) for name, src in SCRIPTS.items()}
 
     def keys(self, tenant: Tenant) -> list[str]:
-        base = f"{self.prefix}:tenant:{tenant.name}"
-        return [f"{base}:rpm", f"{base}:tpm", f"{base}:inflight"]
+        return Keys(self.prefix).tenant(tenant.name)
 
-    async def _call(self, name: str, tenant: Tenant, args: list[Any]) -> Any:
+    async def _call(self, name: str, tenant: Tenant, args: ScriptArgs) -> Any:
         try:
-            call: Awaitable[Any] = self.scripts[name](keys=self.keys(tenant), args=args)
+            call: Awaitable[Any] = self.scripts[name](keys=self.keys(tenant), args=args.argv())
             return await asyncio.wait_for(call, CALL_TIMEOUT_S)
         except _UNAVAILABLE as exc:
             raise QuotaUnavailableError(str(exc) or type(exc).__name__) from exc
@@ -57,28 +59,28 @@ class RedisQuotas:
     async def take(self, tenant: Tenant, request_id: str, cost_tokens: int) -> QuotaRefusal | None:
         if tenant.has_zero_quota:
             return QuotaRefusal("zero_quota", None)
-        args = [
-            request_id,
-            _limit(tenant.max_inflight),
-            _limit(tenant.requests_per_minute),
-            _limit(tenant.tokens_per_minute),
-            min(max(cost_tokens, 0), MAX_COST_TOKENS),
-            self.inflight_ttl_ms,
-        ]
-        reason, wait = await self._call("take", tenant, args)
-        if reason == "ok":
+        args = TakeArgs(
+            request_id=request_id,
+            max_inflight=_limit(tenant.max_inflight),
+            requests_per_minute=_limit(tenant.requests_per_minute),
+            tokens_per_minute=_limit(tenant.tokens_per_minute),
+            cost_tokens=min(max(cost_tokens, 0), MAX_COST_TOKENS),
+            inflight_ttl_ms=self.inflight_ttl_ms,
+        )
+        reply = TakeReply.parse(await self._call("take", tenant, args))
+        if reply.reason == "ok":
             return None
-        if reason == "zero_quota":
+        if reply.reason == "zero_quota":
             return QuotaRefusal("zero_quota", None)
-        if reason == "invalid":  # every value was bounded before the call: a bug, loudly
+        if reply.reason == "invalid":  # every value was bounded before the call: a bug, loudly
             raise ValueError(f"quota script refused the arguments for tenant {tenant.name!r}")
-        return QuotaRefusal(str(reason), retry_after_s(int(wait)))
+        return QuotaRefusal(reply.reason, retry_after_s(reply.wait_ms))
 
     async def charge(self, tenant: Tenant, tokens: int) -> None:
         if not tenant.tokens_per_minute:
             return
         tokens = max(-MAX_COST_TOKENS, min(tokens, MAX_COST_TOKENS))
-        await self._call("charge", tenant, [tenant.tokens_per_minute, tokens])
+        await self._call("charge", tenant, ChargeArgs(tenant.tokens_per_minute, tokens))
 
     async def release(self, tenant: Tenant, request_id: str) -> None:
         try:
@@ -90,7 +92,9 @@ class RedisQuotas:
 
     async def refresh(self, tenant: Tenant, request_ids: list[str]) -> None:
         if request_ids:
-            await self._call("refresh", tenant, [self.inflight_ttl_ms, *request_ids])
+            await self._call(
+                "refresh", tenant, RefreshArgs(self.inflight_ttl_ms, tuple(request_ids))
+            )
 
     async def close(self) -> None:
         client: aioredis.Redis = self.client

@@ -14,14 +14,36 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, NoScriptError, RedisError
 
-from slotserve.contracts.redis_keys import GRANT_SEPARATOR, STATE_TTL_S, DispatchArgs, Keys
+from slotserve.contracts.redis_keys import (
+    GRANT_SEPARATOR,
+    STATE_TTL_S,
+    DispatchArgs,
+    Keys,
+    ScriptArgs,
+)
+from slotserve.gateway.admission.lua.args import (
+    CancelArgs,
+    EnqueueArgs,
+    HeartbeatArgs,
+    ReleaseArgs,
+    TickArgs,
+    heartbeat_leases,
+)
+from slotserve.gateway.admission.lua.replies import (
+    DispatchReply,
+    HeartbeatReply,
+    cancel_outcome,
+    dispatch_grants,
+    invalid_name,
+    is_invalid,
+)
 from slotserve.gateway.admission.lua.scripts import SCRIPTS
 from slotserve.gateway.admission.tenants import DEFAULT_TENANT
 from slotserve.gateway.admission.types import (
@@ -48,6 +70,8 @@ _UNAVAILABLE = (RedisError, OSError, TimeoutError)
 CALL_TIMEOUT_S = 4.0
 DISPATCHING_SCRIPTS = frozenset({"enqueue", "release", "tick"})  # replies carry grants
 SWEEP_BATCH = 100  # entries one script may sweep: a few ms of Redis time at most
+# Where the pool's name sits in a dispatching script's arguments (its grants go to that pool).
+_POOL_ARG = [field.name for field in fields(DispatchArgs)].index("pool")
 
 
 def make_client(url: str, *, socket_timeout_s: float = 3.0) -> aioredis.Redis:
@@ -166,6 +190,14 @@ class RedisBackend:
             args += [offer.url, offer.slots_total, repr(float(offer.load_score))]
         return args
 
+    async def _dispatch(
+        self, name: str, pool: PoolPolicy, offers: Sequence[EndpointOffer], own: ScriptArgs
+    ) -> list[object]:
+        """Run a pool's script: the shared arguments, the offers, then its own (``lua/args``)."""
+        return await self._run(
+            name, self.keys.pool(pool.name), self._args(pool, offers) + own.argv()
+        )
+
     async def _run(self, name: str, keys: list[str], args: list[str | int]) -> list[object]:
         """Run a named script. Calls made in the same event-loop turn share one pipeline (one
         round trip); each script is still atomic on its own."""
@@ -202,20 +234,19 @@ class RedisBackend:
             log.exception("Redis pipeline failed")
             replies = [exc] * len(calls)
         for call, reply in zip(calls, replies, strict=True):
-            invalid = isinstance(reply, list) and reply[:1] == ["invalid"]
-            carries_grants = not invalid and not isinstance(reply, BaseException)
-            if call.name in DISPATCHING_SCRIPTS and carries_grants:
-                self._route_grants(str(call.args[1]), list(reply))  # type: ignore[call-overload]
+            invalid = is_invalid(reply)
+            if call.name in DISPATCHING_SCRIPTS and isinstance(reply, list) and not invalid:
+                self._route_grants(str(call.args[_POOL_ARG]), dispatch_grants(reply))
             if call.future.done():
                 continue
             if isinstance(reply, BaseException):
                 # OOM, READONLY, a script error: Redis cannot take the step; nothing was done
                 # (the scripts declare flags, so Redis refuses them before their first write).
                 call.future.set_exception(_unavailable(reply))
-            elif invalid:
+            elif invalid and isinstance(reply, list):
                 # A value out of bounds (a caller's bug: check_enqueue runs first): the script
                 # refused it before its first write.
-                what = reply[1] if len(reply) > 1 else "?"  # type: ignore[arg-type, index]
+                what = invalid_name(reply)
                 call.future.set_exception(
                     InvalidAdmissionValueError(f"admission refused the value of {what}")
                 )
@@ -228,23 +259,23 @@ class RedisBackend:
             pipe.evalsha(self.scripts[call.name].sha, len(call.keys), *call.keys, *call.args)
         return list(await pipe.execute(raise_on_error=False))
 
-    def _route_grants(self, pool_name: str, reply: list[object]) -> None:
+    def _route_grants(self, pool_name: str, grants: list[tuple[str, str]]) -> None:
         """This replica's grants in a script's reply go to ``on_grant`` right here, not to the
         caller: a caller cancelled meanwhile (client gone) cannot drop them."""
         if self._on_grant is None:
             return
-        for i in range(6, len(reply) - 1, 2):
+        for request_id, endpoint in grants:
             try:
-                self._on_grant(pool_name, str(reply[i]), str(reply[i + 1]))
+                self._on_grant(pool_name, request_id, endpoint)
             except Exception:  # one failing delivery must not lose the others
-                log.exception("could not deliver grant %r", reply[i])
+                log.exception("could not deliver grant %r", request_id)
 
-    def _result(self, reply: list[object]) -> DispatchResult:
-        epoch = str(reply[4])
+    def _result(self, reply: DispatchReply) -> DispatchResult:
+        epoch = reply.epoch
         return DispatchResult(
-            int(reply[1]),  # type: ignore[call-overload]
-            int(reply[2]),  # type: ignore[call-overload]
-            int(reply[3]),  # type: ignore[call-overload]
+            reply.queue_depth,
+            reply.num_dispatched_total,
+            reply.hold_us,
             state_lost=bool(self.epoch) and bool(epoch) and epoch != self.epoch,
         )
 
@@ -279,29 +310,41 @@ class RedisBackend:
         )
         level = pool.level(priority)
         demote_us = demote_after_us if demote_after_us and demote_after_us < timeout_us else 0
-        args = [*self._args(pool, offers), request_id, priority, timeout_us, pool.max_queue_size]
-        args += [1 if only_if_absent else 0, drain_gap_us]
-        args += [promise_horizon_us(pool), aging_us, level.max_queue_size, demote_us]
-        args += [slots, tenant, weight, deadline_gap_us]
-        reply = await self._run("enqueue", self.keys.pool(pool.name), args)
+        own = EnqueueArgs(
+            request_id=request_id,
+            priority=priority,
+            timeout_us=timeout_us,
+            max_queue_size=pool.max_queue_size,
+            only_if_absent=only_if_absent,
+            drain_gap_us=drain_gap_us,
+            queue_timeout_us=promise_horizon_us(pool),
+            aging_us=aging_us,
+            level_max_queue_size=level.max_queue_size,
+            demote_after_us=demote_us,
+            slots=slots,
+            tenant=tenant,
+            weight=weight,
+            deadline_gap_us=deadline_gap_us,
+        )
+        reply = DispatchReply.parse(await self._dispatch("enqueue", pool, offers, own))
         result = self._result(reply)
-        if reply[0] == "deadline":
+        if reply.status == "deadline":
             raise DeadlineUnreachableError.of(
                 pool.name,
                 timeout_us,
-                retry_after_s=max(1, int(reply[5]) // 1_000_000),  # type: ignore[call-overload]
+                retry_after_s=max(1, reply.retry_after_us // 1_000_000),
             )
-        if reply[0] == "unfit":
+        if reply.status == "unfit":
             raise NoEngineFitsError.of(pool.name, slots, most_slots(offers))
-        if reply[0] in ("full", "level_full"):
-            whole = reply[0] == "full"
+        if reply.status in ("full", "level_full"):
+            whole = reply.status == "full"
             where = f"pool {pool.name!r}" if whole else f"level {priority} of {pool.name!r}"
             limit = pool.max_queue_size if whole else level.max_queue_size
             raise QueueFullError(
                 f"queue of {where} is full ({limit} waiting)",
                 queue_depth=result.queue_depth,
                 num_dispatched_total=result.num_dispatched_total,
-                retry_after_s=max(1, int(reply[5]) // 1_000_000),  # type: ignore[call-overload]
+                retry_after_s=max(1, reply.retry_after_us // 1_000_000),
             )
         return result
 
@@ -326,10 +369,10 @@ class RedisBackend:
         task.add_done_callback(self._flushes.discard)
 
     async def _release_batch(self, batch: _ReleaseBatch) -> None:
-        args = [*self._args(batch.pool, batch.offers), *batch.request_ids]
+        own = ReleaseArgs(tuple(batch.request_ids))
         try:
-            reply = await self._run("release", self.keys.pool(batch.pool.name), args)
-            result = self._result(reply)
+            reply = await self._dispatch("release", batch.pool, batch.offers, own)
+            result = self._result(DispatchReply.parse(reply))
         except BackendUnavailableError as exc:
             for future in batch.futures:
                 if not future.done():
@@ -340,23 +383,25 @@ class RedisBackend:
                 future.set_result(result)
 
     async def cancel(self, pool: PoolPolicy, request_id: str) -> CancelOutcome:
-        args = [*self._args(pool, []), request_id]
-        reply = await self._run("cancel", self.keys.pool(pool.name), args)
-        return CancelOutcome(str(reply[0]), str(reply[1]))  # type: ignore[arg-type]
+        reply = await self._dispatch("cancel", pool, [], CancelArgs(request_id))
+        return cancel_outcome(reply)
 
     async def tick(self, pool: PoolPolicy, offers: Sequence[EndpointOffer]) -> DispatchResult:
-        reply = await self._run("tick", self.keys.pool(pool.name), self._args(pool, offers))
-        return self._result(reply)
+        reply = await self._dispatch("tick", pool, offers, TickArgs())
+        return self._result(DispatchReply.parse(reply))
 
     async def heartbeat(
         self, leases: dict[str, list[tuple[str, str, int]]], *, restore: bool
     ) -> bool:
-        args: list[str | int] = [self.keys.prefix, self.replica_id, self.lease_ttl_us]
-        args += [STATE_TTL_S * 1000, self.epoch, "1" if restore else "0"]
-        for pool_name, held in leases.items():
-            args += [pool_name, len(held)]
-            for request_id, endpoint, slots in held:
-                args += [request_id, endpoint, slots]
+        args = HeartbeatArgs(
+            prefix=self.keys.prefix,
+            caller=self.replica_id,
+            lease_ttl_us=self.lease_ttl_us,
+            state_ttl_ms=STATE_TTL_S * 1000,
+            known_epoch=self.epoch,
+            restore=restore,
+            leases=heartbeat_leases(leases),
+        ).argv()
         script = self.scripts["heartbeat"]
         try:
             # Its own client, outside the request pipeline: a burst must not delay it.
@@ -365,11 +410,11 @@ class RedisBackend:
             )
         except _UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
-        was_alive, epoch, wait_us = int(reply[0]), str(reply[1]), int(reply[2])
-        intact = bool(was_alive) and epoch == (self.epoch or epoch)
+        beat = HeartbeatReply.parse(reply)
+        intact = beat.was_alive and beat.epoch == (self.epoch or beat.epoch)
         if intact or restore or not self.epoch:
-            self.epoch = epoch
-        self._epoch_wait_us = wait_us
+            self.epoch = beat.epoch
+        self._epoch_wait_us = beat.wait_us
         return intact
 
     async def inflight(self, pool: PoolPolicy) -> dict[str, int]:

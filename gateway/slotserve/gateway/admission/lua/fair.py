@@ -33,15 +33,18 @@ Needs ``PREFIX``, ``POOL``, ``STATE_TTL_MS``, ``DEMOTION_OFFSET``, ``int``/``int
 
 from __future__ import annotations
 
+from slotserve.contracts.redis_keys import Keys, lua_expr, lua_key
 from slotserve.gateway.admission.fair_share import FAIR_UNIT, MAX_WEIGHT, V_FIELD
+
+_KEYS, _POOL, _LEVEL = Keys(lua_expr("PREFIX")), lua_expr("POOL"), lua_expr("level")
 
 FAIR = (
     f"""
 local FAIR_UNIT, MAX_WEIGHT, V_FIELD = {FAIR_UNIT}, {MAX_WEIGHT}, '{V_FIELD}'
+local function fair_key(level) return {lua_key(_KEYS.fair(_POOL, _LEVEL))} end
+local function fairq_key(level) return {lua_key(_KEYS.fair_queue(_POOL, _LEVEL))} end
 """
     + r"""
-local function fair_key(level) return PREFIX .. ':{' .. POOL .. '}:fair:' .. level end
-local function fairq_key(level) return PREFIX .. ':{' .. POOL .. '}:fairq:' .. level end
 
 -- ARGV text usable as a tenant's name (tenants.TENANT_NAME), else nil.
 local function tenant_arg(s)

@@ -13,7 +13,14 @@ from __future__ import annotations
 from dataclasses import fields
 
 from slotserve.contracts.pool_spec import MAX_PRIORITY_LEVELS
-from slotserve.contracts.redis_keys import DispatchArgs
+from slotserve.contracts.redis_keys import (
+    POOL_KEY_NAMES,
+    DispatchArgs,
+    Keys,
+    lua_expr,
+    lua_key,
+    lua_key_locals,
+)
 from slotserve.gateway.admission.lua.epoch import EPOCH
 from slotserve.gateway.admission.lua.fair import FAIR
 from slotserve.gateway.admission.lua.slots import SLOTS
@@ -56,13 +63,14 @@ def _check_dispatch_args() -> str:
     return "".join(lines)
 
 
+# Keys as Lua builds them at run time from its PREFIX and POOL (``redis_keys.lua_key``).
+_KEYS, _POOL = Keys(lua_expr("PREFIX")), lua_expr("POOL")
+
+
 PRELUDE = (
     r"""#!lua flags=allow-cross-slot-keys
-local K_QUEUE, K_ENTRIES, K_SEQ, K_LEASES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_LEASE_EP, K_INFLIGHT, K_STATS, K_DEADLINES = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local K_REPLICAS, K_RETRIES, K_LEVELS, K_DELAYS = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
-local K_LEASE_SLOTS = KEYS[13]
 """
+    + lua_key_locals(POOL_KEY_NAMES)
     + VALUES
     + DispatchArgs.lua_locals()
     + _check_dispatch_args()
@@ -97,13 +105,17 @@ local function stat(name) return int_value(redis.call('HGET', K_STATS, name), 0)
 local alive = {[CALLER] = true}
 local function is_alive(replica)
   if alive[replica] == nil then
-    alive[replica] = redis.call('EXISTS', PREFIX .. ':replica:' .. replica) == 1
+    alive[replica] = redis.call('EXISTS', """
+    + lua_key(_KEYS.replica(lua_expr("replica")))
+    + r""") == 1
   end
   return alive[replica]
 end
 
 local function waiting_key(replica)
-  return PREFIX .. ':{' .. POOL .. '}:waiting:' .. replica
+  return """
+    + lua_key(_KEYS.waiting(_POOL, lua_expr("replica")))
+    + r"""
 end
 
 -- replica|deadline|enqueued|level|slots, numbers as digits (the replica's name may hold '|': the

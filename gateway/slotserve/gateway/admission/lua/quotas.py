@@ -1,7 +1,9 @@
 """The Lua scripts of the tenant quotas (``quotas_redis.py``): the arithmetic of ``quotas.py``.
 
-Each script is one atomic step on one tenant's keys: ``KEYS[1]`` its requests bucket,
-``KEYS[2]`` its tokens bucket, ``KEYS[3]`` its in-flight sorted set (request id -> expiry ms).
+Each script is one atomic step on one tenant's keys (``redis_keys.TENANT_KEY_NAMES``, bound to
+``K_RPM``, ``K_TPM``, ``K_INFLIGHT``): its requests bucket, its tokens bucket, its in-flight
+sorted set (request id -> expiry ms). Its arguments are ``args.TakeArgs``, ``ChargeArgs`` and
+``RefreshArgs``, bound to ``ARG_*`` locals.
 Time is Redis's own (``TIME``), one clock for every replica. Numbers are read with
 ``int_arg``/``int_value`` and written with ``int`` (``values.py``): digits, exactly. Every
 ARGV is checked before the first write, so a bad call writes nothing. A bucket key expires when
@@ -11,6 +13,8 @@ refreshed it for a TTL.
 
 from __future__ import annotations
 
+from slotserve.contracts.redis_keys import TENANT_KEY_NAMES, ScriptArgs, lua_key_locals
+from slotserve.gateway.admission.lua.args import ChargeArgs, RefreshArgs, TakeArgs
 from slotserve.gateway.admission.lua.values import VALUES
 from slotserve.gateway.admission.quotas import MAX_COST_TOKENS, UNITS_PER_TOKEN
 from slotserve.gateway.admission.tenants import MAX_INFLIGHT, MAX_PER_MINUTE
@@ -19,6 +23,7 @@ MAX_TTL_MS = 86_400_000
 
 COMMON = (
     VALUES
+    + lua_key_locals(TENANT_KEY_NAMES)
     + f"""
 local UNITS, MAX_COST = {UNITS_PER_TOKEN}, {MAX_COST_TOKENS}
 local MAX_INFLIGHT, MAX_PER_MINUTE, MAX_TTL_MS = {MAX_INFLIGHT}, {MAX_PER_MINUTE}, {MAX_TTL_MS}
@@ -60,18 +65,17 @@ end
 """
 )
 
-# ARGV: request id, max in flight, rpm, tpm (-1: no limit), cost in tokens, in-flight TTL ms.
-# Reply: {'ok', 0} | {reason, wait ms} | {'zero_quota', 0} | {'invalid', 0}.
+# Reply: ``replies.TakeReply``.
 TAKE = (
     COMMON
+    + TakeArgs.lua_args(1)
     + r"""
-local K_RPM, K_TPM, K_INFLIGHT = KEYS[1], KEYS[2], KEYS[3]
-local rid = name_arg(ARGV[1])
-local max_inflight = int_arg(ARGV[2], -1, MAX_INFLIGHT)
-local rpm = int_arg(ARGV[3], -1, MAX_PER_MINUTE)
-local tpm = int_arg(ARGV[4], -1, MAX_PER_MINUTE)
-local cost = int_arg(ARGV[5], 0, MAX_COST)
-local ttl = int_arg(ARGV[6], 1, MAX_TTL_MS)
+local rid = name_arg(ARG_REQUEST_ID)
+local max_inflight = int_arg(ARG_MAX_INFLIGHT, -1, MAX_INFLIGHT)
+local rpm = int_arg(ARG_REQUESTS_PER_MINUTE, -1, MAX_PER_MINUTE)
+local tpm = int_arg(ARG_TOKENS_PER_MINUTE, -1, MAX_PER_MINUTE)
+local cost = int_arg(ARG_COST_TOKENS, 0, MAX_COST)
+local ttl = int_arg(ARG_INFLIGHT_TTL_MS, 1, MAX_TTL_MS)
 if not (rid and max_inflight and rpm and tpm and cost and ttl) then return {'invalid', 0} end
 if max_inflight == 0 or rpm == 0 or tpm == 0 then return {'zero_quota', 0} end
 local now = now_ms()
@@ -102,33 +106,38 @@ return {'ok', 0}
 """
 )
 
-# ARGV: tpm, tokens to charge (negative: given back).
 CHARGE = (
     COMMON
+    + ChargeArgs.lua_args(1)
     + r"""
-local tpm = int_arg(ARGV[1], 1, MAX_PER_MINUTE)
-local tokens = int_arg(ARGV[2], -MAX_COST, MAX_COST)
+local tpm = int_arg(ARG_TOKENS_PER_MINUTE, 1, MAX_PER_MINUTE)
+local tokens = int_arg(ARG_TOKENS, -MAX_COST, MAX_COST)
 if not (tpm and tokens) then return 'invalid' end
 local now = now_ms()
-write_level(KEYS[2], level_of(KEYS[2], tpm, now) - tokens * UNITS, tpm, now)
+write_level(K_TPM, level_of(K_TPM, tpm, now) - tokens * UNITS, tpm, now)
 return 'ok'
 """
 )
 
-# ARGV: in-flight TTL ms, then request ids: each still held is kept for another TTL.
 REFRESH = (
     COMMON
+    + RefreshArgs.lua_args(1)
     + r"""
-local ttl = int_arg(ARGV[1], 1, MAX_TTL_MS)
+local ttl = int_arg(ARG_INFLIGHT_TTL_MS, 1, MAX_TTL_MS)
 if not ttl then return 'invalid' end
 local now = now_ms()
-for i = 2, #ARGV do
+for i = ARG_REQUEST_IDS_AT, #ARGV do
   local rid = name_arg(ARGV[i])
-  if rid then redis.call('ZADD', KEYS[3], 'XX', int(now + ttl), rid) end
+  if rid then redis.call('ZADD', K_INFLIGHT, 'XX', int(now + ttl), rid) end
 end
-if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('PEXPIRE', KEYS[3], int(ttl)) end
+if redis.call('EXISTS', K_INFLIGHT) == 1 then redis.call('PEXPIRE', K_INFLIGHT, int(ttl)) end
 return 'ok'
 """
 )
 
 SCRIPTS = {"take": TAKE, "charge": CHARGE, "refresh": REFRESH}
+SCRIPT_ARGS: dict[str, type[ScriptArgs]] = {
+    "take": TakeArgs,
+    "charge": ChargeArgs,
+    "refresh": RefreshArgs,
+}

@@ -13,8 +13,10 @@ for long however many requests wait (the rest goes on the next tick).
 
 Dispatching scripts share one argument layout, ``redis_keys.DispatchArgs`` (the prefix, pool,
 calling replica, TTLs, known epoch, sweep batch, maxQueueSize and number of endpoint offers N),
-then N triples (url, slots_total, load_score), then the script's own arguments. The batching
-policy and its delay do not reach Redis: the engine forms batches.
+then N triples (url, slots_total, load_score), then the script's own arguments: one dataclass
+per script (``args.py``, ``SCRIPT_ARGS``) whose fields the script reads as ``ARG_*`` locals.
+Each reply is parsed by ``replies.py``. The batching policy and its delay do not reach Redis:
+the engine forms batches.
 
 No value can poison a pool (``values.py``): every argument is checked before a script's first
 write (a script refuses a bad one whole, ``{'invalid', name}``), every number is written as its
@@ -34,50 +36,53 @@ reading and writing numbers in ``values.py``.
 
 from __future__ import annotations
 
+from slotserve.contracts.redis_keys import ScriptArgs
+from slotserve.gateway.admission.lua.args import (
+    CancelArgs,
+    EnqueueArgs,
+    HeartbeatArgs,
+    ReleaseArgs,
+    TickArgs,
+)
 from slotserve.gateway.admission.lua.epoch import HEARTBEAT
 from slotserve.gateway.admission.lua.prelude import PRELUDE
 
-# Script arguments after the shared ones: request id, priority, timeout (us), maxQueueSize,
-# only-if-absent flag, the expected gap (us) between two places freeing in the queue
-# (1 / measured drain rate), how far ahead (us) return times are promised to rejected clients,
-# the priority aging step (us of waiting worth one priority level), the level's own
-# maxQueueSize, when (us from now) the request is demoted (DELAY; 0: never), the slots it
-# takes (its ``n``), its tenant's name and weight (``fair.py``), and the gap (us) that predicts
-# its wait for a deadline-aware refusal (0 or absent: none).
+# Its arguments: ``args.EnqueueArgs`` (``deadline_gap_us`` absent, from an older gateway: none).
 ENQUEUE = (
     PRELUDE
+    + EnqueueArgs.lua_args("REST")
     + r"""
 if INVALID then return {'invalid', INVALID} end
 -- Every argument is checked before the first write (types.check_enqueue's bounds).
-local rid = name_arg(ARGV[REST])
-local checks = {
-  {'request id', rid},
-  {'priority', int_arg(ARGV[REST + 1], 0, MAX_LEVEL)},
-  {'timeout_us', int_arg(ARGV[REST + 2], 1, MAX_WAIT_US)},
-  {'max_queue_size', int_arg(ARGV[REST + 3], 0, MAX_QUEUE_SIZE)},
-  {'only_if_absent', (ARGV[REST + 4] == '0' or ARGV[REST + 4] == '1') or nil},
-  {'drain_gap_us', int_arg(ARGV[REST + 5], 1, MAX_WAIT_US)},
-  {'queue_timeout_us', int_arg(ARGV[REST + 6], 1, MAX_WAIT_US)},
-  {'aging_us', int_arg(ARGV[REST + 7], 0, MAX_WAIT_US)},
-  {'level max_queue_size', int_arg(ARGV[REST + 8], 0, MAX_QUEUE_SIZE)},
-  {'demote_after_us', int_arg(ARGV[REST + 9], 0, MAX_WAIT_US)},
-  {'slots', int_arg(ARGV[REST + 10], 1, MAX_LEASE_SLOTS)},
-  {'tenant', tenant_arg(ARGV[REST + 11])},
-  {'weight', int_arg(ARGV[REST + 12], 1, MAX_WEIGHT)},
-  {'deadline_gap_us', ARGV[REST + 13] == nil and 0 or int_arg(ARGV[REST + 13], 0, MAX_WAIT_US)},
-}
-for _, check in ipairs(checks) do
+local rid = name_arg(ARG_REQUEST_ID)
+local priority = int_arg(ARG_PRIORITY, 0, MAX_LEVEL)
+local timeout_us = int_arg(ARG_TIMEOUT_US, 1, MAX_WAIT_US)
+local max_size = int_arg(ARG_MAX_QUEUE_SIZE, 0, MAX_QUEUE_SIZE)
+local only_if_absent = (ARG_ONLY_IF_ABSENT == '0' or ARG_ONLY_IF_ABSENT == '1') or nil
+local drain_gap_us = int_arg(ARG_DRAIN_GAP_US, 1, MAX_WAIT_US)
+local max_promise_us = int_arg(ARG_QUEUE_TIMEOUT_US, 1, MAX_WAIT_US)
+local aging_us = int_arg(ARG_AGING_US, 0, MAX_WAIT_US)
+local level_max = int_arg(ARG_LEVEL_MAX_QUEUE_SIZE, 0, MAX_QUEUE_SIZE)
+local demote_us = int_arg(ARG_DEMOTE_AFTER_US, 0, MAX_WAIT_US)
+local slots = int_arg(ARG_SLOTS, 1, MAX_LEASE_SLOTS)
+local tenant = tenant_arg(ARG_TENANT)
+local weight = int_arg(ARG_WEIGHT, 1, MAX_WEIGHT)
+local deadline_gap_us = ARG_DEADLINE_GAP_US == nil and 0
+  or int_arg(ARG_DEADLINE_GAP_US, 0, MAX_WAIT_US)
+-- The first that does not hold is named (nil: refused), in argument order.
+for _, check in ipairs({
+  {'request id', rid}, {'priority', priority}, {'timeout_us', timeout_us},
+  {'max_queue_size', max_size}, {'only_if_absent', only_if_absent},
+  {'drain_gap_us', drain_gap_us}, {'queue_timeout_us', max_promise_us},
+  {'aging_us', aging_us}, {'level max_queue_size', level_max},
+  {'demote_after_us', demote_us}, {'slots', slots}, {'tenant', tenant}, {'weight', weight},
+  {'deadline_gap_us', deadline_gap_us},
+}) do
   if check[2] == nil then return {'invalid', check[1]} end
 end
-local priority, timeout_us, max_size = checks[2][2], checks[3][2], checks[4][2]
-local drain_gap_us, max_promise_us = checks[6][2], checks[7][2]
-local aging_us, level_max = checks[8][2], checks[9][2]
-local demote_us, slots = checks[10][2], checks[11][2]
-local tenant, weight = checks[12][2], checks[13][2]
-local deadline_gap_us = checks[14][2]
 local level = int(priority)
 local now = now_us()
-if ARGV[REST + 4] == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
+if ARG_ONLY_IF_ABSENT == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
     or redis.call('ZSCORE', K_LEASES, rid)) then
   EPOCH_ID = check_epoch(now)
   return result('ok', 0)
@@ -177,9 +182,10 @@ return result('ok', hold)
 
 RELEASE = (
     PRELUDE
+    + ReleaseArgs.lua_args("REST")
     + r"""
 if INVALID then return {'invalid', INVALID} end
-for i = REST, #ARGV do release_lease(ARGV[i]) end
+for i = ARG_REQUEST_IDS_AT, #ARGV do release_lease(ARGV[i]) end
 local hold = dispatch(now_us())
 touch()
 return result('ok', hold)
@@ -188,16 +194,17 @@ return result('ok', hold)
 
 CANCEL = (
     PRELUDE
+    + CancelArgs.lua_args("REST")
     + r"""
 if INVALID then return {'invalid', INVALID} end
-local rid = ARGV[REST] or ''
+local rid = ARG_REQUEST_ID or ''
 
 if redis.call('ZSCORE', K_QUEUE, rid) then
   drop(rid)
   return {'cancelled', ''}
 end
 drop(rid)
-local ep = redis.call('HGET', K_LEASE_EP, rid)
+local ep = redis.call('HGET', K_LEASE_ENDPOINT, rid)
 if ep then return {'granted', ep} end
 return {'gone', ''}
 """
@@ -205,6 +212,7 @@ return {'gone', ''}
 
 TICK = (
     PRELUDE
+    + TickArgs.lua_args("REST")
     + r"""
 if INVALID then return {'invalid', INVALID} end
 local now = now_us()
@@ -230,4 +238,11 @@ SCRIPTS: dict[str, str] = {
     "cancel": CANCEL,
     "tick": TICK,
     "heartbeat": HEARTBEAT,
+}
+SCRIPT_ARGS: dict[str, type[ScriptArgs]] = {
+    "enqueue": EnqueueArgs,
+    "release": ReleaseArgs,
+    "cancel": CancelArgs,
+    "tick": TickArgs,
+    "heartbeat": HeartbeatArgs,
 }

@@ -11,7 +11,10 @@ empty endpoint (``types.REFUSED``). Needs the prelude's keys, ``OFFERS``, ``FREE
 
 from __future__ import annotations
 
-SLOTS = r"""
+from slotserve.contracts.redis_keys import Keys, lua_expr, lua_key
+
+SLOTS = (
+    r"""
 -- The slots a lease holds (absent: one; unreadable: one, and counted).
 local function lease_slots(rid)
   local raw = redis.call('HGET', K_LEASE_SLOTS, rid)
@@ -44,8 +47,8 @@ end
 local function release_lease(rid)
   if redis.call('ZREM', K_LEASES, rid) == 0 then return false end
   FREED = FREED + 1
-  local ep, n = redis.call('HGET', K_LEASE_EP, rid), lease_slots(rid)
-  redis.call('HDEL', K_LEASE_EP, rid)
+  local ep, n = redis.call('HGET', K_LEASE_ENDPOINT, rid), lease_slots(rid)
+  redis.call('HDEL', K_LEASE_ENDPOINT, rid)
   redis.call('HDEL', K_LEASE_SLOTS, rid)
   if ep and redis.call('HINCRBY', K_INFLIGHT, ep, int(-n)) <= 0 then
     redis.call('HDEL', K_INFLIGHT, ep)
@@ -61,7 +64,9 @@ local function deliver(rid, replica, url)
     mine[#mine + 1] = rid
     mine[#mine + 1] = url
   else
-    local gk = PREFIX .. ':grants:' .. replica
+    local gk = """
+    + lua_key(Keys(lua_expr("PREFIX")).grants(lua_expr("replica")))
+    + r"""
     redis.call('RPUSH', gk, POOL .. '\31' .. rid .. '\31' .. url)
     redis.call('PEXPIRE', gk, int(math.floor(LEASE_TTL_US / 1000)))
   end
@@ -70,7 +75,7 @@ end
 local function grant(rid, replica, url, slots, now, queued)
   if queued ~= false then drop(rid) end
   redis.call('ZADD', K_LEASES, int(now + LEASE_TTL_US), rid)
-  redis.call('HSET', K_LEASE_EP, rid, url)
+  redis.call('HSET', K_LEASE_ENDPOINT, rid, url)
   if slots > 1 then redis.call('HSET', K_LEASE_SLOTS, rid, int(slots)) end
   redis.call('HINCRBY', K_INFLIGHT, url, int(slots))
   redis.call('HINCRBY', K_STATS, 'dispatched', 1)
@@ -84,3 +89,4 @@ local function refuse(rid, replica)
   deliver(rid, replica, '')
 end
 """
+)
