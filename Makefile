@@ -1,5 +1,5 @@
 # The two commands a new user needs: `make demo` (the main job) and `make test` (lint + suite;
-# lint is ruff, then mypy over the four parts and bench/ as configured in pyproject.toml).
+# lint is ruff, then mypy over the four parts, bench/ and tests/ as configured in pyproject.toml).
 # Each creates .venv and installs pinned packages on first use; later runs reuse them.
 
 # Test workers: most tests wait on processes (engines, Redis, HTTP), so more workers than

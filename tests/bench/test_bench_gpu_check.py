@@ -65,13 +65,12 @@ def test_dry_run_writes_the_table_and_json(tmp_path: Path) -> None:
         assert "bound_nominal_tok_s" not in row  # the H200's datasheet figure is for CUDA only
 
 
-def test_without_cuda_it_says_so_and_exits_2(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_without_cuda_it_says_so_and_exits_2(tmp_path: Path, capsys) -> None:
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    from gpu_decode_bench import main
+    from bench.gpu_decode_bench import main
 
     assert main(["--out", str(tmp_path / "x.json")]) == 2
     assert "gpu_decode_bench: no CUDA device" in capsys.readouterr().out

@@ -9,9 +9,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chart_support import ENSURE_TOOLS, HELM_TIMEOUT_S, HelmResult, Rendered, template_args
 
 from slotserve.settings import CommonSettings
+from tests.charts.chart_support import (
+    ENSURE_TOOLS,
+    HELM_TIMEOUT_S,
+    HelmResult,
+    Rendered,
+    template_args,
+)
 
 
 def _helm_path() -> Path:

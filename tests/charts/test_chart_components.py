@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import re
 
-from chart_support import RELEASE, ROOT, env_of, load_yaml
-
 from slotserve.gateway.admission.tenants import Tenant
 from slotserve.gateway.http.api_keys import parse_keys_file
+from tests.charts.chart_support import RELEASE, ROOT, env_of, load_yaml
 
 GATEWAY = f"{RELEASE}-slotserve-gateway"
 OPERATOR = f"{RELEASE}-slotserve-operator"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chart_support import CHART, ROOT, load_yaml
+from tests.charts.chart_support import CHART, ROOT, load_yaml
 
 CRD_FILE = "inferencepools.slotserve.dev.yaml"
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import re
 
-from chart_support import NAMESPACE, RELEASE, ROOT
-from metric_registry import series_names
-
 from slotserve.engine.core.stats import EngineStats
 from slotserve.engine.http.metrics import EngineMetrics
 from slotserve.gateway.http.metrics import GatewayMetrics
+from tests.charts.chart_support import NAMESPACE, RELEASE, ROOT
+from tests.metric_registry import series_names
 
 DASHBOARD = ROOT / "charts" / "slotserve" / "dashboards" / "slotserve-pools.json"
 CONFIGMAP = f"{RELEASE}-slotserve-dashboard"

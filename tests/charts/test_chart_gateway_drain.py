@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chart_support import RELEASE, ROOT, env_of
-from support import free_port, http_ok, wait_until
+
+from tests.charts.chart_support import RELEASE, ROOT, env_of
+from tests.support import free_port, http_ok, wait_until
 
 GATEWAY = f"{RELEASE}-slotserve-gateway"
 DOUBLE = ROOT / "tests" / "gateway" / "gateway_engine_double.py"

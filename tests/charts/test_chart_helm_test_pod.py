@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import free_port, http_ok, wait_until
+
+from tests.support import free_port, http_ok, wait_until
 
 KEY_MOUNT = "/etc/slotserve/api-keys/key"
 KEYS = ["sk-chart-test-1", "sk-chart-test-2"]

@@ -19,9 +19,9 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
-from chart_support import CHART, ROOT, load_yaml
 
 from slotserve.operator.builders import ENGINE_PORT, RUN_AS_USER
+from tests.charts.chart_support import CHART, ROOT, load_yaml
 
 DOCKER = ROOT / "docker"
 # image -> (part folder installed beside the core, uid the pods run as, port the container serves)

@@ -8,7 +8,8 @@ import tarfile
 import time
 
 import pytest
-from chart_support import CHART, ENSURE_TOOLS, GOOD_VALUES, VALUES_DIR
+
+from tests.charts.chart_support import CHART, ENSURE_TOOLS, GOOD_VALUES, VALUES_DIR
 
 
 def test_helm_binary_is_real_helm(run_helm):

@@ -12,12 +12,12 @@ import os
 from typing import Any
 
 import pytest
-from chart_support import NAMESPACE, RELEASE, ROOT, Rendered, env_of, load_yaml
 
 from slotserve.operator.builders import build_deployment
 from slotserve.operator.models import InferencePool
 from slotserve.operator.network import build_network_policy
 from slotserve.operator.settings import OperatorSettings
+from tests.charts.chart_support import NAMESPACE, RELEASE, ROOT, Rendered, env_of, load_yaml
 
 REDIS = f"{RELEASE}-slotserve-redis"
 GATEWAY = f"{RELEASE}-slotserve-gateway"

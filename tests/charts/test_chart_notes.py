@@ -6,7 +6,8 @@ import re
 import subprocess
 
 import pytest
-from chart_support import CHART, GOOD_VALUES, NAMESPACE, RELEASE, VALUES_DIR
+
+from tests.charts.chart_support import CHART, GOOD_VALUES, NAMESPACE, RELEASE, VALUES_DIR
 
 GATEWAY = f"{RELEASE}-slotserve-gateway"
 KEYS = ["sk-first-key", "sk-second-key"]
@@ -15,7 +16,7 @@ KEYS = ["sk-first-key", "sk-second-key"]
 @pytest.fixture(scope="module")
 def notes(run_helm):
     """NOTES per values file: `helm template` skips them, a client-side dry-run renders them."""
-    cache: dict[str, str] = {}
+    cache: dict[str | None, str] = {}
 
     def get(values_file: str | None) -> str:
         if values_file not in cache:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from chart_support import NAMESPACE, RELEASE
 
 from slotserve.gateway.pools.discovery import REQUIRED_RULES as GATEWAY_RULES
 from slotserve.operator.rbac import REQUIRED_RULES
+from tests.charts.chart_support import NAMESPACE, RELEASE
 
 OPERATOR = f"{RELEASE}-slotserve-operator"
 GATEWAY = f"{RELEASE}-slotserve-gateway"

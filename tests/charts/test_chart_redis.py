@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import redis
-from support import free_port, wait_until
+
+from tests.support import free_port, wait_until
 
 REDIS = "demo-slotserve-redis"
 

@@ -7,7 +7,8 @@ import re
 import jsonschema
 import kubernetes_validate
 import pytest
-from chart_support import GOOD_VALUES, NAMESPACE, pod_specs
+
+from tests.charts.chart_support import GOOD_VALUES, NAMESPACE, pod_specs
 
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the helm binary's own.
 KUBE_VERSIONS = ["1.29.0", "1.35.0"]

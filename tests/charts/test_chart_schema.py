@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from chart_support import CHART, VALUES_DIR, template_args
+
+from tests.charts.chart_support import CHART, VALUES_DIR, template_args
 
 # values file -> what helm's error must say (the path of the offending value, or our message).
 BAD_VALUES = {

@@ -12,9 +12,9 @@ import os
 import re
 
 import pytest
-from chart_support import CHART, RELEASE, ROOT, env_of, template_args
 
 from slotserve.operator.settings import OperatorSettings
+from tests.charts.chart_support import CHART, RELEASE, ROOT, env_of, template_args
 
 GATEWAY = f"{RELEASE}-slotserve-gateway"
 OPERATOR = f"{RELEASE}-slotserve-operator"

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import re
 import urllib.parse
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
-from chart_support import GOOD_VALUES, RELEASE, Rendered
 from pydantic_settings import BaseSettings
 
 from slotserve.gateway.cli import build_parser as gateway_parser
@@ -16,7 +15,9 @@ from slotserve.gateway.settings import GatewaySettings
 from slotserve.operator.cli import build_parser as operator_parser
 from slotserve.operator.settings import OperatorSettings
 from slotserve.settings import settings_from_args
+from tests.charts.chart_support import GOOD_VALUES, RELEASE, Rendered
 
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 GATEWAY = f"{RELEASE}-slotserve-gateway"
 OPERATOR = f"{RELEASE}-slotserve-operator"
 SECRET_VALUE = "s3cret-from-secret"
@@ -48,8 +49,8 @@ def resolved_env(container: dict[str, Any]) -> dict[str, str]:
 
 
 def settings_seen_by(
-    container: dict[str, Any], cls: type[BaseSettings], parser: Any, prefix: str, monkeypatch
-) -> BaseSettings:
+    container: dict[str, Any], cls: type[SettingsT], parser: Any, prefix: str, monkeypatch
+) -> SettingsT:
     env = resolved_env(container)
     # extra="ignore" would silently drop a misspelt variable: every one must name a field.
     for name in env:

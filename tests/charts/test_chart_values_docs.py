@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from chart_support import CHART
+from tests.charts.chart_support import CHART
 
 KEY_LINE = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z][A-Za-z0-9]*):")
 

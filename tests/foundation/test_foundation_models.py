@@ -66,7 +66,10 @@ def test_tiny_model_is_deterministic_and_small(tmp_path: Path, smollm2_dir: Path
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
         assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 64
         ids = torch.tensor([[1, 2, 3, 4]])
-        outputs.append(model.generate(ids, max_new_tokens=8, do_sample=False)[0].tolist())
+        # transformers types from_pretrained's result as a class that does not match
+        # generate's own self-type protocol, though the loaded model is both.
+        generated = model.generate(ids, max_new_tokens=8, do_sample=False)  # type: ignore[misc]
+        outputs.append(generated[0].tolist())
     assert outputs[0] == outputs[1]
 
 

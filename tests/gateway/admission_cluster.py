@@ -13,7 +13,7 @@ import pytest
 from slotserve.gateway.admission.backends.memory import InProcessBackend, InProcessHub
 from slotserve.gateway.admission.backends.redis import RedisBackend
 from slotserve.gateway.admission.front import Admission
-from slotserve.gateway.admission.types import PoolPolicy
+from slotserve.gateway.admission.types import AdmissionBackend, PoolPolicy
 from slotserve.gateway.pools.routing import EndpointOffer
 
 LEASE_TTL_S = 1.0
@@ -47,9 +47,11 @@ class Cluster:
 
     async def replica(self) -> Admission:
         replica_id = f"r{len(self.replicas)}-{uuid.uuid4().hex[:4]}"
+        backend: AdmissionBackend
         if self.kind == "memory":
             backend = InProcessBackend(self.hub, replica_id)
         else:
+            assert self.redis_url is not None, "a Redis cluster needs its server"
             backend = RedisBackend(
                 self.redis_url, replica_id, prefix=self.prefix, lease_ttl_s=self.lease_ttl_s
             )

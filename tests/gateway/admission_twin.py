@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis
 
@@ -92,7 +93,7 @@ class Twin:
     async def start(self) -> None:
         self.sync.flushall()
         self.sync.set(f"{self.prefix}:fuzz-now", self.now_us)
-        self.sync.hset(f"{self.prefix}:epoch", mapping={"id": EPOCH, "created": 0, "ready": 0})
+        self.sync.hset(self.keys.epoch(), mapping={"id": EPOCH, "created": 0, "ready": 0})
         scripts = fake_clock_scripts()
         for name in self.names:
             backend = RedisBackend(self.url, name, prefix=self.prefix, lease_ttl_s=self.lease_ttl_s)
@@ -163,20 +164,28 @@ class Twin:
             items = self.sync.lrange(key, 0, -1)
             self.sync.delete(key)
             for item in items:
-                pool, request_id, endpoint = item.split("\x1f")
+                pool, request_id, endpoint = str(item).split("\x1f")
                 self.redis_side.on_grant(name)(pool, request_id, endpoint)  # type: ignore[operator]
 
     # -- state ------------------------------------------------------------------------------
+
+    def members(self, key: str) -> list[str]:
+        """A sorted set's members (the client decodes replies, which its types do not say)."""
+        return cast(list[str], self.sync.zrange(key, 0, -1))
+
+    def scored(self, key: str) -> list[tuple[str, float]]:
+        """A sorted set's members with their scores."""
+        return cast(list[tuple[str, float]], self.sync.zrange(key, 0, -1, withscores=True))
 
     def redis_state(self, pool: PoolPolicy) -> dict[str, object]:
         def key(name: str) -> str:
             return self.keys.pool_key(pool.name, name)
 
-        entries = self.sync.hgetall(key("entries"))
+        entries = cast(dict[str, str], self.sync.hgetall(key("entries")))
         stats = self.sync.hgetall(key("stats"))
         lease_slots = self.sync.hgetall(key("lease_slots"))
         return {
-            "queue": self.sync.zrange(key("queue"), 0, -1),
+            "queue": self.members(key("queue")),
             "entries": {
                 rid: (fields[0], int(fields[3]), int(fields[4]))
                 for rid, fields in ((rid, info.rsplit("|", 4)) for rid, info in entries.items())
@@ -184,31 +193,27 @@ class Twin:
             "levels": {int(k): int(v) for k, v in self.sync.hgetall(key("levels")).items()},
             "leases": {
                 rid: (self.sync.hget(key("lease_endpoint"), rid), int(lease_slots.get(rid, 1)))
-                for rid in self.sync.zrange(key("leases"), 0, -1)
+                for rid in self.members(key("leases"))
             },
             "inflight": {k: int(v) for k, v in self.sync.hgetall(key("inflight")).items()},
             "dispatched": int(stats.get("dispatched", 0)),
             "held": int(stats.get("held", 0)),
-            "promised": [
-                int(due) for _, due in self.sync.zrange(key("retries"), 0, -1, withscores=True)
-            ],
+            "promised": [int(due) for _, due in self.scored(key("retries"))],
             "horizon": int(stats.get("retry_horizon", 0)),
             "settled": int(stats.get("settled", 0)),
             "kept": (int(stats.get("kept", 0)), int(stats.get("lapsed", 0))),
-            "demoting": set(self.sync.zrange(key("delays"), 0, -1)),
+            "demoting": set(self.members(key("delays"))),
             "fair": self.redis_fair(pool),
         }
 
     def redis_fair(self, pool: PoolPolicy) -> dict[int, tuple[dict[str, int], list]]:
         """Each level's fair state: V and the tenants' finish tags, the entries' start tags."""
-        fair = {}
+        fair: dict[int, tuple[dict[str, int], list]] = {}
         for level in range(MAX_PRIORITY_LEVELS + 1):
-            fields = self.sync.hgetall(self.keys.pool_key(pool.name, f"fair:{level}"))
-            tags = self.sync.zrange(
-                self.keys.pool_key(pool.name, f"fairq:{level}"), 0, -1, withscores=True
-            )
+            fields = self.sync.hgetall(self.keys.fair(pool.name, level))
+            tags = self.scored(self.keys.fair_queue(pool.name, level))
             if fields or tags:
-                values = {name: int(value) for name, value in fields.items()}
+                values = {str(name): int(value) for name, value in fields.items()}
                 fair[level] = (values, [(rid, int(tag)) for rid, tag in tags])
         return fair
 
@@ -252,8 +257,7 @@ class Twin:
         assert got["levels"] == dict(levels), f"level counts {got['levels']} != {dict(levels)}"
         waiting: set[str] = set()
         for name in self.names:
-            waiting_key = self.keys.pool_key(pool.name, f"waiting:{name}")
-            waiting |= set(self.sync.zrange(waiting_key, 0, -1))
+            waiting |= set(self.members(self.keys.waiting(pool.name, name)))
         assert waiting == set(entries), "the replicas' waiting sets differ from the entries"
         assert got["demoting"] <= set(queue)  # type: ignore[operator]
         # Every entry has its start tag at its level, and only entries have one.

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from admission_cluster import cluster  # noqa: F401  (fixture: replicas over either backend)
 from aiohttp import web
-from gateway_support import Spawner, write_pools
-from support import free_port
 
 from slotserve.gateway.http.app import create_app
 from slotserve.gateway.settings import GatewaySettings
+from tests.gateway.admission_cluster import cluster  # noqa: F401  (fixture: replicas over either backend)
+from tests.gateway.gateway_support import Spawner, write_pools
+from tests.support import free_port
 
 
 @pytest.fixture

@@ -87,7 +87,9 @@ def sync_slices(
     listing = api.list_namespaced_endpoint_slice(
         namespace, label_selector=selector, _preload_content=False
     )
-    existing = {item["metadata"]["name"] for item in json.loads(listing.data)["items"]}
+    # _preload_content=False: the raw answer (urllib3's), which the client's types do not say.
+    items = json.loads(listing.data)["items"]  # type: ignore[attr-defined]
+    existing = {item["metadata"]["name"] for item in items}
     wanted = build_slices(namespace, service, pods, labels)
     for name, body in wanted.items():
         if name in existing:
@@ -96,6 +98,7 @@ def sync_slices(
                 name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False
             )
         else:
-            api.create_namespaced_endpoint_slice(namespace, body, _preload_content=False)
+            # A dict body: the client sends it as it is, which its types do not say.
+            api.create_namespaced_endpoint_slice(namespace, body, _preload_content=False)  # type: ignore[arg-type]
     for name in existing - wanted.keys():
         api.delete_namespaced_endpoint_slice(name, namespace, _preload_content=False)

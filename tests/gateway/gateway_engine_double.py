@@ -52,6 +52,16 @@ def _envelope(s: dict, kind: str, choice: dict) -> dict:
     }
 
 
+def cut(request: web.Request) -> None:
+    """Break the connection mid-answer, as a crashing engine does."""
+    assert request.transport is not None  # a request being answered has its connection
+    request.transport.abort()
+
+
+async def health(_: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
 async def load(request: web.Request) -> web.Response:
     s = request.app[STATE]
     s["num_load_polls"] += 1  # so a test can tell an address was never even polled
@@ -120,7 +130,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
                 resp.content_length = len(data)
                 await resp.prepare(request)
                 await resp.write(data[: len(data) // 2])
-                request.transport.abort()
+                cut(request)
                 return resp
             return web.json_response(body, headers=headers)
         resp = web.StreamResponse(
@@ -157,11 +167,11 @@ async def _fail_stream(
     elif fail == "partial":
         await resp.write(b'data: {"id": "cmpl-double", "choi')
         await asyncio.sleep(0.05)  # let the half event leave before the cut
-        request.transport.abort()
+        cut(request)
         return resp
     elif fail == "drop":
         await asyncio.sleep(0.05)
-        request.transport.abort()
+        cut(request)
         return resp
     await resp.write_eof()  # error_event and eof: a clean end, but no [DONE]
     return resp
@@ -200,7 +210,7 @@ def create_double_app(
         "arrivals": [],
     }
     app.router.add_get("/load", load)
-    app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+    app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
     app.router.add_post("/control", control)
     app.router.add_post("/v1/completions", completion)

@@ -10,9 +10,11 @@ import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
-from support import free_port, http_ok, wait_until
+
+from tests.support import free_port, http_ok, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DOUBLE = Path(__file__).with_name("gateway_engine_double.py")
@@ -53,12 +55,17 @@ class Double(Proc):
         urllib.request.urlopen(req, timeout=5).read()
 
 
+ProcT = TypeVar("ProcT", bound=Proc)
+
+
 class Spawner:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.procs: list[Proc] = []
 
-    def _start(self, cls, name: str, argv: list[str], port: int, env: dict | None = None) -> Proc:
+    def _start(
+        self, cls: type[ProcT], name: str, argv: list[str], port: int, env: dict | None = None
+    ) -> ProcT:
         log = self.tmp_path / f"{name}-{port}.log"
         full_env = {**os.environ, **(env or {})}
         with log.open("wb") as out:

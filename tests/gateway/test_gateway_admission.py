@@ -10,10 +10,10 @@ import time
 from collections import Counter
 
 import pytest
-from admission_cluster import LEASE_TTL_S
 
 from slotserve.gateway.admission.front import Admission
 from slotserve.gateway.admission.types import PoolPolicy, QueueFullError, QueueTimeoutError
+from tests.gateway.admission_cluster import LEASE_TTL_S
 
 
 async def test_slots_never_exceeded_across_replicas(cluster):

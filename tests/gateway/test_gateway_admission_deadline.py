@@ -13,9 +13,6 @@ import asyncio
 import time
 
 import pytest
-from admission_cluster import Cluster
-from gateway_support import pool, write_pools
-from test_gateway_http import completion
 
 from slotserve.gateway.admission.drain import wait_gap_us
 from slotserve.gateway.admission.front import Admission
@@ -24,6 +21,9 @@ from slotserve.gateway.admission.types import (
     PoolPolicy,
     QueueTimeoutError,
 )
+from tests.gateway.admission_cluster import Cluster
+from tests.gateway.gateway_support import pool, write_pools
+from tests.gateway.test_gateway_http import completion
 
 SERVICE_S = 0.2
 

@@ -12,7 +12,8 @@ import time
 
 import aiohttp
 import pytest
-from gateway_support import pool, write_pools
+
+from tests.gateway.gateway_support import pool, write_pools
 
 
 async def write_and_close(url: str, payload: dict) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from admission_cluster import Cluster
 from aiohttp.test_utils import TestClient, TestServer
 
 from slotserve.gateway.admission.drain import (
@@ -18,6 +17,7 @@ from slotserve.gateway.admission.drain import (
 )
 from slotserve.gateway.admission.types import PoolPolicy, QueueFullError
 from slotserve.gateway.pools.routing import EndpointOffer
+from tests.gateway.admission_cluster import Cluster
 
 
 def test_the_engines_speed_is_the_last_resort_before_nothing():

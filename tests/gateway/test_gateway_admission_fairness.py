@@ -16,10 +16,10 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import redis
-from admission_cluster import Cluster
 
 from slotserve.gateway.admission.front import Admission, Lease
 from slotserve.gateway.admission.types import PoolPolicy
+from tests.gateway.admission_cluster import Cluster
 
 A_WAITING, B_WAITING = 20, 2  # A offers ten times what B does
 NUM_GRANTS = 24
@@ -29,6 +29,7 @@ def _waiting_count(cluster: Cluster, pool: PoolPolicy) -> Callable[[], int]:
     """How many requests wait in the shared queue, read from the backend itself."""
     if cluster.kind == "memory":
         return lambda: len(cluster.hub.pool(pool.name).queue)
+    assert cluster.redis_url is not None
     client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     key = f"{cluster.prefix}:{{{pool.name}}}:queue"
     return lambda: int(client.zcard(key))

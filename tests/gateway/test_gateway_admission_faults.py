@@ -12,9 +12,9 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
-from admission_cluster import LEASE_TTL_S, Cluster
 
 from slotserve.gateway.admission.types import AdmissionError, PoolPolicy
+from tests.gateway.admission_cluster import LEASE_TTL_S, Cluster
 
 
 async def test_a_disconnect_at_any_moment_leaks_no_slot(cluster):

@@ -20,14 +20,14 @@ import math
 import uuid
 
 import pytest
-from admission_twin import Twin
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import RedisServer
 
 from slotserve.contracts.redis_keys import DispatchArgs
 from slotserve.gateway.admission.types import InvalidAdmissionValueError, LevelPolicy, PoolPolicy
 from slotserve.gateway.pools.routing import EndpointOffer
+from tests.gateway.admission_twin import Twin
+from tests.support import RedisServer
 
 NUM_REPLICAS = 3
 LEASE_TTL_S = 2.0
@@ -258,7 +258,7 @@ async def raw_call(twin: Twin, pool: PoolPolicy, offers: list, who: int, which: 
 
 
 def snapshot(twin: Twin) -> dict[str, bytes | None]:
-    return {key: twin.sync.dump(key) for key in sorted(twin.sync.keys("*"))}
+    return {str(key): twin.sync.dump(key) for key in sorted(twin.sync.keys("*"))}
 
 
 @pytest.fixture(scope="module")

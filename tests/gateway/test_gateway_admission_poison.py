@@ -16,11 +16,11 @@ import sys
 import time
 
 import pytest
-from gateway_support import DOUBLE, Proc, pool
-from support import free_port, http_ok, wait_until
 
 from slotserve.gateway.admission.types import NoEngineFitsError, PoolPolicy
 from slotserve.gateway.pools.routing import EndpointOffer
+from tests.gateway.gateway_support import DOUBLE, Proc, pool
+from tests.support import free_port, http_ok, wait_until
 
 
 def _post(client, url: str, n: int):
@@ -120,7 +120,8 @@ async def test_entries_that_do_not_parse_are_dropped_and_counted(redis_server):
     of the queue: dropped and counted (``bad_entries``), the pool keeps admitting, and the counts
     of waiting requests come back to zero once the queue drains."""
     import redis
-    from admission_cluster import Cluster
+
+    from tests.gateway.admission_cluster import Cluster
 
     cluster = Cluster("redis", redis_server.url)
     try:
@@ -143,7 +144,8 @@ async def test_entries_that_do_not_parse_are_dropped_and_counted(redis_server):
         lease = await asyncio.wait_for(replica.acquire(policy, priority=5, timeout_s=5), 5)
         await replica.tick_pool(policy)
         assert r.zcard(f"{key}:queue") == 0 and r.hlen(f"{key}:entries") == 0
-        assert int(r.hget(f"{key}:stats", "bad_entries")) >= 3
+        bad_entries = r.hget(f"{key}:stats", "bad_entries")
+        assert bad_entries is not None and int(bad_entries) >= 3
         assert r.hlen(f"{key}:levels") == 0  # the drained queue reset them
         assert r.hget(f"{key}:entries", lease.request_id) is None
         await replica.release(lease)

@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from admission_cluster import Cluster
-
 from slotserve.gateway.admission.front import Admission
 from slotserve.gateway.admission.types import PoolPolicy
+from tests.gateway.admission_cluster import Cluster
 
 AGING_S = 0.2
 SERVICE_S = 0.05

@@ -8,10 +8,10 @@ import asyncio
 
 import aiohttp
 import pytest
-from gateway_support import pool, write_pools
-from test_gateway_http import completion
 
 from slotserve.gateway.http.api_keys import ALL_LEVELS, ApiKeys, ApiKeysError, parse_api_keys
+from tests.gateway.gateway_support import pool, write_pools
+from tests.gateway.test_gateway_http import completion
 
 
 def test_keys_file_levels_parse_and_errors_never_show_the_key(tmp_path):

@@ -11,7 +11,6 @@ import asyncio
 import time
 
 import pytest
-from admission_cluster import Cluster
 
 from slotserve.gateway.admission.front import Admission, Lease
 from slotserve.gateway.admission.types import (
@@ -20,6 +19,7 @@ from slotserve.gateway.admission.types import (
     QueueFullError,
     QueueTimeoutError,
 )
+from tests.gateway.admission_cluster import Cluster
 
 
 def _pool(**levels: LevelPolicy) -> PoolPolicy:

@@ -15,10 +15,10 @@ import asyncio
 import time
 
 import pytest
-from admission_cluster import Cluster
 
 from slotserve.gateway.admission.front import Admission
 from slotserve.gateway.admission.types import PoolPolicy, QueueFullError
+from tests.gateway.admission_cluster import Cluster
 
 SERVICE_S = 0.3  # the "engine": each admitted request holds its slot this long
 NUM_NEWCOMERS = 8

@@ -14,7 +14,6 @@ import random
 import time
 
 import pytest
-from admission_cluster import Cluster
 
 from slotserve.gateway.admission.drain import (
     DrainRate,
@@ -24,6 +23,7 @@ from slotserve.gateway.admission.drain import (
 )
 from slotserve.gateway.admission.front import Admission
 from slotserve.gateway.admission.types import PoolPolicy, QueueFullError, QueueTimeoutError
+from tests.gateway.admission_cluster import Cluster
 
 NUM_CLIENTS = 60
 SERVICE_S = 0.2

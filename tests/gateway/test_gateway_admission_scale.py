@@ -15,11 +15,11 @@ import uuid
 
 import pytest
 import redis.asyncio as aioredis
-from admission_cluster import Cluster
 
 from slotserve.gateway.admission.backends.redis import RedisBackend
-from slotserve.gateway.admission.types import PoolPolicy
+from slotserve.gateway.admission.types import AdmissionBackend, PoolPolicy
 from slotserve.gateway.pools.routing import EndpointOffer
+from tests.gateway.admission_cluster import Cluster
 
 SLOW_US = 20_000
 NUM_WAITING = 20_000
@@ -35,7 +35,7 @@ while time.monotonic() < stop_at:
 """
 
 
-async def _fill(backend: RedisBackend, pool: PoolPolicy, num: int, timeout_s: float) -> None:
+async def _fill(backend: AdmissionBackend, pool: PoolPolicy, num: int, timeout_s: float) -> None:
     offers = [EndpointOffer("http://a", 1, 0.0)]
     for start in range(0, num, 2000):
         await asyncio.gather(

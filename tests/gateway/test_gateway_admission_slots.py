@@ -16,11 +16,11 @@ from collections import Counter
 
 import aiohttp
 import pytest
-from admission_cluster import LEASE_TTL_S
-from gateway_support import pool
 
 from slotserve.gateway.admission.front import Admission
 from slotserve.gateway.admission.types import PoolPolicy
+from tests.gateway.admission_cluster import LEASE_TTL_S
+from tests.gateway.gateway_support import pool
 
 
 async def _inflight_soon(replica: Admission, pool: PoolPolicy, expected: dict[str, int]) -> None:

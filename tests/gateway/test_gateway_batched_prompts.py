@@ -11,8 +11,9 @@ import asyncio
 
 import httpx
 import pytest
-from gateway_support import pool, write_pools
-from test_gateway_e2e_engines import NUM_SLOTS, LoadSampler, start_engine, wait_ready
+
+from tests.gateway.gateway_support import pool, write_pools
+from tests.gateway.test_gateway_e2e_engines import NUM_SLOTS, LoadSampler, start_engine, wait_ready
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ from collections import Counter
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from gateway_support import pool, write_pools
+
+from tests.gateway.gateway_support import pool, write_pools
 
 LEASE_TTL = 2.0
 NUM_REQUESTS = 2000

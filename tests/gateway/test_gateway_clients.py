@@ -13,9 +13,11 @@ import httpx
 import openai
 import pytest
 import torch
-from gateway_support import SLOTSERVE, Proc, Spawner, pool, write_pools
-from lm_eval_support import LmEvalUnavailableError, lm_eval_venv, run_lm_eval
-from support import free_port, http_ok, wait_until
+from openai.types.responses import ResponseCompletedEvent, ResponseIncompleteEvent
+
+from tests.gateway.gateway_support import SLOTSERVE, Proc, Spawner, pool, write_pools
+from tests.gateway.lm_eval_support import LmEvalUnavailableError, lm_eval_venv, run_lm_eval
+from tests.support import free_port, http_ok, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -138,8 +140,8 @@ def test_lm_eval_scores_equal_transformers(
     hf_matches = []
     for sample in samples(folder, GEN_TASK):
         prompt = sample["arguments"]["gen_args_0"]["arg_0"]
-        expected = hf_greedy(hf, prompt, ["\n", "."], 8)
-        assert sample["resps"][0][0] == expected, (prompt, sample["resps"], expected)
+        greedy = hf_greedy(hf, prompt, ["\n", "."], 8)
+        assert sample["resps"][0][0] == greedy, (prompt, sample["resps"], greedy)
         hf_matches.append(sample["exact_match"])
     assert results[GEN_TASK]["exact_match,none"] == pytest.approx(sum(hf_matches) / len(hf_matches))
     print(
@@ -165,6 +167,7 @@ def test_responses_with_the_openai_client(stack, target):
     )
     assert reply.object == "response" and reply.status in ("completed", "incomplete")
     assert reply.output_text and reply.output[0].type == "message"
+    assert reply.usage is not None
     assert reply.usage.output_tokens <= 12 and reply.usage.input_tokens > 0
     events = list(
         client.responses.create(
@@ -182,6 +185,7 @@ def test_responses_with_the_openai_client(stack, target):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == reply.output_text  # greedy: the stream says what the whole answer said
+    assert isinstance(events[-1], ResponseCompletedEvent | ResponseIncompleteEvent)
     assert events[-1].response.output_text == text
     tools = [
         {
@@ -195,7 +199,8 @@ def test_responses_with_the_openai_client(stack, target):
             },
         }
     ]
-    with client.responses.stream(
+    # The tool leaves out "strict", which openai's types require and the API does not.
+    with client.responses.stream(  # type: ignore[call-overload]
         model="smollm2",
         input="What is the weather in Paris?",
         tools=tools,
@@ -208,6 +213,7 @@ def test_responses_with_the_openai_client(stack, target):
     assert call.name == "get_weather" and "city" in json.loads(call.arguments)
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model="smollm2", input="x", previous_response_id="resp_1")
+    assert isinstance(refused.value.body, dict)
     assert refused.value.body["param"] == "previous_response_id"
 
 

@@ -6,6 +6,7 @@ Service's EndpointSlices; the decoy in every ``status.endpoints`` here is never 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -53,7 +54,7 @@ def test_owner_is_the_oldest_then_namespace_name_in_any_order(order):
     # By list and by events, in every arrival order: the same owner (a/twin: as old as b/old,
     # and "a/twin" < "b/old"), the same two conflicts counted.
     for by_events in (False, True):
-        registry, counted = PoolRegistry(), []
+        registry, counted = PoolRegistry(), list[str]()
         catalog = PoolCatalog(registry, ["a", "b"], counted.append)
         for namespace, slices in SLICES.items():
             catalog.replace_slices(namespace, slices)
@@ -87,7 +88,7 @@ def test_registry_waits_for_every_namespace_and_follows_each_full_list():
 
 
 def test_watch_events_delete_and_rename_take_effect_at_once():
-    registry, counted = PoolRegistry(), []
+    registry, counted = PoolRegistry(), list[str]()
     catalog = PoolCatalog(registry, [""], counted.append)
     catalog.replace_slices("", SLICES["a"] + SLICES["b"])
     catalog.replace_list("", [OLD, NEW])
@@ -152,7 +153,10 @@ def test_model_namespaces_keep_a_name_to_the_namespaces_allowed_for_it():
 def test_model_namespaces_setting_parses_globs_and_lists():
     from slotserve.gateway.settings import GatewaySettings
 
-    settings = GatewaySettings(model_namespaces="llama-*=platform, ml ; smollm2=platform")
+    # As the environment gives them: text, which the setting parses.
+    text: Any = "llama-*=platform, ml ; smollm2=platform"
+    settings = GatewaySettings(model_namespaces=text)
+    bad: Any = "no-equals-sign"
     assert settings.model_namespaces == {"llama-*": ["platform", "ml"], "smollm2": ["platform"]}
     with pytest.raises(ValueError, match="GLOB=NS1,NS2"):
-        GatewaySettings(model_namespaces="no-equals-sign")
+        GatewaySettings(model_namespaces=bad)

@@ -12,13 +12,15 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
-from endpointslice_support import Pod, sync_slices
-from gateway_support import SLOTSERVE, Proc
-from kubeapi import ApiServerThread
-from support import free_port, http_ok, wait_until
+
+from tests.gateway.endpointslice_support import Pod, sync_slices
+from tests.gateway.gateway_support import SLOTSERVE, Proc
+from tests.kubeapi import ApiServerThread
+from tests.support import free_port, http_ok, wait_until
 
 kubernetes = pytest.importorskip("kubernetes")
 
@@ -30,7 +32,8 @@ MERGE_PATCH = "application/merge-patch+json"
 BASE_POOL = yaml.safe_load((ROOT / "examples" / "smollm2-cpu.yaml").read_text())
 
 
-def get(url: str) -> tuple[int, dict | str]:
+def get(url: str) -> tuple[int, Any]:
+    """The status and the body: parsed JSON, or the text when it is not JSON."""
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
             body = resp.read()

@@ -15,9 +15,10 @@ import urllib.request
 
 import httpx
 import pytest
-from gateway_support import SLOTSERVE, Proc, pool, write_pools
 from openai import AsyncOpenAI
-from support import free_port, http_ok, wait_until
+
+from tests.gateway.gateway_support import SLOTSERVE, Proc, pool, write_pools
+from tests.support import free_port, http_ok, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from gateway_support import SLOTSERVE, pool, write_pools
-from support import free_port
-from test_gateway_http import completion
+
+from tests.gateway.gateway_support import SLOTSERVE, pool, write_pools
+from tests.gateway.test_gateway_http import completion
+from tests.support import free_port
 
 DEAD = "http://127.0.0.1:9"  # nothing listens: body checks come before any engine is needed
 

@@ -8,8 +8,9 @@ import json
 import time
 
 import pytest
-from gateway_support import pool, write_pools
-from support import free_port
+
+from tests.gateway.gateway_support import pool, write_pools
+from tests.support import free_port
 
 
 def completion(model: str = "m", prompt: str = "hi", **extra) -> dict:
@@ -93,8 +94,8 @@ async def test_api_keys(gw, spawn, client, tmp_path):
         async with client.post(f"{url}/v1/completions", json=completion(), headers=headers) as r:
             assert r.status == 401
             assert (await r.json())["error"]["type"] == "authentication_error"
-    auth = {"Authorization": "Bearer secret-two"}
-    async with client.post(f"{url}/v1/completions", json=completion(), headers=auth) as resp:
+    granted = {"Authorization": "Bearer secret-two"}
+    async with client.post(f"{url}/v1/completions", json=completion(), headers=granted) as resp:
         assert resp.status == 200
     async with client.get(f"{url}/health") as resp:
         assert resp.status == 200

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from endpointslice_support import Pod, sync_slices
-from gateway_support import SLOTSERVE, Proc
-from kubeapi import ApiServerThread
-from support import free_port, http_ok, wait_until
+
+from tests.gateway.endpointslice_support import Pod, sync_slices
+from tests.gateway.gateway_support import SLOTSERVE, Proc
+from tests.kubeapi import ApiServerThread
+from tests.support import free_port, http_ok, wait_until
 
 kubernetes = pytest.importorskip("kubernetes")
 
@@ -145,6 +146,7 @@ def test_routes_only_to_ready_pods_of_the_pools_service(spawn, tmp_path):
         status, body = post(f"{gateway.url}/v1/completions", {"model": "m", "prompt": "x"})
         assert status == 404 and "not served" in body["error"]["message"]
 
+        assert server.server is not None
         made = gateway_calls_allowed(server.server)
         # One list of slices, then one watch throughout: no event (a null endpoints list
         # included) ever broke the watch and forced a re-list.

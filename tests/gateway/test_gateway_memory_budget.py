@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from gateway_support import pool
-from support import free_port
 
 from slotserve.gateway.http.memory_budget import MemoryBudget, MemorySources, default_budget_bytes
 from slotserve.gateway.http.request_limits import check_json_bounds
+from tests.gateway.gateway_support import pool
+from tests.support import free_port
 
 DEAD = "http://127.0.0.1:9"
 

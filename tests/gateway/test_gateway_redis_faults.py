@@ -18,13 +18,13 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
-from admission_cluster import Cluster
-from gateway_support import pool, write_pools
-from support import RedisServer
 
 from slotserve.gateway.admission.backends.redis import CALL_TIMEOUT_S
 from slotserve.gateway.admission.front import Admission
 from slotserve.gateway.admission.types import BackendUnavailableError, PoolPolicy
+from tests.gateway.admission_cluster import Cluster
+from tests.gateway.gateway_support import pool, write_pools
+from tests.support import RedisServer
 
 POOL = PoolPolicy("m", max_queue_size=10, queue_timeout_s=10)
 

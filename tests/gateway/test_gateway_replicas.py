@@ -11,7 +11,8 @@ import time
 from collections import Counter
 
 import aiohttp
-from gateway_support import pool, write_pools
+
+from tests.gateway.gateway_support import pool, write_pools
 
 LEASE_TTL = 2.0
 
@@ -151,7 +152,7 @@ async def test_redis_restart_gives_503_then_recovers_without_gateway_restart(
             assert elapsed < 3
         redis_server.start()
         deadline = time.monotonic() + 10
-        recovered = set()
+        recovered: set[int] = set()
         while len(recovered) < 2 and time.monotonic() < deadline:
             for i, g in enumerate(gateways):
                 if (await post(s, g.url, body("after")))[0] == 200:

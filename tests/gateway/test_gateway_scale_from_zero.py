@@ -17,15 +17,15 @@ import urllib.request
 
 import aiohttp
 import pytest
-from gateway_support import DOUBLE, SLOTSERVE, Proc, pool, write_pools
-from support import free_port, http_ok, wait_until
-from test_gateway_admission_disconnects import write_and_close
 
 from slotserve.gateway.admission.types import QueueFullError, QueueTimeoutError
 from slotserve.gateway.pools.cold_start import ColdStarts
 from slotserve.gateway.pools.config import Pool
 from slotserve.gateway.pools.discovery import pool_from_inference_pool
 from slotserve.operator.admission_redis import AdmissionReader
+from tests.gateway.gateway_support import DOUBLE, SLOTSERVE, Proc, pool, write_pools
+from tests.gateway.test_gateway_admission_disconnects import write_and_close
+from tests.support import free_port, http_ok, wait_until
 
 MODEL = "m"
 PAYLOAD = {"model": MODEL, "prompt": "x", "max_tokens": 2}

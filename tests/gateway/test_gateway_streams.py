@@ -10,8 +10,9 @@ import time
 
 import openai
 import pytest
-from gateway_support import pool
-from test_gateway_http import completion
+
+from tests.gateway.gateway_support import pool
+from tests.gateway.test_gateway_http import completion
 
 
 def events_of(text: str) -> list[str]:

@@ -9,11 +9,11 @@ import os
 
 import aiohttp
 import pytest
-from gateway_support import pool
 
 from slotserve.gateway.admission.quotas import InProcessQuotas
 from slotserve.gateway.admission.tenants import MAX_PER_MINUTE, Tenant
 from slotserve.gateway.http.api_keys import ApiKeys, ApiKeysError, parse_keys_file
+from tests.gateway.gateway_support import pool
 
 KEYS = """\
 # team a: two keys, limits stated once
@@ -83,14 +83,14 @@ async def test_in_process_buckets_refill_exactly_and_zero_refuses():
     refusal = await quotas.take(tenant, "r3", 1)
     # 2 per minute: one request refills in 30 s.
     assert refusal is not None and refusal.reason == "requests_per_minute"
-    assert 29 <= refusal.retry_after_s <= 30
+    assert refusal.retry_after_s is not None and 29 <= refusal.retry_after_s <= 30
     zero = await quotas.take(Tenant("z", tokens_per_minute=0), "r", 1)
     assert zero is not None and zero.reason == "zero_quota" and zero.retry_after_s is None
     tokens = Tenant("tok", tokens_per_minute=600)  # 10 tokens per second
     assert await quotas.take(tokens, "a", 600) is None  # the whole minute at once
     short = await quotas.take(tokens, "b", 50)
     assert short is not None and short.reason == "tokens_per_minute"
-    assert 5 <= short.retry_after_s <= 6  # 50 tokens at 10/s
+    assert short.retry_after_s is not None and 5 <= short.retry_after_s <= 6  # 50 tokens at 10/s
     await quotas.charge(tokens, -600)  # the answer used nothing: given back
     assert await quotas.take(tokens, "c", 50) is None
 

@@ -9,10 +9,10 @@ import asyncio
 import json
 
 import aiohttp
-from gateway_support import pool, write_pools
-from test_gateway_e2e_engines import start_engine, wait_ready
 
 from slotserve.contracts.headers import CACHE_SALT_HEADER
+from tests.gateway.gateway_support import pool, write_pools
+from tests.gateway.test_gateway_e2e_engines import start_engine, wait_ready
 
 KEYS = "sk-a tenant=team-a\nsk-b tenant=team-b\nsk-c tenant=team-c tpm=100000\n"
 PROMPT = "Tenant A's confidential system prompt: quarterly numbers follow. " * 8  # ~100 tokens
@@ -69,7 +69,7 @@ async def streamed_usage(session: aiohttp.ClientSession, url: str, key: str) -> 
         "stream_options": {"include_usage": True},
     }
     headers = {"Authorization": f"Bearer {key}"}
-    usage = {}
+    usage: dict[str, int] = {}
     async with session.post(f"{url}/v1/completions", json=payload, headers=headers) as resp:
         assert resp.status == 200
         async for line in resp.content:

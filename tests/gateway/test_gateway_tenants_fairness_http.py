@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-from gateway_support import pool
+
+from tests.gateway.gateway_support import pool
 
 KEYS = "sk-a tenant=a\nsk-b tenant=b weight=1\n"
 

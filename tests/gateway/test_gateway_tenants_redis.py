@@ -9,7 +9,8 @@ import time
 
 import aiohttp
 import redis
-from gateway_support import pool, write_pools
+
+from tests.gateway.gateway_support import pool, write_pools
 
 LEASE_TTL = 2.0
 KEYS = """\
@@ -60,6 +61,7 @@ async def test_rpm_holds_across_replicas_with_the_refill_s_retry_after(
     assert tenant_keys == ["slotserve:tenant:team-a:rpm"]  # prefixed; nothing for the others
     assert 0 < client.pttl(tenant_keys[0]) <= 61_000  # absent again once it would be full
     level, at = client.hmget(tenant_keys[0], "level", "at")
+    assert isinstance(level, str) and isinstance(at, str)
     # Exact integers, never an exponent: less than one request left (in 1/60,000 units).
     assert level.isdigit() and int(level) < 60_000 and at.isdigit()
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from gateway_engine_double import create_double_app
-from gateway_support import pool, write_pools
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -22,6 +22,8 @@ from slotserve.gateway import cli as gateway_cli
 from slotserve.gateway.http.app import create_app
 from slotserve.gateway.settings import GatewaySettings
 from slotserve.tracing import TRACER
+from tests.gateway.gateway_engine_double import create_double_app
+from tests.gateway.gateway_support import pool, write_pools
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN_ID = "b7ad6b7169203331"
@@ -68,6 +70,26 @@ async def start_gateway(tmp_path, model: str, engine_url: str, provider=None) ->
     return client
 
 
+def attributes(span: ReadableSpan) -> Mapping[str, Any]:
+    assert span.attributes is not None  # finished spans carry theirs
+    return span.attributes
+
+
+def parent_span_id(span: ReadableSpan) -> int:
+    assert span.parent is not None
+    return span.parent.span_id
+
+
+def started_at(span: ReadableSpan) -> int:
+    assert span.start_time is not None
+    return span.start_time
+
+
+def ended_at(span: ReadableSpan) -> int:
+    assert span.end_time is not None  # finished
+    return span.end_time
+
+
 async def finished_spans(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
     async with asyncio.timeout(5):
         while not any(s.name == name for s in exporter.get_finished_spans()):
@@ -102,20 +124,20 @@ async def test_admission_and_upstream_spans_and_the_traceparent_sent_on(tmp_path
     (server,) = [s for s in spans if s.name == SERVER_SPAN]
     assert server.kind is SpanKind.SERVER
     assert f"{server.context.trace_id:032x}" == TRACE_ID
-    assert f"{server.parent.span_id:016x}" == CLIENT_SPAN_ID
-    assert server.attributes["gen_ai.request.model"] == "m"
-    assert server.attributes["http.response.status_code"] == 200
+    assert f"{parent_span_id(server):016x}" == CLIENT_SPAN_ID
+    assert attributes(server)["gen_ai.request.model"] == "m"
+    assert attributes(server)["http.response.status_code"] == 200
     (admission,) = [s for s in spans if s.name == "admission"]
     (upstream,) = [s for s in spans if s.name == "upstream"]
     for child in (admission, upstream):
-        assert child.parent.span_id == server.context.span_id
+        assert parent_span_id(child) == server.context.span_id
         assert child.context.trace_id == server.context.trace_id
-    assert server.start_time <= admission.start_time <= admission.end_time
-    assert admission.end_time <= upstream.start_time <= upstream.end_time <= server.end_time
-    assert admission.attributes["slotserve.pool"] == "m"
-    assert admission.attributes["slotserve.queue_wait_ms"] >= 0
+    assert started_at(server) <= started_at(admission) <= ended_at(admission)
+    assert ended_at(admission) <= started_at(upstream) <= ended_at(upstream) <= ended_at(server)
+    assert attributes(admission)["slotserve.pool"] == "m"
+    assert attributes(admission)["slotserve.queue_wait_ms"] >= 0
     assert upstream.kind is SpanKind.CLIENT
-    assert upstream.attributes["http.response.status_code"] == 200
+    assert attributes(upstream)["http.response.status_code"] == 200
 
     # The engine got the upstream span's context: same trace, parent = this attempt.
     (seen,) = engine.app[HEADERS_SEEN]
@@ -154,14 +176,16 @@ async def test_a_refused_request_has_a_failed_admission_span(tmp_path):
         s for s in spans if s.name == "admission" and s.status.status_code is StatusCode.ERROR
     ]
     assert len(refused) == 1
-    assert refused[0].attributes["slotserve.admission.rejected"] == "queue_timeout"
+    assert attributes(refused[0])["slotserve.admission.rejected"] == "queue_timeout"
     (server,) = [
-        s for s in spans if s.name == SERVER_SPAN and s.context.span_id == refused[0].parent.span_id
+        s
+        for s in spans
+        if s.name == SERVER_SPAN and s.context.span_id == parent_span_id(refused[0])
     ]
-    assert server.attributes["http.response.status_code"] == 503
+    assert attributes(server)["http.response.status_code"] == 503
     assert server.status.status_code is StatusCode.ERROR
     assert not [
-        s for s in spans if s.name == "upstream" and s.parent.span_id == server.context.span_id
+        s for s in spans if s.name == "upstream" and parent_span_id(s) == server.context.span_id
     ]
 
 
@@ -198,13 +222,13 @@ async def test_one_trace_from_the_client_through_the_gateway_to_the_engine(
     assert {f"{s.context.trace_id:032x}" for s in gateway_side + engine_side} == {TRACE_ID}
     (upstream,) = [s for s in gateway_side if s.name == "upstream"]
     (engine_server,) = [s for s in engine_side if s.name == SERVER_SPAN]
-    assert engine_server.parent.span_id == upstream.context.span_id
-    phases = sorted((s for s in engine_side if s is not engine_server), key=lambda s: s.start_time)
+    assert parent_span_id(engine_server) == upstream.context.span_id
+    phases = sorted((s for s in engine_side if s is not engine_server), key=started_at)
     assert [s.name for s in phases] == ["queued", "prefill", "decode"]
-    assert phases[2].attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 4
+    assert attributes(phases[2])["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 4
     # The engine's work happened inside the gateway's upstream call.
-    assert upstream.start_time <= phases[0].start_time
-    assert phases[2].end_time <= upstream.end_time
+    assert started_at(upstream) <= started_at(phases[0])
+    assert ended_at(phases[2]) <= ended_at(upstream)
 
 
 async def test_off_without_a_provider_the_answer_is_the_same(tmp_path):

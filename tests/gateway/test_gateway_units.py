@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from gateway_support import SLOTSERVE
 
 from slotserve.gateway.admission.front import DrainRate
 from slotserve.gateway.http.proxy import SseEnding, last_event_end
@@ -17,6 +16,7 @@ from slotserve.gateway.pools.routing import (
     rank_endpoints,
 )
 from slotserve.gateway.settings import GatewaySettings
+from tests.gateway.gateway_support import SLOTSERVE
 
 
 def test_rank_prefers_free_share_then_engine_load_then_url():

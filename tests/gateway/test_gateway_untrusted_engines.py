@@ -12,10 +12,10 @@ import time
 
 import pytest
 from aiohttp import web
-from gateway_support import pool
-from support import free_port
 
 from slotserve.gateway.http.proxy import EngineBrokeLimitsError, SseFramer
+from tests.gateway.gateway_support import pool
+from tests.support import free_port
 
 GOOD_LOAD = {"model": "m", "slots_total": 2, "running": 0, "waiting": 0, "kv_cache_usage": 0.0}
 ANSWER = {"id": "c", "object": "text_completion", "model": "m", "choices": [{"text": "hi"}]}

@@ -25,7 +25,8 @@ def owned_by(*owners: dict[str, Any]) -> list[dict[str, Any]]:
 
 def config_map(core: CoreV1Api, name: str, *owners: dict[str, Any], **meta: Any) -> dict:
     body = {"metadata": {"name": name, "ownerReferences": owned_by(*owners), **meta}}
-    core.create_namespaced_config_map("ns", body)
+    # A dict body: the client sends it as it is (its types say a V1ConfigMap).
+    core.create_namespaced_config_map("ns", body)  # type: ignore[arg-type]
     return core.api_client.sanitize_for_serialization(core.read_namespaced_config_map(name, "ns"))
 
 
@@ -65,7 +66,7 @@ def test_a_dependent_with_a_finalizer_is_marked_not_removed(widgets: Widgets, co
     config_map(core, "held", owner, finalizers=["test.kubeapi.dev/hold"])
     widgets.delete("w1")
     held = core.read_namespaced_config_map("held", "ns")
-    assert held.metadata.deletion_timestamp is not None
+    assert held.metadata is not None and held.metadata.deletion_timestamp is not None
 
 
 @pytest.mark.parametrize("finalizers", [[], ["test.kubeapi.dev/hold"]])

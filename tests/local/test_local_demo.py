@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from local_support import stack_missing
 from PIL import Image
+from PIL.PngImagePlugin import PngImageFile
+
+from tests.local.local_support import stack_missing
 
 pytestmark = [
     pytest.mark.slow,
@@ -79,6 +81,7 @@ def test_reduced_demo_prints_the_table_and_writes_matching_results(
 
     for name in ("occupancy.png", "latency_throughput.png"):
         image = Image.open(results_dir / name)
+        assert isinstance(image, PngImageFile)
         assert image.text["slotserve-run-id"] == document["run_id"]
         plotted = json.loads(image.text["slotserve-data"])
         assert plotted["continuous"]["row"] == phases["continuous"]["row"]

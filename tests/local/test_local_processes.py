@@ -11,10 +11,10 @@ import time
 
 import psutil
 import pytest
-from local_support import gone
-from support import free_port, wait_until
 
 from slotserve.local.processes import ChildExitedError, ChildSpec, Supervisor, http_ready
+from tests.local.local_support import gone
+from tests.support import free_port, wait_until
 
 
 def _http_server(port: int) -> list[str]:
@@ -85,6 +85,7 @@ def test_children_die_with_a_parent_killed_by_sigkill(tmp_path):
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
+        assert parent.stdout is not None  # stdout=PIPE
         child_pid = int(parent.stdout.readline())
         assert psutil.pid_exists(child_pid)
         parent.send_signal(signal.SIGKILL)

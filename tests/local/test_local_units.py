@@ -7,8 +7,10 @@ import json
 import pytest
 import yaml
 from PIL import Image
+from PIL.PngImagePlugin import PngImageFile
 
-from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec
+from slotserve.contracts.pool_spec import AdmissionSpec, BatchingPolicy, BatchingSpec
+from slotserve.contracts.weights import Quantization
 from slotserve.local import demo, stack, up
 from slotserve.local.enginestats import OccupancySample, parse_counters, phase_utilisation
 from slotserve.local.report import percentile, summarise, write_results
@@ -43,7 +45,9 @@ def test_percentile_interpolates_and_has_no_value_for_no_data():
     assert percentile([float(i) for i in range(101)], 99) == pytest.approx(99.0)
 
 
-def _pool(policy: str, ports: list[int], quantization: str | None = None) -> stack.PoolPlan:
+def _pool(
+    policy: BatchingPolicy, ports: list[int], quantization: Quantization | None = None
+) -> stack.PoolPlan:
     engine = stack.EngineOptions(
         model="/models/tiny",
         served_model_name=f"tiny-{policy}",
@@ -97,7 +101,8 @@ def test_redis_plan_prefers_a_given_url_then_a_local_binary():
     assert stack.plan_redis("redis://h:1/0", use_redis=True).mode == "external"
     assert stack.plan_redis(None, use_redis=False).mode == "memory"
     spawned = stack.plan_redis(None, use_redis=True)
-    assert spawned.mode == "spawn" and spawned.url.endswith(f":{spawned.port}/0")
+    assert spawned.mode == "spawn" and spawned.url is not None
+    assert spawned.url.endswith(f":{spawned.port}/0")
 
 
 def test_served_name_follows_the_model_source():
@@ -177,6 +182,7 @@ def test_results_table_and_plots_carry_the_same_numbers(tmp_path):
     assert all(cell in table for cell in row)
     for key in ("occupancy", "latency"):
         image = Image.open(paths[key])
+        assert isinstance(image, PngImageFile)
         assert image.size[0] > 300
         assert image.text["slotserve-run-id"] == "run-1"
         data = json.loads(image.text["slotserve-data"])

@@ -8,9 +8,10 @@ import sys
 
 import psutil
 import pytest
-from local_support import stack_missing, still_running
 from openai import OpenAI
-from support import free_port, wait_until
+
+from tests.local.local_support import stack_missing, still_running
+from tests.support import free_port, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -69,7 +70,7 @@ def test_up_answers_through_the_gateway_and_ctrl_c_stops_every_child(
         max_tokens=8,
         extra_body={"ignore_eos": True},
     )
-    assert answer.usage.completion_tokens == 8
+    assert answer.usage is not None and answer.usage.completion_tokens == 8
     assert answer.choices[0].finish_reason == "length"
     assert answer.choices[0].message.content
 
@@ -115,7 +116,7 @@ def test_up_without_redis_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path, slo
     answer = client.completions.create(
         model=model, prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
     )
-    assert answer.usage.completion_tokens == 4
+    assert answer.usage is not None and answer.usage.completion_tokens == 4
     assert answer.choices[0].finish_reason == "length"
 
     started = psutil.Process(up.proc.pid).children(recursive=False)

@@ -8,7 +8,6 @@ file right now, before anything imports it, and rewrite that file for every test
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,16 +17,15 @@ KUBECONFIG.write_text("{}")
 os.environ["KUBECONFIG"] = str(KUBECONFIG)
 
 import pytest  # noqa: E402
-from kubeapi import ApiServerThread  # noqa: E402
-from operator_harness import Kube, OperatorThread, assert_rbac_covers  # noqa: E402
-from support import free_port  # noqa: E402
-
-# The admission and autoscaling tests run real gateway processes (the gateway suite's helpers).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
-from gateway_support import Spawner  # noqa: E402
 
 from slotserve.operator import crd  # noqa: E402
 from slotserve.operator.settings import OperatorSettings  # noqa: E402
+
+# The admission and autoscaling tests run real gateway processes (the gateway suite's helpers).
+from tests.gateway.gateway_support import Spawner  # noqa: E402
+from tests.kubeapi import ApiServerThread  # noqa: E402
+from tests.operator.operator_harness import Kube, OperatorThread, assert_rbac_covers  # noqa: E402
+from tests.support import free_port  # noqa: E402
 
 ENGINE_IMAGE = "registry.test/slotserve/engine:test"
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes.client
-from operator_harness import Kube
-from support import http_ok
 
 from slotserve.operator import kube as kube_io
 from slotserve.operator.builders import ENGINE_PORT, ENGINE_PORT_NAME
+from tests.operator.operator_harness import Kube
+from tests.support import http_ok
 
 NAMESPACE = "default"
 
@@ -28,7 +28,7 @@ def write_endpoint_slice(kube: Kube, service: str, endpoints: list[tuple[str, st
     """Create or replace the EndpointSlice of ``service``: (pod name, IP, ready) each."""
     api = kubernetes.client.DiscoveryV1Api(kube.api_client)
     live = kube._json(kube.core.read_namespaced_service(service, NAMESPACE, _preload_content=False))
-    body = {
+    body: dict[str, Any] = {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
         "metadata": {
@@ -57,7 +57,8 @@ def write_endpoint_slice(kube: Kube, service: str, endpoints: list[tuple[str, st
     except kubernetes.client.exceptions.ApiException as error:
         if error.status != 404:
             raise
-        api.create_namespaced_endpoint_slice(NAMESPACE, body, _preload_content=False)
+        # A dict body: the client sends it as it is (its types say a V1EndpointSlice).
+        api.create_namespaced_endpoint_slice(NAMESPACE, body, _preload_content=False)  # type: ignore[arg-type]
         return
     api.patch_namespaced_endpoint_slice(
         body["metadata"]["name"],

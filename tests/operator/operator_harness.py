@@ -15,12 +15,12 @@ import threading
 from typing import Any
 
 import kubernetes.client
-from support import free_port
 
 from slotserve.contracts.crd import GROUP, PLURAL, VERSION
 from slotserve.operator import cli, kube
 from slotserve.operator.rbac import REQUIRED_RULES
 from slotserve.operator.settings import OperatorSettings
+from tests.support import free_port
 
 WATCH_TIMEOUT_SECONDS = 1
 
@@ -52,6 +52,18 @@ def assert_rbac_covers(apiserver: Any) -> None:
     }
     missing = sorted(call for call in made if not allowed(*call))
     assert not missing, f"calls outside REQUIRED_RULES (verb, group, resource): {missing}"
+
+
+def spec_of(obj: dict[str, Any] | None) -> dict[str, Any]:
+    """An object's spec, the object read as present (a wait on its spec fails if it is gone)."""
+    assert obj is not None, "the object is gone"
+    return obj["spec"]
+
+
+def raw_json(response: Any) -> Any:
+    """The JSON of an answer asked for with ``_preload_content=False``: urllib3's response,
+    whatever the client's types say it returns."""
+    return json.loads(response.data)
 
 
 class OperatorThread:
@@ -119,7 +131,7 @@ class Kube:
 
     @staticmethod
     def _json(response: Any) -> Any:
-        return json.loads(response.data)
+        return raw_json(response)
 
     def _merge_patch(self, patch_method: Any, *args: Any) -> Any:
         """Call a ``patch_*`` method of the client with a JSON merge patch; the result as JSON."""
@@ -219,7 +231,8 @@ class Kube:
             },
             "spec": deployment["spec"]["template"]["spec"],
         }
-        self.core.create_namespaced_pod(namespace, pod, _preload_content=False)
+        # A dict body: the client sends it as it is (its types say a V1Pod).
+        self.core.create_namespaced_pod(namespace, pod, _preload_content=False)  # type: ignore[arg-type]
         self.set_pod_ready(name, namespace, ip=ip, ready=False)
         return name
 

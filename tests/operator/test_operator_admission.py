@@ -11,28 +11,24 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from kubeapi import ApiServerThread
-from operator_harness import Kube, redis_operator_settings
-from support import RedisServer, free_port, wait_until
 
 from slotserve.admission_stats import WINDOW_TTL_S
 from slotserve.contracts.crd import API_VERSION, KIND
 from slotserve.gateway.admission.window import FLUSH_INTERVAL_S
 from slotserve.operator import kube as kube_io
 from slotserve.operator.settings import OperatorSettings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
-from gateway_support import Spawner, pool, write_pools
+from tests.gateway.gateway_support import Spawner, pool, write_pools
+from tests.kubeapi import ApiServerThread
+from tests.operator.operator_harness import Kube, redis_operator_settings
+from tests.support import RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "chat"
@@ -76,6 +72,7 @@ def condition(kube: Kube, kind: str, name: str = "chat") -> dict[str, Any]:
 
 
 def status_writes(apiserver: ApiServerThread) -> int:
+    assert apiserver.server is not None  # started
     return sum(
         1
         for agent, verb, _, plural, _ in apiserver.server.calls
@@ -221,7 +218,7 @@ def test_full_queue_rejections_by_reason(
 def test_unreachable_redis_leaves_admission_stale_and_children_reconciled(
     kube: Kube, apiserver: ApiServerThread, tmp_path
 ):
-    from operator_harness import OperatorThread
+    from tests.operator.operator_harness import OperatorThread
 
     redis = RedisServer(tmp_path / "redis")
     redis.start()

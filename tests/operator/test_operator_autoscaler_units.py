@@ -113,10 +113,9 @@ def keda_pool(**autoscaling):
 
 
 def test_scaled_object_follows_keda_s_documented_spec():
-    from keda_scaledobject import scaled_object_problems
-
     from slotserve.operator.crd import build_crd
     from slotserve.operator.keda import build_scaled_object
+    from tests.operator.keda_scaledobject import scaled_object_problems
 
     obj = build_scaled_object(keda_pool(minReplicas=0, scaleDownWindowSeconds=3600))
     assert scaled_object_problems(obj, "ml") == []
@@ -143,7 +142,7 @@ def test_scaled_object_query_uses_only_metrics_the_gateway_exports():
 
     query = demand_query('team/"chat"')
     assert 'pool="team/\\"chat\\""' in query  # label values escaped
-    from metric_registry import series_names
+    from tests.metric_registry import series_names
 
     exported = series_names(GatewayMetrics().registry)
     names = set(re.findall(r"(slotserve_[a-z_]+)\{", query))

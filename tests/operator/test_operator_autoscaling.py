@@ -11,25 +11,22 @@ KEDA's CRD is missing or another HPA already scales the pool.
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kubernetes.client
 import pytest
-from keda_scaledobject import scaled_object_problems
-from operator_harness import Kube, redis_operator_settings
-from support import RedisServer, free_port, wait_until
-from test_operator_admission import Load, condition, create_pool
 
 from slotserve.operator.keda import KEDA_GROUP, KEDA_VERSION, SCALED_OBJECTS
 from slotserve.operator.settings import OperatorSettings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
-from gateway_support import Spawner, pool, write_pools
+from tests.gateway.gateway_support import Spawner, pool, write_pools
+from tests.operator.keda_scaledobject import scaled_object_problems
+from tests.operator.operator_harness import Kube, redis_operator_settings, spec_of
+from tests.operator.test_operator_admission import Load, condition, create_pool
+from tests.support import RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "chat"
@@ -164,8 +161,11 @@ def test_keda_provider_renders_a_documented_scaled_object_owned_by_the_pool(kube
 
     def scaled_object() -> dict[str, Any] | None:
         try:
-            return custom.get_namespaced_custom_object(
-                KEDA_GROUP, KEDA_VERSION, "default", SCALED_OBJECTS, "chat"
+            return cast(
+                dict[str, Any],
+                custom.get_namespaced_custom_object(
+                    KEDA_GROUP, KEDA_VERSION, "default", SCALED_OBJECTS, "chat"
+                ),
             )
         except kubernetes.client.exceptions.ApiException:
             return None
@@ -186,7 +186,7 @@ def test_keda_provider_renders_a_documented_scaled_object_owned_by_the_pool(kube
     )
     # A change of the spec reaches it.
     kube.patch_pool("chat", {"spec": {"autoscaling": {"maxReplicas": 7}}})
-    wait_until(lambda: scaled_object()["spec"]["maxReplicaCount"] == 7, 15, what="patched")
+    wait_until(lambda: spec_of(scaled_object())["maxReplicaCount"] == 7, 15, what="patched")
     assert condition(kube, "Degraded")["status"] == "False"
     # Back to the built-in scaler: the ScaledObject goes, or KEDA would fight it.
     kube.patch_pool("chat", {"spec": {"autoscaling": {"provider": "builtin"}}})
@@ -224,9 +224,10 @@ def test_keda_provider_without_keda_installed_is_degraded(kube: Kube):
 @pytest.mark.usefixtures("operator")
 def test_builtin_scaler_beside_another_hpa_is_degraded(kube: Kube):
     hpas = kubernetes.client.AutoscalingV2Api(kube.api_client)
+    # A dict body: the client sends it as it is (its types say a model object).
     hpas.create_namespaced_horizontal_pod_autoscaler(
         "default",
-        {
+        {  # type: ignore[arg-type]
             "apiVersion": "autoscaling/v2",
             "kind": "HorizontalPodAutoscaler",
             "metadata": {"name": "chat-hpa"},

@@ -19,16 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import Kube, redis_operator_settings
-from support import RedisServer, free_port, http_ok, wait_until
-from test_operator_admission import admission, create_pool
 
 from slotserve.operator.autoscaler import ScalePolicy, Stabilizer, recommend
 from slotserve.operator.cold_start import ColdStarts, ready_after_seconds
 from slotserve.operator.settings import OperatorSettings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
-from gateway_support import DOUBLE, Proc, Spawner, pool, write_pools
+from tests.gateway.gateway_support import DOUBLE, Proc, Spawner, pool, write_pools
+from tests.operator.operator_harness import Kube, redis_operator_settings
+from tests.operator.test_operator_admission import admission, create_pool
+from tests.support import RedisServer, free_port, http_ok, wait_until
 
 MODEL = "chat"
 
@@ -89,8 +87,11 @@ def status(kube: Kube) -> dict[str, Any]:
 
 def become_ready(kube: Kube, pod: str, ip: str, after_s: float, ready: bool = True) -> None:
     """What the kubelet writes: Ready, with its transition ``after_s`` after the pod's creation."""
-    created = kube.core.read_namespaced_pod(pod, "default").metadata.creation_timestamp
-    at = (created + datetime.timedelta(seconds=after_s)).astimezone(datetime.UTC)
+    metadata = kube.core.read_namespaced_pod(pod, "default").metadata
+    assert metadata is not None and isinstance(metadata.creation_timestamp, datetime.datetime)
+    at = (metadata.creation_timestamp + datetime.timedelta(seconds=after_s)).astimezone(
+        datetime.UTC
+    )
     ready_condition = {
         "type": "Ready",
         "status": "True" if ready else "False",

@@ -7,10 +7,10 @@ from typing import Any
 
 import pydantic
 import pytest
-from test_operator_crd import pool, validator
 
 from slotserve.gateway.admission.types import LevelPolicy, PoolPolicy
 from slotserve.operator import crd, models
+from tests.operator.test_operator_crd import pool, validator
 
 ADMISSION = {
     "maxQueueSize": 100,

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import free_port, http_ok, wait_until
+
+from tests.operator.operator_harness import raw_json
+from tests.support import free_port, http_ok, wait_until
 
 E2E_KUBECONFIG = os.environ.get("SLOTSERVE_E2E_KUBECONFIG", "")
 READY_TIMEOUT = float(os.environ.get("SLOTSERVE_E2E_READY_TIMEOUT", "900"))
@@ -53,25 +55,28 @@ def _apply_crd(api: Any) -> None:
     extensions = kubernetes.client.ApiextensionsV1Api(api)
     body = build_crd()
     try:
-        extensions.create_custom_resource_definition(body, _preload_content=False)
+        # A dict body: the client sends it as it is (its types say a model object).
+        extensions.create_custom_resource_definition(body, _preload_content=False)  # type: ignore[arg-type]
     except ApiException as error:
         if error.status != 409:
             raise
-        live = json.loads(
+        live = raw_json(
             extensions.read_custom_resource_definition(
                 body["metadata"]["name"], _preload_content=False
-            ).data
+            )
         )
         body["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
         extensions.replace_custom_resource_definition(
-            body["metadata"]["name"], body, _preload_content=False
+            body["metadata"]["name"],
+            body,  # type: ignore[arg-type]
+            _preload_content=False,
         )
 
     def established() -> bool:
-        crd = json.loads(
+        crd = raw_json(
             extensions.read_custom_resource_definition(
                 body["metadata"]["name"], _preload_content=False
-            ).data
+            )
         )
         conditions = (crd.get("status") or {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
@@ -105,7 +110,8 @@ def test_pool_becomes_ready_and_serves_a_completion(api: Any, tmp_path: Path):
     # Pod Security Admission enforces "restricted": the engine pods must pass the real thing.
     labels = {"pod-security.kubernetes.io/enforce": "restricted"}
     core.create_namespace(
-        {"metadata": {"name": namespace, "labels": labels}}, _preload_content=False
+        {"metadata": {"name": namespace, "labels": labels}},  # type: ignore[arg-type]
+        _preload_content=False,
     )
     health_port = free_port()
     log = (tmp_path / "operator.log").open("w")
@@ -151,10 +157,10 @@ def test_pool_becomes_ready_and_serves_a_completion(api: Any, tmp_path: Path):
         )
 
         def ready() -> bool:
-            body = json.loads(
+            body = raw_json(
                 custom.get_namespaced_custom_object(
                     GROUP, VERSION, namespace, PLURAL, "smollm2", _preload_content=False
-                ).data
+                )
             )
             status = body.get("status") or {}
             return status.get("readyReplicas") == 1 and len(status.get("endpoints") or []) == 1
@@ -176,8 +182,8 @@ def test_pool_becomes_ready_and_serves_a_completion(api: Any, tmp_path: Path):
         assert status == 200 and answer["choices"][0]["text"].strip()
 
         networking = kubernetes.client.NetworkingV1Api(api)
-        (policy,) = json.loads(
-            networking.list_namespaced_network_policy(namespace, _preload_content=False).data
+        (policy,) = raw_json(
+            networking.list_namespaced_network_policy(namespace, _preload_content=False)
         )["items"]
         assert policy["metadata"]["ownerReferences"][0]["name"] == "smollm2"
 
@@ -188,14 +194,14 @@ def test_pool_becomes_ready_and_serves_a_completion(api: Any, tmp_path: Path):
         apps = kubernetes.client.AppsV1Api(api)
 
         def children_gone() -> bool:
-            deployments = json.loads(
-                apps.list_namespaced_deployment(namespace, _preload_content=False).data
+            deployments = raw_json(
+                apps.list_namespaced_deployment(namespace, _preload_content=False)
             )["items"]
-            services = json.loads(
-                core.list_namespaced_service(namespace, _preload_content=False).data
-            )["items"]
-            policies = json.loads(
-                networking.list_namespaced_network_policy(namespace, _preload_content=False).data
+            services = raw_json(core.list_namespaced_service(namespace, _preload_content=False))[
+                "items"
+            ]
+            policies = raw_json(
+                networking.list_namespaced_network_policy(namespace, _preload_content=False)
             )["items"]
             return not deployments and not services and not policies
 

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from local_kubelet import LocalKubelet, free_loopback_ips
-from operator_harness import Kube
-from support import free_port, wait_until
 
 from slotserve.contracts.crd import API_VERSION, KIND
 from slotserve.operator.settings import OperatorSettings
+from tests.operator.local_kubelet import LocalKubelet, free_loopback_ips
+from tests.operator.operator_harness import Kube
+from tests.support import free_port, wait_until
 
 pytestmark = pytest.mark.slow
 

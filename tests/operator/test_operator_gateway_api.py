@@ -7,15 +7,11 @@ refused (Degraded + Warning) when the Gateway API CRD is missing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kubernetes.client
 import pytest
 import yaml
-from gateway_api_inferencepool import inference_pool_problems
-from operator_harness import Kube
-from support import wait_until
-from test_operator_admission import condition, create_pool
 
 from slotserve.operator.builders import build_deployment
 from slotserve.operator.gateway_api import (
@@ -25,6 +21,10 @@ from slotserve.operator.gateway_api import (
     build_gateway_inference_pool,
 )
 from slotserve.operator.models import InferencePool
+from tests.operator.gateway_api_inferencepool import inference_pool_problems
+from tests.operator.operator_harness import Kube, spec_of
+from tests.operator.test_operator_admission import condition, create_pool
+from tests.support import wait_until
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 GATEWAY_CRD = {
@@ -120,8 +120,11 @@ def test_the_check_refuses_what_v1_does_not_allow():
 def gateway_pool(kube: Kube, name: str = "chat") -> dict[str, Any] | None:
     custom = kubernetes.client.CustomObjectsApi(kube.api_client)
     try:
-        return custom.get_namespaced_custom_object(
-            GATEWAY_GROUP, GATEWAY_VERSION, "default", GATEWAY_PLURAL, name
+        return cast(
+            dict[str, Any],
+            custom.get_namespaced_custom_object(
+                GATEWAY_GROUP, GATEWAY_VERSION, "default", GATEWAY_PLURAL, name
+            ),
         )
     except kubernetes.client.exceptions.ApiException:
         return None
@@ -146,7 +149,7 @@ def test_the_operator_creates_an_owned_gateway_api_inference_pool(kube: Kube):
         "chat", {"spec": {"gatewayAPI": {"inferencePool": {"endpointPickerRef": {"name": "epp"}}}}}
     )
     wait_until(
-        lambda: gateway_pool(kube)["spec"]["endpointPickerRef"]["name"] == "epp", 15, what="patch"
+        lambda: spec_of(gateway_pool(kube))["endpointPickerRef"]["name"] == "epp", 15, what="patch"
     )
     assert condition(kube, "Degraded")["status"] == "False"
     # Switched off, the object goes (a Gateway would otherwise keep routing around admission);

@@ -7,7 +7,6 @@ Every wait is bounded.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,11 +20,11 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
-from operator_harness import Kube, OperatorThread, assert_rbac_covers
-from support import free_port, http_ok, wait_until
 
 from slotserve.contracts.crd import API_VERSION, KIND
 from slotserve.operator.settings import OperatorSettings
+from tests.operator.operator_harness import Kube, OperatorThread, assert_rbac_covers, raw_json
+from tests.support import free_port, http_ok, wait_until
 
 WAIT = 15
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -164,7 +163,7 @@ def test_spec_change_patches_the_deployment_in_place(kube: Kube):
 
 
 def test_schema_violations_are_rejected_with_422(kube: Kube):
-    invalid = [
+    invalid: list[dict[str, Any]] = [
         {"replicas": -1},
         {"batching": {"policy": "greedy"}},
         {"model": {"name": "x"}},
@@ -174,7 +173,8 @@ def test_schema_violations_are_rejected_with_422(kube: Kube):
         with pytest.raises(ApiException) as raised:
             kube.create_pool(pool_body("bad", **spec))
         assert raised.value.status == 422, spec
-    assert "spec.model.quantization" in raised.value.body  # the last one names the field
+    body = raised.value.body
+    assert body is not None and "spec.model.quantization" in body  # the last one names the field
     kube.create_pool(pool_body("good"))
     with pytest.raises(ApiException) as raised:
         kube.patch_pool("good", {"spec": {"admission": {"maxQueueSize": -5}}})
@@ -244,7 +244,8 @@ def test_a_taken_child_name_is_a_conflict_not_a_takeover(kube: Kube):
             },
         },
     }
-    kube.apps.create_namespaced_deployment("default", foreign, _preload_content=False)
+    # A dict body: the client sends it as it is (its types say a V1Deployment).
+    kube.apps.create_namespaced_deployment("default", foreign, _preload_content=False)  # type: ignore[arg-type]
     kube.create_pool(pool_body())
     pool = wait_status(
         kube,
@@ -481,7 +482,7 @@ def test_two_replicas_one_active_and_failover(kube: Kube, apiserver: Any):
         peering = kube.custom.get_cluster_custom_object(
             "kopf.dev", "v1", "clusterkopfpeerings", "slotserve", _preload_content=False
         )
-        return len(json.loads(peering.data).get("status") or {})
+        return len(raw_json(peering).get("status") or {})
 
     replicas = [leader := replica(200, "registry.test/engine:leader")]
     try:

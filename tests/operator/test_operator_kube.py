@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from kubeapi import merge_patch
 
 from slotserve.operator import cli, rbac
 from slotserve.operator.kube import is_subset, replacing_patch
 from slotserve.operator.settings import OperatorSettings
+from tests.kubeapi import merge_patch
 
 
 def test_is_subset_ignores_server_added_fields_but_not_differences():

@@ -10,7 +10,6 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from pod_security import restricted_violations
 from pydantic import ValidationError
 
 from slotserve.operator import builders
@@ -27,10 +26,17 @@ from slotserve.operator.policy import (
     service_account_allowed,
 )
 from slotserve.operator.settings import DEFAULT_DNS_PEERS, OperatorSettings
+from tests.operator.pod_security import restricted_violations
 
 IMAGE = "ghcr.io/slotserve/engine:0.1.0"
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 GATEWAY_LABELS = {"app.kubernetes.io/component": "gateway", "app.kubernetes.io/instance": "r"}
+
+
+def from_env_text(**values: Any) -> OperatorSettings:
+    """Settings given as the environment gives them: lists and objects as text, which the
+    settings parse (their declared types are the parsed ones)."""
+    return OperatorSettings(**values)
 
 
 def make_pool(namespace: str = "ml", source: Any = None, **engine: Any) -> InferencePool:
@@ -142,7 +148,7 @@ def test_env_is_an_allow_list_the_platform_extends():
     # A name nobody listed anywhere is refused too: that is what an allow-list is for.
     unheard_of = make_pool(env=[{"name": "SOME_FUTURE_LOADER_PATH", "value": "/models"}])
     assert reason(Policy(engine_image=IMAGE), unheard_of) == "EnvNotAllowed"
-    widened = OperatorSettings(allowed_env="SOME_FUTURE_LOADER_PATH, CC").policy()
+    widened = from_env_text(allowed_env="SOME_FUTURE_LOADER_PATH, CC").policy()
     assert reason(widened, unheard_of) is None
     assert reason(widened, make_pool(env=[{"name": "CC", "value": "gcc"}])) is None
     assert reason(widened, make_pool(env=[{"name": "CPATH", "value": "/x"}])) == "EnvNotAllowed"
@@ -152,9 +158,9 @@ def test_env_is_an_allow_list_the_platform_extends():
 
 def test_the_operator_s_own_variables_can_never_be_allowed():
     with pytest.raises(ValidationError, match="HOME are set by the operator"):
-        OperatorSettings(allowed_env=["HOME"])
+        from_env_text(allowed_env=["HOME"])
     with pytest.raises(ValidationError, match="not an environment variable name"):
-        OperatorSettings(allowed_env=["A=B"])
+        from_env_text(allowed_env=["A=B"])
 
 
 # --- scheduling -----------------------------------------------------------------------------
@@ -197,7 +203,7 @@ def test_the_default_settings_allow_no_scheduling_beyond_the_platform_s_own(
 
 
 def test_scheduling_allow_lists_take_globs():
-    policy = OperatorSettings(
+    policy = from_env_text(
         allowed_priority_classes="inference-*",
         allowed_tolerations='[{"key": "pool.example/*"}, {"key": "spot", "effect": "NoSchedule"}]',
         allowed_node_selector_keys="topology.kubernetes.io/*",
@@ -215,7 +221,7 @@ def test_scheduling_allow_lists_take_globs():
     spot_all_effects = make_pool(tolerations=[{"key": "spot", "operator": "Exists"}])
     assert reason(policy, spot_all_effects) == "TolerationNotAllowed"
     # A single-tenant cluster allows everything with "*".
-    anything = OperatorSettings(
+    anything = from_env_text(
         allowed_priority_classes="*",
         allowed_tolerations='[{"key": "*"}]',
         allowed_node_selector_keys="*",
@@ -247,7 +253,7 @@ def keda_pool(address: str) -> InferencePool:
 def test_keda_server_addresses_are_an_exact_allow_list():
     prometheus = "http://prometheus.monitoring:9090"
     assert reason(Policy(engine_image=IMAGE), keda_pool(prometheus)) == "KedaServerNotAllowed"
-    policy = OperatorSettings(allowed_keda_server_addresses=prometheus).policy()
+    policy = from_env_text(allowed_keda_server_addresses=prometheus).policy()
     assert reason(policy, keda_pool(prometheus)) is None
     assert reason(policy, keda_pool(prometheus + "/")) is None
     for elsewhere in (
@@ -258,7 +264,7 @@ def test_keda_server_addresses_are_an_exact_allow_list():
         assert reason(policy, keda_pool(elsewhere)) == "KedaServerNotAllowed", elsewhere
     assert (
         reason(
-            OperatorSettings(allowed_keda_server_addresses="*").policy(),
+            from_env_text(allowed_keda_server_addresses="*").policy(),
             keda_pool("http://anywhere:1"),
         )
         is None
@@ -412,7 +418,7 @@ def test_network_policy_admits_the_gateway_and_scrapers_on_the_engine_port():
 def test_engine_egress_is_dns_and_the_platform_s_hub_only():
     pool = make_pool("team-a")
     hub = [{"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}], "ports": [{"port": 443}]}]
-    settings = OperatorSettings(engine_egress=True, engine_egress_hub=json.dumps(hub))
+    settings = from_env_text(engine_egress=True, engine_egress_hub=json.dumps(hub))
     policy = build_network_policy(
         pool,
         gateway_namespace="slotserve",

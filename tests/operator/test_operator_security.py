@@ -9,12 +9,12 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from operator_harness import Kube, OperatorThread, assert_rbac_covers
-from support import free_port, wait_until
-from test_operator_kmock import WAIT, condition, pool_body, wait_status
 
 from slotserve.contracts.crd import KIND
 from slotserve.operator.settings import OperatorSettings
+from tests.operator.operator_harness import Kube, OperatorThread, assert_rbac_covers
+from tests.operator.test_operator_kmock import WAIT, condition, pool_body, wait_status
+from tests.support import free_port, wait_until
 
 
 def network_policies(kube: Kube, namespace: str = "default") -> list[dict[str, Any]]:
@@ -179,7 +179,7 @@ def test_an_older_pool_taking_a_name_degrades_the_younger_without_its_spec_chang
 
 GPU = {"limits": {"nvidia.com/gpu": 1}}
 # (pool name, engine or autoscaling spec, reason, what the condition and the event must name)
-REFUSED = [
+REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("cc", {"engine": {"env": [{"name": "CC", "value": "/models/bin/x"}]}}, "EnvNotAllowed", "CC"),
     (
         "home",

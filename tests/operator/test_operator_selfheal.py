@@ -13,11 +13,11 @@ from typing import Any
 import kmock
 import kubernetes.client
 import pytest
-from operator_harness import Kube, OperatorThread, assert_rbac_covers
-from support import free_port, wait_until
-from test_operator_kmock import WAIT, pool_body, wait_status
 
 from slotserve.operator.settings import OperatorSettings
+from tests.operator.operator_harness import Kube, OperatorThread, assert_rbac_covers
+from tests.operator.test_operator_kmock import WAIT, pool_body, wait_status
+from tests.support import free_port, wait_until
 
 RESTORE_WITHIN_S = 10
 DEPLOYMENTS = "apps/v1/deployments"

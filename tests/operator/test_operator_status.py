@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from slotserve.operator.models import InferencePoolStatus
@@ -29,7 +30,7 @@ def rolled_out(replicas: int, generation: int = 1) -> DeploymentView:
     )
 
 
-def status(desired: int = 2, pods: list[PodView] = (), deployment: Any = None, **kw: Any):
+def status(desired: int = 2, pods: Iterable[PodView] = (), deployment: Any = None, **kw: Any):
     return compute_status(
         pool_name="chat",
         desired_replicas=desired,
