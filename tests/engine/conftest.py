@@ -15,7 +15,7 @@ import pytest
 from slotserve.engine.core.openmp import apply_openmp_environment
 
 if TYPE_CHECKING:
-    from engine_server_support import EngineProcess
+    from tests.engine.engine_server_support import EngineProcess
 
 apply_openmp_environment()
 
@@ -31,7 +31,7 @@ def smollm2_engine(
     characters pass the cheap bound, so the largest ones really are tokenized (~0.5 s of
     tokenizer time each); the other tests' short answers fit in any length.
     """
-    from engine_server_support import EngineProcess
+    from tests.engine.engine_server_support import EngineProcess
 
     engine = EngineProcess(
         smollm2_dir,

@@ -5,16 +5,22 @@ from __future__ import annotations
 import math
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.sequence import Sequence
 from slotserve.engine.settings import EngineSettings
 
+if TYPE_CHECKING:
+    from slotserve.engine.core.model.runner import ModelRunner
+    from slotserve.engine.core.model.static_decoder import StaticDecoder
+    from slotserve.engine.core.protocols import Tokenizer
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-ARCHITECTURES = {
+ARCHITECTURES: dict[str, tuple[str, dict[str, object]]] = {
     # name: (config class, extra config fields)
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
@@ -86,6 +92,32 @@ def make_engine(model_dir: Path, **settings) -> LLMEngine:
     # spin at every barrier make each step up to 10x slower than a single thread.
     settings.setdefault("num_threads", 1)
     return LLMEngine.load(EngineSettings(model=str(model_dir), **settings))
+
+
+def engine_tokenizer(model_dir: Path) -> Tokenizer:
+    """``model_dir``'s tokenizer as the engine holds it (what the loader returns)."""
+    from transformers import AutoTokenizer
+
+    # transformers types decode() and apply_chat_template() for every input shape and flag; for
+    # what the engine calls they are what Tokenizer declares (as the loader's load_model).
+    return AutoTokenizer.from_pretrained(str(model_dir))  # type: ignore[return-value]
+
+
+def model_runner(engine: LLMEngine) -> ModelRunner:
+    """``engine``'s runner as the loader builds it: the tests reach into its own parts (the native
+    step, the static decoder, the KV rows), which the engine's ``Runner`` protocol does not name."""
+    from slotserve.engine.core.model.runner import ModelRunner
+
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)
+    return runner
+
+
+def static_decoder(engine: LLMEngine) -> StaticDecoder:
+    """``engine``'s static decode step, which the test relies on having been built."""
+    static = model_runner(engine).static
+    assert static is not None, "the engine should decode through the static step"
+    return static
 
 
 def run_staggered(

@@ -15,7 +15,8 @@ from pathlib import Path
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port, wait_until
+
+from tests.support import free_port, wait_until
 
 SLOTSERVE = Path(sys.executable).with_name("slotserve")
 
@@ -119,6 +120,12 @@ def completion_body(max_tokens: int, *, stream: bool) -> dict:
         "temperature": 0,
         "stream": stream,
     }
+
+
+def json_event(event: dict | str) -> dict:
+    """One SSE payload whose fields a test reads: parsed JSON, not the "[DONE]" marker."""
+    assert isinstance(event, dict), event
+    return event
 
 
 def sample(metrics: dict, name: str, **labels: str) -> float:

@@ -15,11 +15,11 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_core_support import make_engine
 
 from slotserve.engine.core.model import bf16_prefill
 from slotserve.engine.core.model.native_linear import NativeLinear
 from slotserve.engine.core.params import SamplingParams
+from tests.engine.engine_core_support import make_engine, model_runner
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def decoder_layers(engine) -> list[NativeLinear]:
-    return bf16_prefill.decoder_linears(engine.runner.model)
+    return bf16_prefill.decoder_linears(model_runner(engine).model)
 
 
 def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
@@ -40,7 +40,7 @@ def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
     engine = make_engine(
         tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native", max_batch_size=2
     )
-    runner = engine.runner
+    runner = model_runner(engine)
     step = runner.native_step
     assert runner.prefill_bf16 and step is not None and step.prefill  # prefill stays native
     layers = decoder_layers(engine)
@@ -77,7 +77,7 @@ def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
     assert step.wide_products == 4 * 2  # a scored prompt stays fp32
     # A decode-only step wider than the native rows (the transformers path) stays fp32 too.
     engine.generate([[11, 12], [13, 14]], params)
-    assert not runner.bf16_gate.on
+    assert runner.bf16_gate is not None and not runner.bf16_gate.on
 
 
 def test_native_and_module_bf16_prefill_agree(tiny_model_dir, bf16_cpu):
@@ -89,10 +89,11 @@ def test_native_and_module_bf16_prefill_agree(tiny_model_dir, bf16_cpu):
         engine = make_engine(
             tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native", max_batch_size=3
         )
-        assert engine.runner.native_step is not None
-        engine.runner.native_step.prefill = native
+        step = model_runner(engine).native_step
+        assert step is not None
+        step.prefill = native
         figures.append(first_token_logprobs(engine, prompts))
-        assert (engine.runner.native_step.wide_products > 0) == native
+        assert (step.wide_products > 0) == native
     for ours, theirs in zip(*figures, strict=True):
         assert ours.keys() == theirs.keys()
         for token, logprob in ours.items():
@@ -101,7 +102,7 @@ def test_native_and_module_bf16_prefill_agree(tiny_model_dir, bf16_cpu):
 
 def test_a_failing_bf16_product_fails_the_step_with_its_own_error(tiny_model_dir, bf16_cpu):
     engine = make_engine(tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native")
-    step = engine.runner.native_step
+    step = model_runner(engine).native_step
     assert step is not None
     step._bf16 = [torch.zeros(3, 5, dtype=torch.bfloat16)] * len(step._bf16)  # wrong shapes
     with pytest.raises(RuntimeError):
@@ -118,12 +119,12 @@ def test_auto_takes_bf16_where_it_can_run_and_fp32_silently_elsewhere(
         bf16_prefill, "cpu_identity", lambda: {**identity, "cpu_flags": "avx2 fma amx_bf16"}
     )
     engine = make_engine(tiny_model_dir, prefill_dtype="auto", linear_backend="native")
-    assert engine.runner.prefill_bf16
+    assert model_runner(engine).prefill_bf16
     monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**identity, "cpu_flags": "avx2 fma"})
     with caplog.at_level(logging.INFO, logger=bf16_prefill.__name__):
         engine = make_engine(tiny_model_dir, prefill_dtype="auto", linear_backend="native")
         quantized = make_engine(tiny_model_dir, prefill_dtype="auto", quantization="int8")
-    assert not engine.runner.prefill_bf16 and not quantized.runner.prefill_bf16
+    assert not model_runner(engine).prefill_bf16 and not model_runner(quantized).prefill_bf16
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # auto never warns
     assert "prefill products in float32: no bf16 units" in caplog.text
 
@@ -141,7 +142,7 @@ def test_a_cpu_without_bf16_units_or_a_quantized_model_keeps_fp32_prefill(
     monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: bare)
     with caplog.at_level(logging.WARNING, logger=bf16_prefill.__name__):
         engine = make_engine(tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native")
-    assert not engine.runner.prefill_bf16
+    assert not model_runner(engine).prefill_bf16
     assert all(layer.weight_bf16 is None for layer in decoder_layers(engine))
     assert "needs a CPU with AMX-BF16 or AVX512_BF16" in caplog.text
 
@@ -149,7 +150,7 @@ def test_a_cpu_without_bf16_units_or_a_quantized_model_keeps_fp32_prefill(
     monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**bare, "cpu_flags": "avx512_bf16"})
     with caplog.at_level(logging.WARNING, logger=bf16_prefill.__name__):
         engine = make_engine(tiny_model_dir, prefill_dtype="bfloat16", quantization="int8")
-    assert not engine.runner.prefill_bf16
+    assert not model_runner(engine).prefill_bf16
     assert "needs the decoder's linear layers on the native kernels" in caplog.text
 
 
@@ -188,7 +189,7 @@ def test_smollm2_under_bf16_prefill_stays_close_to_fp32_and_scores_exactly(smoll
         dtype: make_engine(smollm2_dir, prefill_dtype=dtype, max_model_len=256, num_threads=2)
         for dtype in ("float32", "bfloat16")
     }
-    assert engines["bfloat16"].runner.prefill_bf16
+    assert model_runner(engines["bfloat16"]).prefill_bf16
     texts = [f"{a} {b}" for a, b in zip(SENTENCES, SENTENCES[1:] + SENTENCES[:1], strict=True)]
     prompts = [engines["float32"].tokenizer.encode(text) for text in texts]
     widest_native = max(layer.max_native_rows for layer in decoder_layers(engines["bfloat16"]))
@@ -205,14 +206,17 @@ def test_smollm2_under_bf16_prefill_stays_close_to_fp32_and_scores_exactly(smoll
     print(f"first-token logprob deltas under bf16 prefill: {deltas}")
     assert 0 < max(deltas) < 0.1  # bf16 did run, and moved it little
 
-    scored = {}
+    scored: dict[str, list[float]] = {}
     for dtype, engine in engines.items():
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
         seq = engine.add_request(f"score-{dtype}", prompts[0], params)
         while engine.has_unfinished():
             engine.step()
         assert seq.prompt_logprobs is not None
-        scored[dtype] = [entry.logprob for entry in seq.prompt_logprobs[1:]]
+        scored[dtype] = []
+        for entry in seq.prompt_logprobs[1:]:
+            assert entry is not None  # every prompt token after the first has its logprob
+            scored[dtype].append(entry.logprob)
     assert scored["bfloat16"] == pytest.approx(scored["float32"], abs=1e-4)
 
 
@@ -226,8 +230,9 @@ def test_layers_stay_native_for_bf16_prefill_where_aten_wins_every_decode_size(
 
     monkeypatch.setattr(linear_setup, "choose_native_rows", lambda *a, **k: (0, None, None))
     engine = make_engine(tiny_model_dir, prefill_dtype="auto")
-    assert engine.runner.prefill_bf16 and engine.runner.native_step is not None
+    runner = model_runner(engine)
+    assert runner.prefill_bf16 and runner.native_step is not None
     assert {layer.max_native_rows for layer in decoder_layers(engine)} == {0}
-    assert engine.runner.native_step.max_rows == 0  # decode steps: the transformers path
+    assert runner.native_step.max_rows == 0  # decode steps: the transformers path
     fp32 = make_engine(tiny_model_dir, prefill_dtype="float32")
-    assert fp32.runner.native_step is None and not decoder_layers(fp32)  # as before
+    assert model_runner(fp32).native_step is None and not decoder_layers(fp32)  # as before

@@ -8,7 +8,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-from engine_server_support import EngineProcess
 
 from slotserve.contracts.headers import CACHE_SALT_HEADER
 from slotserve.engine.core.kv_cache import KVCacheManager
@@ -16,6 +15,7 @@ from slotserve.engine.core.params import MAX_CACHE_SALT_CHARS, SamplingParams
 from slotserve.engine.core.prefix_cache import MIN_WAIT_TOKENS
 from slotserve.engine.core.sequence import Sequence
 from slotserve.engine.http.openai_api import cache_salt_of
+from tests.engine.engine_server_support import EngineProcess
 
 SYSTEM = list(range(1000, 1100))  # a 100-token shared prompt
 

@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-from engine_core_support import runner_on
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -22,6 +21,7 @@ from slotserve.engine.core.model.calibration import CalibrationCache, Measuremen
 from slotserve.engine.core.model.linear import PackedLinear, onednn_supported
 from slotserve.engine.core.model.native_linear import NativeLinear
 from slotserve.engine.core.model.runner import ModelRunner
+from tests.engine.engine_core_support import runner_on
 
 CPU_A = {"cpu_model": "Test CPU A", "cpu_flags": "avx2 fma", "machine": "x86_64", "torch": "t"}
 CPU_B = {**CPU_A, "cpu_flags": "avx2 avx512f fma"}
@@ -257,6 +257,7 @@ def test_the_native_row_count_is_measured_once_and_followed(tmp_path, monkeypatc
             assert not isinstance(o_proj, NativeLinear)
             names = [c.name for c in r.calibrations]
             assert names == ["native_rows", "linear_backend", "native_kernels"]
+        assert r.native is not None
         assert r.calibrations[-1].choice == r.native.isa  # which instruction set runs
 
 

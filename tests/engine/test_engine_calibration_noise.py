@@ -47,7 +47,7 @@ from slotserve.settings import CommonSettings
 pytestmark = pytest.mark.serial
 
 CPU = {"cpu_model": "Test CPU", "cpu_flags": "avx2 fma", "machine": "x86_64", "torch": "t"}
-QUESTION = {"rows": 8}
+QUESTION: dict[str, object] = {"rows": 8}
 RULE = Rule("8", "test rule", lambda choice: int(choice) * 4 < 8)
 
 
@@ -233,10 +233,9 @@ def test_a_decision_another_engine_retook_is_adopted(tmp_path, monkeypatch):
 def test_a_runner_applies_a_retaken_decision_live(tmp_path, monkeypatch):
     """A real runner whose cached decision was timed 1000x slower than this machine: its decode
     steps contradict it, the decision is taken again and its native layers follow at once."""
-    from engine_core_support import runner_on
-    from test_engine_calibration import tiny_llama
-
     from slotserve.engine.core.model import native_linear
+    from tests.engine.engine_core_support import runner_on
+    from tests.engine.test_engine_calibration import tiny_llama
 
     slow = {"subset_mb": 0.1, **{f"native_ms_{r}": 1000.0 for r in (1, 2, 4)}}
     monkeypatch.setattr(native_linear, "measure_native_rows", lambda *a: quiet_rows("1", slow))

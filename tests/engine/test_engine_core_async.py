@@ -7,11 +7,11 @@ import itertools
 import time
 
 import pytest
-from engine_core_support import build_sharp_tiny_model, make_engine
 
 from slotserve.engine.core.async_engine import AsyncEngine
 from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
 from slotserve.engine.core.params import SamplingParams
+from tests.engine.engine_core_support import build_sharp_tiny_model, make_engine
 
 
 @pytest.fixture(scope="module")

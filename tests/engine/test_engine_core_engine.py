@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from engine_core_support import build_sharp_tiny_model, make_engine
 
 from slotserve.engine.core.errors import InvalidRequestError, QueueFullError
 from slotserve.engine.core.params import SamplingParams
+from tests.engine.engine_core_support import build_sharp_tiny_model, make_engine
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -144,4 +144,5 @@ def test_stats_and_request_metrics(model_dir):
         assert m is not None and 0 <= m.queue_time <= m.time_to_first_token <= m.e2e_latency
         assert len(m.inter_token_latencies) == 5
     # The third request waited for a slot: it queued longer than the first.
-    assert results[2].metrics.queue_time > results[0].metrics.queue_time
+    waited, first = results[2].metrics, results[0].metrics
+    assert waited is not None and first is not None and waited.queue_time > first.queue_time

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_core_support import (
+from transformers import AutoModelForCausalLM
+
+from slotserve.engine.core.params import SamplingParams
+from tests.engine.engine_core_support import (
     build_sharp_tiny_model,
     hf_greedy,
     make_engine,
     make_prompts,
     run_staggered,
 )
-from transformers import AutoModelForCausalLM
-
-from slotserve.engine.core.params import SamplingParams
 
 NUM_NEW = 24
 

@@ -75,7 +75,8 @@ def test_fused_qkv_matches_separate_projections_in_any_call_order(bias):
         for order, inp in (([2, 0, 1], x), ([1, 2, 0], y), ([0, 1, 2], x)):
             for i in order:
                 torch.testing.assert_close(fused[i](inp), originals[i](inp), rtol=1e-5, atol=1e-5)
-    assert fused[0].shared.parts == ()  # nothing held between steps
+    q_proj = fused[0]
+    assert isinstance(q_proj, QKVPart) and q_proj.shared.parts == ()  # nothing held between steps
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_core_support import make_engine, run_staggered
 from transformers import AutoModelForCausalLM
 
 from slotserve.engine.core.params import SamplingParams
+from tests.engine.engine_core_support import make_engine, run_staggered
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import json
 import httpx
 import pytest
 import torch
-from engine_core_support import make_engine
-from engine_server_support import module_engine
 
 from slotserve.engine.core.params import SamplingParams
+from tests.engine.engine_core_support import make_engine
+from tests.engine.engine_server_support import module_engine
 
 # ------------------------------------------------------------------------------ the engine core
 
@@ -46,15 +46,17 @@ def test_prompt_logprobs_are_transformers_own_through_chunks_and_the_prefix_cach
     assert engine.stats().prefix_cache_hits_total == hits  # bypassed: the whole prompt computed
     first = next(o for o in outputs if o.request_id == "scored" and o.prompt_logprobs)
     entries = first.prompt_logprobs
-    assert entries[0] is None and len(entries) == len(prompt)
+    assert entries is not None and entries[0] is None and len(entries) == len(prompt)
     assert first.prompt_tokens is not None and len(first.prompt_tokens) == len(prompt)
     expected = hf_prompt_logprobs(tiny_model_dir, prompt)
     for i in range(1, len(prompt)):
         row = expected[i - 1]
-        assert entries[i].token_id == prompt[i]
-        assert entries[i].logprob == pytest.approx(float(row[prompt[i]]), abs=1e-4)
-        assert entries[i].rank == int((row > row[prompt[i]]).sum()) + 1
-        assert list(entries[i].top_ids) == row.topk(3).indices.tolist()
+        entry = entries[i]
+        assert entry is not None
+        assert entry.token_id == prompt[i]
+        assert entry.logprob == pytest.approx(float(row[prompt[i]]), abs=1e-4)
+        assert entry.rank == int((row > row[prompt[i]]).sum()) + 1
+        assert list(entry.top_ids) == row.topk(3).indices.tolist()
     assert scored.num_prompt_logprobs_done == len(prompt)
     # Once its prompt is scored a sequence may reuse a cached prefix again (after a preemption).
     assert scored.max_reusable_tokens == len(scored.token_ids) - 1

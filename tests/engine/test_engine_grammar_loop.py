@@ -15,7 +15,6 @@ import urllib.request
 
 import httpx
 import pytest
-from engine_server_support import EngineProcess, module_engine
 
 from slotserve.engine.core.structured import (
     MAX_GRAMMAR_CHARS,
@@ -24,6 +23,8 @@ from slotserve.engine.core.structured import (
     GrammarTooLargeError,
     json_schema_grammar,
 )
+from tests.engine.engine_core_support import engine_tokenizer
+from tests.engine.engine_server_support import EngineProcess, module_engine
 
 # Longest /load may wait while a grammar is built (the gateway gives /load 1 s).
 MAX_LOAD_WAIT_S = 0.75
@@ -36,9 +37,7 @@ def enum_schema(num_values: int) -> dict:
 
 @pytest.fixture(scope="module")
 def grammars(smollm2_dir) -> Grammars:
-    from transformers import AutoTokenizer
-
-    return Grammars(AutoTokenizer.from_pretrained(smollm2_dir))
+    return Grammars(engine_tokenizer(smollm2_dir))
 
 
 def test_one_compiled_grammar_is_cloned_for_every_choice(grammars, monkeypatch):

@@ -15,12 +15,14 @@ import json
 import math
 import time
 from collections import Counter
+from typing import Any
 
 import httpx
 import pytest
-from engine_server_support import EngineProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.engine.engine_server_support import EngineProcess
 
 ALLOWED = {200, 400, 413, 429}
 MAX_MODEL_LEN = 64
@@ -61,7 +63,7 @@ text = st.one_of(
     repeated("xy ", 5000, 6000),  # over the characters bound (64 tokens x 81 characters)
 )
 token_ids = st.lists(st.integers(min_value=0, max_value=49_151), min_size=1, max_size=70)
-VALID = {
+VALID: dict[str, st.SearchStrategy[Any]] = {
     "temperature": st.sampled_from([0, 0.0, 1e-40, 1e-6, 0.7, 2]) | st.floats(0, 2),
     "top_p": st.sampled_from([1, 1e-300, 0.5]) | st.floats(0, 1, exclude_min=True),
     "top_k": st.integers(-1, 50) | st.just(10**30),
@@ -93,7 +95,7 @@ message = st.fixed_dictionaries(
     },
     optional={"name": st.text(max_size=4)},
 )
-CHAT_ONLY = {
+CHAT_ONLY: dict[str, st.SearchStrategy[Any]] = {
     "max_completion_tokens": st.integers(1, 4),
     "logprobs": st.just(False),
     "top_logprobs": st.none(),

@@ -97,13 +97,14 @@ def test_a_1mb_prompt_is_refused_at_once(smollm2_engine, smollm2_dir):
     # now on this machine; a fixed bound (0.3 s) failed at 0.43 s on a loaded machine while a
     # missing bound would have taken seconds there.
     limit = max(0.3, seconds_to_tokenize(smollm2_dir, prompt) / 2)
-    for path, body in [
+    bodies: list[tuple[str, dict[str, object]]] = [
         ("/v1/completions", {"model": "smollm2", "prompt": prompt, "max_tokens": 4}),
         (
             "/v1/chat/completions",
             {"model": "smollm2", "messages": [{"role": "user", "content": prompt}]},
         ),
-    ]:
+    ]
+    for path, body in bodies:
         status, answer, seconds = post(url, path, body)
         assert status == 400, answer
         assert answer["error"]["code"] == "context_length_exceeded"

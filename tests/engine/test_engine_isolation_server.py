@@ -18,10 +18,10 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from engine_core_support import TOKENIZER_FILES, build_sharp_tiny_model
-from engine_server_support import EngineProcess, sample
 
 from slotserve.engine.settings import EngineSettings
+from tests.engine.engine_core_support import TOKENIZER_FILES, build_sharp_tiny_model
+from tests.engine.engine_server_support import EngineProcess, json_event, sample
 
 POISONED_WORD = " zebra"
 PROMPTS = ["Once upon a time", "The capital of France", "1, 2, 3,", "def main():"]
@@ -38,7 +38,9 @@ def poisoned_model_dir(tmp_path_factory, smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     with torch.no_grad():  # untied output head: only sequences that READ the word fail
         for token_id in tokenizer.encode(POISONED_WORD, add_special_tokens=False):
-            model.get_input_embeddings().weight[token_id] = float("nan")
+            # transformers types from_pretrained's result as a class without the embedding
+            # accessors (read as an nn.Module attribute), though every causal LM has them.
+            model.get_input_embeddings().weight[token_id] = float("nan")  # type: ignore[operator]
     dest = tmp_path_factory.mktemp("poisoned") / "model"
     model.save_pretrained(str(dest))
     for name in TOKENIZER_FILES:
@@ -168,8 +170,8 @@ async def test_nan_logits_fail_that_request_only_with_openai_errors(engine):
         results = await asyncio.wait_for(asyncio.gather(*greedy), 120)
 
     assert "[DONE]" not in events
-    request_id = events[0]["id"]  # the role chunk, sent before the first step
-    error = events[-1]["error"]
+    request_id = json_event(events[0])["id"]  # the role chunk, sent before the first step
+    error = json_event(events[-1])["error"]
     assert error["type"] == "server_error" and error["code"] == "non_finite_logits"
     assert set(error) == {"message", "type", "param", "code"}
     assert plain_status == 500
@@ -231,7 +233,9 @@ async def test_a_broken_runner_fails_probes_and_ends_streams_retryably(tiny_mode
 
         engine.engine.runner.execute = device_error
         events = await asyncio.wait_for(read_events(streamed), 30)
-        assert events[-1]["error"]["code"] == "engine_failure" and "[DONE]" not in events
+        assert (
+            json_event(events[-1])["error"]["code"] == "engine_failure" and "[DONE]" not in events
+        )
         resp = await asyncio.wait_for(plain, 30)
         assert resp.status == 503 and resp.headers["Retry-After"]
         assert (await resp.json())["error"]["code"] == "engine_failure"

@@ -130,7 +130,7 @@ def test_struct_scratch_has_the_fields_python_lays_out():
     body = re.search(r"struct scratch \{([^}]*)\}", HEADER)
     assert body is not None
     names = re.findall(r"\*?(\w+)\s*[,;]", body.group(1))
-    assert names == [field for field, _ in Scratch._fields_]
+    assert names == [field[0] for field in Scratch._fields_]
 
 
 def test_lint_refuses_a_warning_the_runtime_build_lets_pass(tmp_path: Path, monkeypatch):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_core_support import runner_on
 
 from slotserve.engine.core.kernels import ISAS, NativeKernels, load_kernels
 from slotserve.settings import CommonSettings
+from tests.engine.engine_core_support import runner_on
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_every_variant_gives_the_plain_c_answers(kernels, simd, n, k, m):
 
 def test_every_variant_steps_as_plain_c_does(kernels, simd):
     """A whole native decode step (every kernel at once) under each variant."""
-    from test_engine_calibration import tiny_llama
+    from tests.engine.test_engine_calibration import tiny_llama
 
     runner = runner_on(tiny_llama(), num_slots=4, max_model_len=64, linear_backend="native")
     step = runner.native_step
@@ -112,9 +112,8 @@ def test_every_variant_steps_as_plain_c_does(kernels, simd):
 
 
 def test_the_start_up_log_and_load_report_say_which_ran(tmp_path, caplog):
-    from test_engine_calibration import tiny_llama
-
     from slotserve.engine.core.model.calibration import CalibrationCache
+    from tests.engine.test_engine_calibration import tiny_llama
 
     caplog.set_level(logging.INFO)
     kernels = load_kernels(tmp_path / "home")  # a fresh build: its load is logged

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 import torch
-from engine_core_support import runner_on
 
 from slotserve.engine.core.kernels import NativeKernels, load_kernels
 from slotserve.settings import CommonSettings
+from tests.engine.engine_core_support import runner_on
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,8 @@ def test_a_short_workspace_falls_back_to_malloc_and_grows(kernels):
     thread.start()
     thread.join(60)
     assert seen["first"] == 1 and seen["later"] == 0
-    assert int(seen["size"]) >= 4096 * 2  # the int16 row at least
+    size = seen["size"]
+    assert isinstance(size, int) and size >= 4096 * 2  # the int16 row at least
     torch.testing.assert_close(seen["out"], expected)
 
 
@@ -93,7 +94,7 @@ def test_decode_attention_allocates_nothing_in_steady_state(kernels):
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_a_native_decode_step_allocates_nothing_in_steady_state(kernels, quantization):
-    from test_engine_calibration import tiny_llama
+    from tests.engine.test_engine_calibration import tiny_llama
 
     runner = runner_on(
         tiny_llama(),

@@ -14,9 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_core_support import build_sharp_tiny_model, make_engine, run_staggered
-from test_engine_core_equivalence import hf_greedy, make_prompts
-from test_engine_prefix_equivalence import shared_prefix_prompts
 from transformers import AutoModelForCausalLM
 
 from slotserve.engine.core.engine import LLMEngine
@@ -24,6 +21,15 @@ from slotserve.engine.core.kernels import NativeKernels, load_kernels
 from slotserve.engine.core.model.native_decode import NativeDecodeStep
 from slotserve.engine.core.params import SamplingParams
 from slotserve.settings import CommonSettings
+from tests.engine.engine_core_support import (
+    build_sharp_tiny_model,
+    hf_greedy,
+    make_engine,
+    make_prompts,
+    model_runner,
+    run_staggered,
+)
+from tests.engine.test_engine_prefix_equivalence import shared_prefix_prompts
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +76,10 @@ class Recorder:
 
 
 def recording(engine: LLMEngine) -> Recorder:
-    step = engine.runner.native_step
+    step = model_runner(engine).native_step
     assert step is not None and step.prefill, "the native step should take prefill chunks"
-    engine.runner.native_step = recorder = Recorder(step)  # type: ignore[assignment]
+    # A stand-in with the step's call, not a NativeDecodeStep: what the runner calls is wrapped.
+    model_runner(engine).native_step = recorder = Recorder(step)  # type: ignore[assignment]
     return recorder
 
 
@@ -177,7 +184,7 @@ def test_chunked_prefill_gives_the_tokens_of_the_transformers_path(sharp_dir, is
     native = generated(engine, prompts, 10)
     assert recorder.prefill_calls() and recorder.mixed_calls()
     plain = make_engine(sharp_dir, **settings)
-    plain.runner.native_step = None  # every step through transformers
+    model_runner(plain).native_step = None  # every step through transformers
     assert native == generated(plain, prompts, 10)
     if quantization == "none":
         reference = AutoModelForCausalLM.from_pretrained(str(sharp_dir), dtype=torch.float32)
@@ -225,7 +232,7 @@ def test_prefix_cache_hits_prefill_from_mid_sequence(sharp_dir):
     assert engine.stats().prefix_cache_hits_total > 400
     assert recorder.prefill_calls()
     plain = make_engine(sharp_dir, enable_prefix_caching=False, **settings)
-    plain.runner.native_step = None
+    model_runner(plain).native_step = None
     assert with_cache == generated(plain, prompts, 12)
 
 
@@ -244,7 +251,7 @@ def test_smollm2_prefill_natively_gives_the_tokens_of_the_transformers_path(
     recorder = recording(engine)
     native = generated(engine, prompts, 12)
     assert recorder.prefill_calls() and recorder.mixed_calls()
-    engine.runner.native_step = None
+    model_runner(engine).native_step = None
     assert generated(engine, prompts, 12) == native
 
 
@@ -260,7 +267,7 @@ def test_prompt_logprobs_come_from_the_native_rows(sharp_dir):
         if native:
             recorder = recording(engine)
         else:
-            engine.runner.native_step = None
+            model_runner(engine).native_step = None
         (seq,) = run_staggered(engine, [prompt], params, every=1, per=1)
         assert seq.prompt_logprobs is not None and seq.prompt_logprobs[0] is None
         results.append((seq.prompt_logprobs[1:], seq.generated_token_ids))
@@ -280,7 +287,7 @@ def test_prompt_logprobs_come_from_the_native_rows(sharp_dir):
 
 def test_a_steady_state_prefill_allocates_nothing(sharp_dir, kernels):
     engine = make_engine(sharp_dir, max_batch_size=3, max_model_len=128, linear_backend="native")
-    step = engine.runner.native_step
+    step = model_runner(engine).native_step
     assert step is not None
     # The widest step first (the workspace grows): a 37-token chunk, a 20-token one, a decode.
     step([*range(5, 62), 9], [*range(37), *range(20), 70], [0] * 37 + [1] * 20 + [2])
@@ -297,7 +304,7 @@ def test_a_steady_state_prefill_allocates_nothing(sharp_dir, kernels):
 
 def test_rows_at_one_slot_and_position_are_refused(sharp_dir):
     engine = make_engine(sharp_dir, max_batch_size=2, max_model_len=64, linear_backend="native")
-    step = engine.runner.native_step
+    step = model_runner(engine).native_step
     assert step is not None
     with pytest.raises(ValueError, match="same slot and position"):
         step([5, 6, 7], [3, 4, 3], [1, 1, 1])
@@ -305,7 +312,7 @@ def test_rows_at_one_slot_and_position_are_refused(sharp_dir):
 
 def test_prefill_off_keeps_prefill_chunks_on_the_transformers_path(sharp_dir):
     engine = make_engine(sharp_dir, max_batch_size=2, linear_backend="native")
-    step = engine.runner.native_step
+    step = model_runner(engine).native_step
     assert step is not None and step.takes([1, 7]) and step.takes([1, 1])
     step.prefill = False
     assert not step.takes([1, 7]) and step.takes([1, 1])

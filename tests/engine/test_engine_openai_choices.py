@@ -7,14 +7,16 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 import yaml
-from engine_core_support import build_sharp_tiny_model
-from engine_server_support import EngineProcess, module_engine
-from support import free_port, http_ok, wait_until
+
+from tests.engine.engine_core_support import build_sharp_tiny_model
+from tests.engine.engine_server_support import EngineProcess, module_engine
+from tests.support import free_port, http_ok, wait_until
 
 SLOTS = 4
 # Long enough for the prefix cache (it reuses prefixes of 16 tokens or more).
@@ -85,6 +87,7 @@ def test_chat_n_streamed_with_indices_equals_the_whole_answer(client):
     assert texts == {c.index: c.message.content for c in whole.choices}
     assert finish == {0: "length", 1: "length"}
     assert num_logprobs == {0: 8, 1: 8}
+    assert usage is not None  # asked for with include_usage
     assert usage.completion_tokens == whole.usage.completion_tokens == 16
 
 
@@ -141,7 +144,7 @@ def test_the_new_fields_pass_through_a_real_gateway(engine, tmp_path):
         wait_until(lambda: http_ok(f"{url}/ready"), 30, what="gateway /ready")
         via = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         direct = openai.OpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
-        args = dict(
+        args: dict[str, Any] = dict(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
             temperature=0, logprobs=True, top_logprobs=2, presence_penalty=0.5,
             frequency_penalty=0.5, logit_bias={"17": -5}, extra_body={"ignore_eos": True},
@@ -166,6 +169,7 @@ def test_the_new_fields_pass_through_a_real_gateway(engine, tmp_path):
         assert "".join(streamed) == expected.choices[0].message.content
         with pytest.raises(openai.BadRequestError) as refused:
             via.chat.completions.create(**{**args, "top_logprobs": 2, "logprobs": False})
+        assert isinstance(refused.value.body, dict)
         assert refused.value.body["param"] == "top_logprobs"
     finally:
         gateway.terminate()

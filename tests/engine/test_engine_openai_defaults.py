@@ -7,7 +7,6 @@ from pathlib import Path
 
 import openai
 import pytest
-from engine_server_support import EngineProcess
 
 from slotserve.engine.core.generation_defaults import (
     GenerationDefaults,
@@ -16,6 +15,7 @@ from slotserve.engine.core.generation_defaults import (
 )
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.pull import COMPLETE_MARKER, KNOWN_MODELS, pull_model
+from tests.engine.engine_server_support import EngineProcess
 
 
 def write_config(folder: Path, **values: object) -> Path:
@@ -121,4 +121,5 @@ def test_readme_example_without_temperature_answers_paris(smollm2_engine):
             model="smollm2",
             messages=[{"role": "user", "content": "What is the capital of France?"}],
         )
-        assert "Paris" in answer.choices[0].message.content, answer
+        content = answer.choices[0].message.content
+        assert content is not None and "Paris" in content, answer

@@ -7,18 +7,21 @@ import math
 import httpx
 import pytest
 import torch
-from engine_server_support import module_engine
 
 from slotserve.engine.core.detokenizer import TokenTexts
 from slotserve.engine.core.logprobs import MASKED_LOGPROB, SampledLogprobs
 from slotserve.engine.core.model.sampling import sample
 from slotserve.engine.core.params import SamplingParams
+from tests.engine.engine_core_support import engine_tokenizer
+from tests.engine.engine_server_support import module_engine
 
 # ------------------------------------------------------------------------------ the sampler
 
 
 def draw(logits: torch.Tensor, *params: SamplingParams) -> list[SampledLogprobs | None]:
-    generators = [torch.Generator().manual_seed(i) for i in range(len(params))]
+    generators: list[torch.Generator | None] = [
+        torch.Generator().manual_seed(i) for i in range(len(params))
+    ]
     return sample(logits, list(params), generators, torch.Generator().manual_seed(9)).logprobs
 
 
@@ -32,6 +35,7 @@ def test_logprobs_are_those_of_the_distribution_sampled_from():
         SamplingParams(temperature=1.0),  # did not ask
     ]
     greedy, tempered, top_k, none = draw(logits, *params)
+    assert greedy is not None and tempered is not None and top_k is not None
     assert none is None
     expected = logits[0].log_softmax(-1)
     assert greedy.token_id == int(logits[0].argmax())
@@ -48,9 +52,7 @@ def test_logprobs_are_those_of_the_distribution_sampled_from():
 
 
 def test_masked_alternatives_are_written_as_vllm_does(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    texts = TokenTexts(AutoTokenizer.from_pretrained(str(smollm2_dir)))
+    texts = TokenTexts(engine_tokenizer(smollm2_dir))
     decoded = texts.decode(SampledLogprobs(504, -0.5, ((504, -0.5), (7, -math.inf))))
     assert decoded.top[1][1] == MASKED_LOGPROB
     assert decoded.token == texts(504)

@@ -3,11 +3,11 @@ greedy decoding (all in one continuous batch), and through the HTTP API with the
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 import torch
-from engine_core_support import make_engine
-from engine_server_support import module_engine
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -19,6 +19,9 @@ from transformers import (
 )
 
 from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.sequence import Sequence
+from tests.engine.engine_core_support import make_engine
+from tests.engine.engine_server_support import module_engine
 
 NUM_NEW = 20
 
@@ -50,13 +53,15 @@ def reference_model(tiny_model_dir):
 def hf_reference(model, prompt: list[int], params: SamplingParams) -> list[int]:
     """HF generate() with HF's processors, in the engine's (vLLM's) order."""
     n = len(prompt)
-    processors = []
+    processors: list[LogitsProcessor] = []
     if params.min_tokens:
         processors.append(
             MinNewTokensLengthLogitsProcessor(n, params.min_tokens, list(params.stop_token_ids))
         )
     if params.logit_bias:
-        bias = [[[token_id], value] for token_id, value in params.logit_bias.items()]
+        bias: list[list[list[int] | float]] = [
+            [[token_id], value] for token_id, value in params.logit_bias.items()
+        ]
         processors.append(SequenceBiasLogitsProcessor(bias))
     if params.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
@@ -83,7 +88,7 @@ def test_penalties_equal_hf_logits_processors_token_for_token(tiny_model_dir, re
     base = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     plain = [hf_reference(reference_model, p, base) for p in prompts]
     echo = [out[0] for out in plain]  # the tiny model's output echoes a token many times
-    cases = {
+    cases: dict[str, dict[str, Any]] = {
         "plain": {},
         "repetition": {"repetition_penalty": 2.0},
         "repetition_below_one": {"repetition_penalty": 0.7, "logit_bias": {echo[2]: -60.0}},
@@ -109,7 +114,7 @@ def test_penalties_equal_hf_logits_processors_token_for_token(tiny_model_dir, re
     params = [base.model_copy(update=extra) for extra in cases.values()]
     engine = make_engine(tiny_model_dir, max_batch_size=4, max_batched_tokens=24)
     # One continuous batch of mixed parameters: 4 slots, 8 requests, arrivals staggered.
-    seqs = []
+    seqs: list[Sequence] = []
     for step in range(400):
         if step % 3 == 0 and len(seqs) < len(prompts):
             i = len(seqs)

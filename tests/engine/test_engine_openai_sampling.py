@@ -56,6 +56,8 @@ def test_draws_follow_the_distribution_and_seeds_repeat_in_any_batch():
             SamplingParams(temperature=1.0, seed=7)
         ]
         gens = [None] * num_others + [torch.Generator().manual_seed(7)]
-        return sample(scores, p, gens, torch.Generator().manual_seed(num_others)).tokens[-1]
+        token = sample(scores, p, gens, torch.Generator().manual_seed(num_others)).tokens[-1]
+        assert isinstance(token, int)  # a sampled token, not the row's failure
+        return token
 
     assert seeded(0) == seeded(4) == seeded(16)

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import httpx
 import jsonschema
 import pytest
-from engine_core_support import build_sharp_tiny_model, make_engine
-from engine_server_support import module_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.structured import choice_grammar, json_schema_grammar, regex_grammar
+from tests.engine.engine_core_support import build_sharp_tiny_model, make_engine
+from tests.engine.engine_server_support import module_engine
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def engine_core(sharp_model_dir):
     return make_engine(sharp_model_dir, max_batch_size=4)
 
 
-LEAVES = st.sampled_from(
+LEAVES: st.SearchStrategy[dict[str, Any]] = st.sampled_from(
     [
         {"type": "boolean"},
         {"type": "integer", "minimum": 0, "maximum": 999},
@@ -40,7 +41,7 @@ LEAVES = st.sampled_from(
 )
 
 
-def objects(children: st.SearchStrategy) -> st.SearchStrategy:
+def objects(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
     return st.dictionaries(
         st.from_regex(r"[a-z]{1,6}", fullmatch=True), children, min_size=1, max_size=3
     ).map(
@@ -53,7 +54,7 @@ def objects(children: st.SearchStrategy) -> st.SearchStrategy:
     )
 
 
-SCHEMAS = st.recursive(
+SCHEMAS: st.SearchStrategy[dict[str, Any]] = st.recursive(
     LEAVES,
     lambda children: (
         objects(children)

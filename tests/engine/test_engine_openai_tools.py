@@ -8,21 +8,23 @@ from __future__ import annotations
 
 import json
 import subprocess
+from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
 import yaml
-from engine_server_support import SLOTSERVE, module_engine
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from support import free_port, http_ok, wait_until
 
+from slotserve.engine.core.sequence import FinishReason
 from slotserve.engine.core.structured import Grammars
 from slotserve.engine.core.tool_parsers import PARSERS, choose_parser
 from slotserve.engine.http.openai_api import ChatCompletionRequest
 from slotserve.engine.http.tool_calls import plan_tools
 from slotserve.engine.http.tool_format import ToolChatFormat
+from tests.engine.engine_server_support import SLOTSERVE, module_engine
+from tests.support import free_port, http_ok, wait_until
 
 WEATHER = {
     "type": "object",
@@ -144,7 +146,7 @@ def test_the_call_grammar_takes_one_call_of_an_allowed_function_with_valid_argum
     assert not accepts("get_weather", {"city": "Oslo", "unit": "celsius"})
 
 
-def _stream(fmt: ToolChatFormat, pieces: list[str], finish: str) -> list[dict]:
+def _stream(fmt: ToolChatFormat, pieces: list[str], finish: FinishReason) -> list[dict]:
     """The SSE chunks of one choice fed piece by piece, parsed back."""
     raw = b"".join(fmt.chunk(p, None) for p in pieces[:-1]) + fmt.chunk(pieces[-1], finish)
     events = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line]
@@ -287,8 +289,9 @@ def test_required_streamed_with_n_choices(client):
     choices = state.get_final_completion().choices
     assert [c.index for c in choices] == [0, 1]
     for choice in choices:
-        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
-        _check_call(choice.message.tool_calls[0])
+        calls = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and calls is not None and len(calls) == 1
+        _check_call(calls[0])
 
 
 def test_none_gives_no_calls_and_auto_answers_either_way(client):
@@ -404,7 +407,7 @@ def test_tool_calls_pass_through_a_real_gateway(engine, tmp_path):
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: http_ok(f"{url}/ready"), 30, what="gateway /ready")
         via = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        args = dict(
+        args: dict[str, Any] = dict(
             model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
             max_tokens=120, seed=7,
         )  # fmt: skip
@@ -417,6 +420,7 @@ def test_tool_calls_pass_through_a_real_gateway(engine, tmp_path):
         ]
         with pytest.raises(openai.BadRequestError) as refused:
             via.chat.completions.create(**{**args, "tool_choice": "required", "tools": []})
+        assert isinstance(refused.value.body, dict)
         assert refused.value.body["param"] == "tool_choice"
     finally:
         gateway.terminate()

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import json
 import shutil
+from typing import Any
 
 import jsonschema
 import openai
 import pytest
-from engine_server_support import EngineProcess
 from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import (
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageFunctionToolCallParam,
+    ChatCompletionMessageParam,
+    ChatCompletionToolParam,
+)
+
+from tests.engine.engine_server_support import EngineProcess
 
 WEATHER = {
     "type": "object",
@@ -21,7 +29,7 @@ WEATHER = {
     "required": ["city", "unit"],
     "additionalProperties": False,
 }
-TOOLS = [
+TOOLS: list[ChatCompletionToolParam] = [
     {
         "type": "function",
         "function": {
@@ -31,7 +39,9 @@ TOOLS = [
         },
     }
 ]
-MESSAGES = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the weather like in Paris today?"}
+]
 
 # A Llama 3.1-like template over SmolLM2's tokens: tools in the system turn, earlier calls as
 # JSON with "parameters", tool results as ipython turns.
@@ -70,7 +80,7 @@ def client(tiny_model_dir, tmp_path_factory):
 
 
 def test_the_template_renders_tools_and_earlier_calls(client):
-    def prompt_tokens(messages: list[dict], tool_choice: str) -> int:
+    def prompt_tokens(messages: list[ChatCompletionMessageParam], tool_choice: str) -> int:
         reply = client.chat.completions.create(
             model="tiny", messages=messages, tools=TOOLS, tool_choice=tool_choice, max_tokens=1
         )
@@ -78,9 +88,13 @@ def test_the_template_renders_tools_and_earlier_calls(client):
 
     # "none" shows the model no tools; "auto" lets the template render them.
     assert prompt_tokens(MESSAGES, "auto") > prompt_tokens(MESSAGES, "none") + 20
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather"}}
-    call["function"]["arguments"] = json.dumps({"city": "Paris", "unit": "celsius"})
-    history = [
+    arguments = json.dumps({"city": "Paris", "unit": "celsius"})
+    call: ChatCompletionMessageFunctionToolCallParam = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
+    history: list[ChatCompletionMessageParam] = [
         *MESSAGES,
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
@@ -90,7 +104,7 @@ def test_the_template_renders_tools_and_earlier_calls(client):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_gives_a_llama3_json_call_that_validates(client, stream):
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
         max_tokens=120, temperature=1.0, seed=4,
     )  # fmt: skip
@@ -103,7 +117,7 @@ def test_required_gives_a_llama3_json_call_that_validates(client, stream):
     else:
         reply = client.chat.completions.create(**kwargs)
         calls, finish = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
-    assert finish == "tool_calls" and len(calls) == 1
+    assert finish == "tool_calls" and calls is not None and len(calls) == 1
     assert calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
 
@@ -117,6 +131,10 @@ def test_smollm2_calls_the_weather_tool_for_paris(smollm2_engine):
     )  # fmt: skip
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
-    arguments = json.loads(choice.message.tool_calls[0].function.arguments)
+    calls = choice.message.tool_calls
+    assert calls is not None  # a "tool_calls" finish carries them
+    call = calls[0]
+    assert isinstance(call, ChatCompletionMessageFunctionToolCall)  # a function tool's call
+    arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, WEATHER)
     assert "paris" in arguments["city"].lower(), arguments

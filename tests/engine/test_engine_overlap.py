@@ -7,21 +7,22 @@ no host-device transfer but the allowed ones."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
-from engine_core_support import (
+from transformers import AutoModelForCausalLM
+
+from slotserve.engine.core.errors import UnsupportedSettingError
+from slotserve.engine.core.model.host_sync import HostSyncCounter
+from slotserve.engine.core.params import SamplingParams
+from tests.engine.engine_core_support import (
     build_sharp_tiny_model,
     hf_greedy,
     make_engine,
     make_prompts,
     run_staggered,
 )
-from transformers import AutoModelForCausalLM
-
-from slotserve.engine.core.errors import UnsupportedSettingError
-from slotserve.engine.core.model.host_sync import HostSyncCounter
-from slotserve.engine.core.params import SamplingParams
 
 NUM_NEW = 24
 
@@ -48,7 +49,9 @@ def drive(engine, requests, *, every=1, abort_after=None):
     """Add ``requests`` ((id, prompt, params)) one every ``every`` steps; step to the end.
     Returns, per request id, what a client saw: token ids, text, finish reason, and the last
     output's token count. ``abort_after``: {id: n} aborts a request once n tokens came out."""
-    seen = {request_id: {"ids": [], "text": "", "reason": None} for request_id, *_ in requests}
+    seen: dict[str, dict[str, Any]] = {
+        request_id: {"ids": [], "text": "", "reason": None} for request_id, *_ in requests
+    }
     pending, step = list(requests), 0
     while pending or engine.has_unfinished():
         if pending and step % every == 0:
@@ -267,4 +270,5 @@ async def test_the_async_loop_streams_overlapped_steps(sharp_model_dir):
         assert [t for o in outputs for t in o.token_ids] == reference.token_ids
         assert "".join(o.text for o in outputs) == reference.text
         assert outputs[-1].finish_reason == reference.finish_reason
-    assert engine.engine.overlap.num_chained > 5
+    overlap = engine.engine.overlap
+    assert overlap is not None and overlap.num_chained > 5

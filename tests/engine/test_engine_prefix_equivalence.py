@@ -6,12 +6,21 @@ wrong key or value, or a stale position leaking past the mask, changes the token
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
-from engine_core_support import build_sharp_tiny_model, make_engine, run_staggered
 
 from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.stats import EngineStats
 from slotserve.engine.http.metrics import EngineStatsCollector
+from tests.engine.engine_core_support import (
+    build_sharp_tiny_model,
+    make_engine,
+    model_runner,
+    run_staggered,
+)
 
 POISON = 4321  # made NaN in the embedding in one test; no other prompt holds it
 
@@ -52,7 +61,7 @@ def shared_prefix_prompts() -> list[list[int]]:
     ]
 
 
-def run(model_dir, enable: bool, **settings) -> tuple[list[list[int]], object]:
+def run(model_dir: Path, enable: bool, **settings: Any) -> tuple[list[list[int]], EngineStats]:
     engine = make_engine(model_dir, enable_prefix_caching=enable, **settings)
     seqs = run_staggered(engine, shared_prefix_prompts(), greedy(), every=3, per=2)
     return [s.generated_token_ids for s in seqs], engine.stats()
@@ -93,7 +102,7 @@ def test_a_failed_rows_prefix_is_not_reused(model_dir):
     expected = make_engine(model_dir, enable_prefix_caching=False).generate([later], greedy())
     engine = make_engine(model_dir, max_batch_size=1)
     with torch.no_grad():
-        engine.runner.model.get_input_embeddings().weight[POISON] = float("nan")
+        model_runner(engine).model.get_input_embeddings().weight[POISON] = float("nan")
     (failed,) = engine.generate([[*system, POISON]], greedy())
     assert failed.finish_reason == "error"
     (result,) = engine.generate([later], greedy())

@@ -9,9 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_core_support import build_sharp_tiny_model, make_engine, run_staggered
-from engine_server_support import SLOTSERVE
-from test_engine_kernels import assert_int4_close, dequantize_q4, dequantize_q8
 
 from slotserve.engine.core.kernels import load_kernels
 from slotserve.engine.core.model.loader import find_kernels
@@ -19,6 +16,14 @@ from slotserve.engine.core.model.native_linear import QUANTIZED_MAX_ROWS, Native
 from slotserve.engine.core.model.quantize import QuantizationUnsupported, native_layers
 from slotserve.engine.core.params import SamplingParams
 from slotserve.settings import CommonSettings
+from tests.engine.engine_core_support import (
+    build_sharp_tiny_model,
+    make_engine,
+    model_runner,
+    run_staggered,
+)
+from tests.engine.engine_server_support import SLOTSERVE
+from tests.engine.test_engine_kernels import assert_int4_close, dequantize_q4, dequantize_q8
 
 
 def snap_to_grid(model_dir: Path, dest: Path, mode: str) -> Path:
@@ -64,7 +69,7 @@ def test_weights_on_the_grid_give_the_tokens_of_the_float_engine(sharp_dir, tmp_
         seqs = run_staggered(engine, prompts(), params, every=2, per=1)
         outputs[quantization] = [seq.generated_token_ids for seq in seqs]
         if quantization != "none":
-            layers = native_layers(engine.runner.model)
+            layers = native_layers(model_runner(engine).model)
             # 2 layers x (q/k/v fused, o, gate/up fused, down) + the output layer (int8).
             assert len(layers) == 9
             assert {m.format for m in layers} == {mode, "int8"}

@@ -7,9 +7,9 @@ import json
 
 import httpx
 import pytest
-from engine_server_support import module_engine
 
 from slotserve.engine.http.responses_api import ResponsesRequest
+from tests.engine.engine_server_support import module_engine
 
 engine, client = module_engine("responses", "--max-batch-size", "2", "--max-model-len", "512")
 

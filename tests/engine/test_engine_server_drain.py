@@ -6,7 +6,8 @@ import asyncio
 import json
 
 import aiohttp
-from engine_server_support import EngineProcess, completion_body
+
+from tests.engine.engine_server_support import EngineProcess, completion_body, json_event
 
 
 async def read_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
@@ -40,7 +41,7 @@ async def test_health_during_load_then_sigterm_drains_in_flight_stream(tiny_mode
         # /health answers while the model is still loading; /ready does not.
         seen_loading = False
         for _ in range(1200):
-            assert engine.proc.poll() is None, engine.logs()
+            assert engine.proc is not None and engine.proc.poll() is None, engine.logs()
             health, ready = engine.status("/health"), engine.status("/ready")
             if health == 200 and ready == 503:
                 seen_loading = True
@@ -75,8 +76,8 @@ async def test_health_during_load_then_sigterm_drains_in_flight_stream(tiny_mode
 
             events = await asyncio.wait_for(rest, timeout=60)
         assert events[-1] == "[DONE]"
-        assert events[-2]["usage"]["completion_tokens"] == num_tokens
-        assert events[-3]["choices"][0]["finish_reason"] == "length"
+        assert json_event(events[-2])["usage"]["completion_tokens"] == num_tokens
+        assert json_event(events[-3])["choices"][0]["finish_reason"] == "length"
         assert engine.wait_exit(timeout=20) == 0
     finally:
         engine.stop()
@@ -96,7 +97,7 @@ async def test_drain_timeout_aborts_what_is_still_running(tiny_model_dir, tmp_pa
             events = await asyncio.wait_for(read_events(resp), timeout=15)
         # The client learns that its answer was cut, instead of a silently short text: an
         # error event ends the stream, and no [DONE] follows it.
-        assert events[-1]["error"]["code"] == "aborted"
+        assert json_event(events[-1])["error"]["code"] == "aborted"
         assert "[DONE]" not in events
         assert engine.wait_exit(timeout=15) == 0
     finally:

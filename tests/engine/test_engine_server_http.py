@@ -8,9 +8,10 @@ import json
 import aiohttp
 import openai
 import pytest
-from engine_server_support import EngineProcess, completion_body, sample
-from support import wait_until
 from transformers import AutoTokenizer
+
+from tests.engine.engine_server_support import EngineProcess, completion_body, sample
+from tests.support import wait_until
 
 MAX_MODEL_LEN = 2048
 LONG = 2000  # tokens: far longer than any wait in these tests

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from engine_server_support import EngineProcess
+
+from tests.engine.engine_server_support import EngineProcess
 
 
 @pytest.mark.slow
@@ -16,5 +17,6 @@ def test_smollm2_knows_the_capital_of_france(smollm2_engine: EngineProcess) -> N
         max_tokens=24,
         temperature=0,
     )
-    assert "Paris" in answer.choices[0].message.content, answer
+    content = answer.choices[0].message.content
+    assert content is not None and "Paris" in content, answer
     assert answer.choices[0].finish_reason in {"stop", "length"}

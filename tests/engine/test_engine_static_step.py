@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_core_support import (
-    build_sharp_tiny_model,
-    hf_greedy,
-    make_engine,
-    make_prompts,
-    run_staggered,
-)
 from transformers import AutoModelForCausalLM
 
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.model.host_sync import HostSyncCounter
 from slotserve.engine.core.model.static_buffers import bucket_sizes, kv_buckets
 from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.sequence import Sequence
+from tests.engine.engine_core_support import (
+    build_sharp_tiny_model,
+    hf_greedy,
+    make_engine,
+    make_prompts,
+    model_runner,
+    run_staggered,
+    static_decoder,
+)
 
 NUM_NEW = 24
 
@@ -57,13 +60,13 @@ def test_static_step_equals_generate_under_staggered_arrivals_and_preemption(
     )
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     seqs = run_staggered(engine, prompts, params, every=5, per=3)
-    static = engine.runner.static
-    assert static is not None and engine.runner.native_step is None
+    static = model_runner(engine).static
+    assert static is not None and model_runner(engine).native_step is None
     assert engine.stats().num_preemptions > 0
     # Most decode steps went through the static step, in several row buckets.
     assert static.stats.num_steps > 40
     # Steps with a prefill chunk ran their decode rows static beside it.
-    assert engine.runner.num_split_steps > 5
+    assert model_runner(engine).num_split_steps > 5
     assert len({rows for rows, _span, _full in static.stats.steps_per_bucket}) >= 3
     for seq, prompt in zip(seqs, prompts, strict=True):
         assert seq.generated_token_ids == hf_greedy(reference_model, prompt, NUM_NEW), (
@@ -77,7 +80,7 @@ def test_rows_past_the_first_span_attend_to_all_their_positions(sharp_model_dir,
     engine = make_engine(sharp_model_dir, max_batch_size=2, max_model_len=300, decode_step="static")
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     seq = run_staggered(engine, [prompt], params, every=1, per=1)[0]
-    spans = {span for _rows, span, _full in engine.runner.static.stats.steps_per_bucket}
+    spans = {span for _rows, span, _full in static_decoder(engine).stats.steps_per_bucket}
     assert spans == {256, 300}
     assert seq.generated_token_ids == hf_greedy(reference_model, prompt, NUM_NEW)
 
@@ -94,7 +97,7 @@ def test_sampled_rows_match_the_rules(sharp_model_dir):
     rows.append(engine.add_request("b2", prompt, seeded))
     while engine.has_unfinished():
         engine.step()
-    assert engine.runner.static.stats.steps_per_bucket.get((4, 256, True), 0) > 0
+    assert static_decoder(engine).stats.steps_per_bucket.get((4, 256, True), 0) > 0
     assert rows[0].generated_token_ids == rows[1].generated_token_ids
     # A seeded request draws the same tokens alone and in a batch of three.
     assert rows[2].generated_token_ids == alone.generated_token_ids
@@ -112,7 +115,7 @@ def test_logprobs_equal_the_eager_sampler(sharp_model_dir):
         sampled = []
         while engine.has_unfinished():
             engine.step()
-            sampled += [lp for lp in engine.runner.last_logprobs if lp is not None]
+            sampled += [lp for lp in model_runner(engine).last_logprobs if lp is not None]
         results[mode] = (seq.generated_token_ids, sampled)
     (classic_ids, classic), (static_ids, static) = results["classic"], results["static"]
     assert static_ids == classic_ids and len(static) == len(classic) == 6
@@ -143,7 +146,8 @@ def test_penalties_on_the_device_equal_the_eager_sampler(tiny_model_dir):
     results = {}
     for mode in ("classic", "static"):
         engine = make_engine(tiny_model_dir, max_batch_size=3, decode_step=mode)
-        seqs, step = [], 0
+        seqs: list[Sequence] = []
+        step = 0
         while len(seqs) < len(prompts) or engine.has_unfinished():
             if step % 3 == 0 and len(seqs) < len(prompts):
                 i = len(seqs)
@@ -152,7 +156,7 @@ def test_penalties_on_the_device_equal_the_eager_sampler(tiny_model_dir):
             step += 1
         results[mode] = [seq.generated_token_ids for seq in seqs]
         if mode == "static":
-            static = engine.runner.static
+            static = static_decoder(engine)
             assert sum(n for (_r, _s, full), n in static.stats.steps_per_bucket.items() if full)
             assert 0 < static.transfers.num_set_ups <= 4 * len(prompts)
     assert results["static"] == results["classic"]
@@ -174,7 +178,7 @@ def test_min_tokens_bans_eos_on_the_device(sharp_model_dir, reference_model):
     # Make EOS the model's first greedy choice: min_tokens must push it out.
     eos = hf_greedy(reference_model, prompt, 1)[0]
     engine = make_engine(sharp_model_dir, max_batch_size=2, decode_step="static")
-    engine.runner.static.eos_mask[eos] = True
+    static_decoder(engine).eos_mask[eos] = True
     params = SamplingParams(max_tokens=4, temperature=0.0, min_tokens=4, ignore_eos=True)
     plain = run_staggered(engine, [prompt], params, every=1, per=1)[0]
     banned = SamplingParams(max_tokens=4, temperature=0.0, min_tokens=4)
@@ -185,7 +189,7 @@ def test_min_tokens_bans_eos_on_the_device(sharp_model_dir, reference_model):
 
 def test_no_host_sync_inside_a_static_step(sharp_model_dir):
     engine = make_engine(sharp_model_dir, max_batch_size=4, decode_step="static")
-    static = engine.runner.static
+    static = static_decoder(engine)
     prompts = make_prompts(6)
     mixed = [
         SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
@@ -197,10 +201,10 @@ def test_no_host_sync_inside_a_static_step(sharp_model_dir):
     num_static = 0
     while engine.has_unfinished():
         before = (static.stats.num_steps, static.transfers.num_to_device)
-        splits = engine.runner.num_split_steps
+        splits = model_runner(engine).num_split_steps
         with HostSyncCounter(static.transfers) as counter:
             engine.step()
-        if static.stats.num_steps == before[0] or engine.runner.num_split_steps > splits:
+        if static.stats.num_steps == before[0] or model_runner(engine).num_split_steps > splits:
             continue  # a step with prefill: the transformers path ran too
         num_static += 1
         assert counter.others == [], counter.others

@@ -12,12 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from engine_core_support import build_sharp_tiny_model, make_engine
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
+from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.model.static_decoder import StaticDecoder
 from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.core.sequence import Sequence
+from tests.engine.engine_core_support import (
+    build_sharp_tiny_model,
+    make_engine,
+    model_runner,
+    static_decoder,
+)
 
 NUM_REQUESTS = 56
 
@@ -35,7 +42,7 @@ def compiled_engine(model_dir, *, max_batch_size: int, backend: str, overlap: st
         decode_step="static",
         overlap_steps=overlap,
     )
-    runner = engine.runner
+    runner = model_runner(engine)
     runner.static = StaticDecoder(
         runner.model,
         runner.k_cache,
@@ -49,7 +56,7 @@ def compiled_engine(model_dir, *, max_batch_size: int, backend: str, overlap: st
     return engine
 
 
-def workload(engine, *, seed: int = 0) -> list:
+def workload(engine: LLMEngine, *, seed: int = 0) -> list[list[int]]:
     """Requests of 3-37 new tokens arriving every fourth step, greedy only in the first half,
     then sampled (seeded, so two runs must agree) and with logprobs too: rows join and leave
     the batch all the time."""
@@ -60,7 +67,8 @@ def workload(engine, *, seed: int = 0) -> list:
         SamplingParams(max_tokens=1, temperature=1.2, top_k=20, seed=2, ignore_eos=True),
         SamplingParams(max_tokens=1, temperature=0.0, logprobs=3, ignore_eos=True),
     ]
-    seqs, step = [], 0
+    seqs: list[Sequence] = []
+    step = 0
     while len(seqs) < NUM_REQUESTS or engine.has_unfinished():
         if step % 4 == 0 and len(seqs) < NUM_REQUESTS:
             i = len(seqs)
@@ -81,7 +89,7 @@ def workload(engine, *, seed: int = 0) -> list:
 
 def test_every_bucket_compiles_whole_and_never_again(sharp_model_dir):
     engine = compiled_engine(sharp_model_dir, max_batch_size=4, backend="eager")
-    static = engine.runner.static
+    static = static_decoder(engine)
     counters.clear()
     static.warm_up(full=True)  # buckets 1, 2, 4; greedy and sampling
     assert static.row_buckets == (1, 2, 4)
@@ -108,7 +116,7 @@ def test_overlapped_compiled_steps_never_recompile(sharp_model_dir):
     before) through the compiled buckets: still no graph break or recompile, the same tokens
     as the eager step without overlap."""
     engine = compiled_engine(sharp_model_dir, max_batch_size=4, backend="eager", overlap="on")
-    static = engine.runner.static
+    static = static_decoder(engine)
     static.warm_up(full=True)
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -136,7 +144,7 @@ def test_a_compile_during_traffic_leaves_live_rows_alone(sharp_model_dir):
         while each.has_unfinished():
             each.step()
         outputs.append([seq.generated_token_ids for seq in seqs])
-    assert engine.runner.static.stats.num_compiles >= 1
+    assert static_decoder(engine).stats.num_compiles >= 1
     assert outputs[0] == outputs[1]
 
 
@@ -144,8 +152,8 @@ def test_inductor_compiled_step_equals_generate(sharp_model_dir):
     reference = AutoModelForCausalLM.from_pretrained(str(sharp_model_dir), dtype=torch.float32)
     reference.generation_config.eos_token_id = None
     engine = compiled_engine(sharp_model_dir, max_batch_size=1, backend="inductor")
-    engine.runner.static.warm_up()
-    assert engine.runner.static.stats.num_compiles == 1
+    static_decoder(engine).warm_up()
+    assert static_decoder(engine).stats.num_compiles == 1
     generator = torch.Generator().manual_seed(3)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for i in range(2):
@@ -154,8 +162,10 @@ def test_inductor_compiled_step_equals_generate(sharp_model_dir):
         while engine.has_unfinished():
             engine.step()
         with torch.inference_mode():
-            expected = reference.generate(
+            # transformers types from_pretrained's result as a class that does not match
+            # generate's own self-type protocol, though the loaded model is both.
+            expected = reference.generate(  # type: ignore[misc]
                 torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0
             )[0, len(prompt) :].tolist()
         assert seq.generated_token_ids == expected
-    assert engine.runner.static.stats.num_compiles == 1  # no recompile for the second request
+    assert static_decoder(engine).stats.num_compiles == 1  # no recompile for the second request

@@ -9,9 +9,9 @@ import time
 
 import httpx
 import pytest
-from engine_server_support import EngineProcess
 
 from slotserve.engine.core.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from tests.engine.engine_server_support import EngineProcess
 
 # The neighbour must outlast its head start and the measured stream: with native decode steps
 # the tiny model streams ~1,000 tokens a second alone (the prompt is ~64 tokens of 2,048).

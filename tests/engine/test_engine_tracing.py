@@ -8,6 +8,8 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -54,6 +56,21 @@ async def start_engine_app(model_dir, tracer_provider=None) -> TestClient:
         while (await client.get("/ready")).status != 200:
             await asyncio.sleep(0.05)
     return client
+
+
+def attributes(span: ReadableSpan) -> Mapping[str, Any]:
+    assert span.attributes is not None  # finished spans carry theirs
+    return span.attributes
+
+
+def started_at(span: ReadableSpan) -> int:
+    assert span.start_time is not None
+    return span.start_time
+
+
+def ended_at(span: ReadableSpan) -> int:
+    assert span.end_time is not None  # finished
+    return span.end_time
 
 
 def in_memory_provider() -> tuple[TracerProvider, InMemorySpanExporter]:
@@ -105,29 +122,29 @@ async def test_phases_continue_the_callers_trace_in_order(tiny_model_dir, stream
     assert f"{server.context.trace_id:032x}" == TRACE_ID
     assert server.parent is not None and server.parent.is_remote
     assert f"{server.parent.span_id:016x}" == PARENT_ID
-    assert server.attributes["http.response.status_code"] == 200
-    assert server.attributes["gen_ai.request.model"] == "tiny"
-    assert server.attributes["gen_ai.response.id"] == answer["id"]
-    assert server.attributes["gen_ai.usage.input_tokens"] == answer["usage"]["prompt_tokens"]
-    assert server.attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS
-    assert server.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    assert attributes(server)["http.response.status_code"] == 200
+    assert attributes(server)["gen_ai.request.model"] == "tiny"
+    assert attributes(server)["gen_ai.response.id"] == answer["id"]
+    assert attributes(server)["gen_ai.usage.input_tokens"] == answer["usage"]["prompt_tokens"]
+    assert attributes(server)["gen_ai.usage.output_tokens"] == MAX_TOKENS
+    assert attributes(server)["gen_ai.response.finish_reasons"] == ("length",)
 
-    phases = sorted((s for s in spans if s is not server), key=lambda s: s.start_time)
+    phases = sorted((s for s in spans if s is not server), key=started_at)
     assert [s.name for s in phases] == ["queued", "prefill", "decode"]
     queued, prefill, decode = phases
     for span in phases:
         assert span.context.trace_id == server.context.trace_id
         assert span.parent is not None and span.parent.span_id == server.context.span_id
-        assert span.attributes["slotserve.request_id"] == answer["id"]
+        assert attributes(span)["slotserve.request_id"] == answer["id"]
     # Back to back, inside the server span (arrival follows parsing and tokenizing).
-    assert server.start_time <= queued.start_time <= queued.end_time == prefill.start_time
-    assert prefill.start_time < prefill.end_time == decode.start_time < decode.end_time
-    assert decode.end_time <= server.end_time
-    assert prefill.attributes["gen_ai.usage.input_tokens"] == answer["usage"]["prompt_tokens"]
-    assert decode.attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS
-    assert decode.attributes["slotserve.finish_reason"] == "length"
+    assert started_at(server) <= started_at(queued) <= ended_at(queued) == started_at(prefill)
+    assert started_at(prefill) < ended_at(prefill) == started_at(decode) < ended_at(decode)
+    assert ended_at(decode) <= ended_at(server)
+    assert attributes(prefill)["gen_ai.usage.input_tokens"] == answer["usage"]["prompt_tokens"]
+    assert attributes(decode)["gen_ai.usage.output_tokens"] == MAX_TOKENS
+    assert attributes(decode)["slotserve.finish_reason"] == "length"
     # Wall-clock times: this request ran in the last minute.
-    assert abs(decode.end_time - time.time_ns()) < 60e9
+    assert abs(ended_at(decode) - time.time_ns()) < 60e9
 
     # Never the prompt's text (nor any of it) in what is exported.
     values = [str(v) for s in spans for v in (s.attributes or {}).values()]
@@ -163,8 +180,8 @@ async def test_off_without_a_provider_and_the_answer_is_the_same(tiny_model_dir)
 def test_provider_from_the_environment(monkeypatch):
     environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"}
     provider = tracer_provider_from_env("slotserve-engine", environ)
+    assert isinstance(provider, TracerProvider)
     try:
-        assert isinstance(provider, TracerProvider)
         assert provider.resource.attributes["service.name"] == "slotserve-engine"
     finally:
         provider.shutdown()  # nothing was traced: nothing is sent
