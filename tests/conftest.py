@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-import tests.support
 from slotserve.settings import CommonSettings
 from tests.support import RedisServer
-
-# Helpers are imported as tests.<folder>.<module> (so mypy resolves them); tests/engine/ still
-# imports this one by its bare name (it is being moved, issue 23 item 5): one module under both
-# names, so a test worker has one port counter (support.free_port), not two handing out the same.
-sys.modules.setdefault("support", tests.support)
 
 # The engine's default prefill is bf16 on CPUs with bf16 units (--prefill-dtype auto), which
 # moves logits by ~1e-2 against transformers' fp32: the suite's many "same tokens as HF"
