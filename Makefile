@@ -20,10 +20,11 @@ demo: $(STAMP)
 # --durations: the slowest tests are named in every run's output (CI's included), for keeping the
 # whole run under 10 minutes on 2 cores. The lint (a minute of mypy on a clean checkout) runs
 # beside the parallel part of the suite, whose workers mostly wait on processes; the serial
-# tests run after both, alone. Either failing fails the run.
+# tests run after both, without the rest: those asleep on wall-clock windows one at a time beside
+# the others one at a time. Either failing fails the run.
 test: $(STAMP) redis tools
 	$(MAKE) --no-print-directory -j2 --output-sync=line lint suite
-	$(BIN)/pytest -m serial --durations=10
+	$(BIN)/pytest -m serial -n 2 --dist loadgroup --durations=10
 
 suite: $(STAMP)
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=25

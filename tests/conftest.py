@@ -18,6 +18,40 @@ from tests.support import RedisServer
 os.environ.setdefault("SLOTSERVE_ENGINE_PREFILL_DTYPE", "float32")
 
 
+# The files holding the suite's longest tests (each over ~15 s in CI's --durations), handed
+# to the workers first: with --dist loadfile a long file dealt last keeps one worker busy while
+# the others idle; dealt first, the short files fill in around it.
+LONG_FILES = (
+    "tests/engine/test_engine_stops_server.py",
+    "tests/gateway/test_gateway_admission_fuzz.py",
+    "tests/operator/test_operator_admission.py",
+    "tests/gateway/test_gateway_chaos.py",
+    "tests/gateway/test_gateway_clients.py",
+    "tests/operator/test_operator_autoscaling.py",
+    "tests/engine/test_engine_openai_tools.py",
+    "tests/operator/test_operator_engines.py",
+    "tests/engine/test_engine_static_step_compile.py",
+    "tests/gateway/test_gateway_e2e_engines.py",
+    "tests/engine/test_engine_calibration.py",
+    "tests/local/test_local_up.py",
+    "tests/engine/test_engine_server_drain.py",
+    "tests/engine/test_engine_hostile_fuzz.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Long files first (a stable sort: the rest keep their order); serial tests in two xdist
+    groups, so ``make test``'s ``pytest -m serial -n 2 --dist loadgroup`` runs the ones that
+    mostly sleep on wall-clock windows (``wall_clock``) beside the rest, one at a time each."""
+    root = config.rootpath
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))
+    for item in items:
+        if item.get_closest_marker("serial"):
+            group = "wall-clock" if item.get_closest_marker("wall_clock") else "alone"
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def slotserve_home() -> Path:
     """The real cache folder, so the demo model is pulled once per machine, not per run."""

@@ -50,7 +50,8 @@ async def _burst_that_never_returns(cluster: Cluster) -> tuple[PoolPolicy, Admis
     return pool, replica, told
 
 
-@pytest.mark.serial  # timing-sensitive: measured alone
+@pytest.mark.serial  # timing-sensitive: no parallel suite beside it
+@pytest.mark.wall_clock  # asleep on Retry-After windows: one other serial test may run
 async def test_newcomers_after_a_burst_that_never_came_back_get_an_honest_retry_after(cluster):
     pool, replica, told = await _burst_that_never_returns(cluster)
     assert len(told) == 20 and max(told) >= 15, told  # the burst was promised up to ~20 s

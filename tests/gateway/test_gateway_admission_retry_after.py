@@ -68,7 +68,8 @@ async def _overload(cluster: Cluster) -> tuple[int, int, int, list[int]]:
     return retries, admitted_retries, served, retry_afters
 
 
-@pytest.mark.serial  # timing-sensitive: measured alone
+@pytest.mark.serial  # timing-sensitive: no parallel suite beside it
+@pytest.mark.wall_clock  # asleep on Retry-After windows: one other serial test may run
 async def test_a_client_back_after_its_retry_after_is_admitted(cluster):
     retries, admitted, served, retry_afters = await _overload(cluster)
     share = admitted / retries
@@ -95,7 +96,8 @@ def test_the_drain_is_the_engines_speed_then_the_dispatch_rate():
     assert service_rate_per_s(drain, hold, 8) == 16
 
 
-@pytest.mark.serial  # timing-sensitive: measured alone
+@pytest.mark.serial  # timing-sensitive: no parallel suite beside it
+@pytest.mark.wall_clock  # asleep on Retry-After windows: one other serial test may run
 async def test_places_promised_to_clients_that_never_come_back_expire(cluster):
     """A burst is told to come back (429 + Retry-After, one place a second up to 20 s ahead) and
     never does. Once the queue drained, newcomers that must wait still get a place at once
