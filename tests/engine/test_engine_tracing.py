@@ -8,14 +8,11 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Mapping
-from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
@@ -23,6 +20,7 @@ from slotserve.engine import cli as engine_cli
 from slotserve.engine.http.server import create_app
 from slotserve.engine.settings import EngineSettings
 from slotserve.tracing import TRACER, tracer_provider_from_env
+from tests.spans import attributes, ended_at, in_memory_provider, started_at
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -56,28 +54,6 @@ async def start_engine_app(model_dir, tracer_provider=None) -> TestClient:
         while (await client.get("/ready")).status != 200:
             await asyncio.sleep(0.05)
     return client
-
-
-def attributes(span: ReadableSpan) -> Mapping[str, Any]:
-    assert span.attributes is not None  # finished spans carry theirs
-    return span.attributes
-
-
-def started_at(span: ReadableSpan) -> int:
-    assert span.start_time is not None
-    return span.start_time
-
-
-def ended_at(span: ReadableSpan) -> int:
-    assert span.end_time is not None  # finished
-    return span.end_time
-
-
-def in_memory_provider() -> tuple[TracerProvider, InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider, exporter
 
 
 async def finished_spans(exporter: InMemorySpanExporter, server_name: str) -> list[ReadableSpan]:

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Mapping
-from typing import Any
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -24,19 +21,13 @@ from slotserve.gateway.settings import GatewaySettings
 from slotserve.tracing import TRACER
 from tests.gateway.gateway_engine_double import create_double_app
 from tests.gateway.gateway_support import pool, write_pools
+from tests.spans import attributes, ended_at, in_memory_provider, started_at
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN_ID}-01"
 SERVER_SPAN = "POST /v1/completions"
 HEADERS_SEEN = web.AppKey("headers_seen", list)
-
-
-def in_memory_provider() -> tuple[TracerProvider, InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider, exporter
 
 
 async def start(app: web.Application) -> TestClient:
@@ -70,24 +61,9 @@ async def start_gateway(tmp_path, model: str, engine_url: str, provider=None) ->
     return client
 
 
-def attributes(span: ReadableSpan) -> Mapping[str, Any]:
-    assert span.attributes is not None  # finished spans carry theirs
-    return span.attributes
-
-
 def parent_span_id(span: ReadableSpan) -> int:
     assert span.parent is not None
     return span.parent.span_id
-
-
-def started_at(span: ReadableSpan) -> int:
-    assert span.start_time is not None
-    return span.start_time
-
-
-def ended_at(span: ReadableSpan) -> int:
-    assert span.end_time is not None  # finished
-    return span.end_time
 
 
 async def finished_spans(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
