@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 
 from bench.lib.engine import Bench, hf_generate
 from slotserve.engine.core.engine import LLMEngine
-from slotserve.engine.core.model.prepare import PreparedModel, prepare_model
+from slotserve.engine.core.model.prepare import PreparedModel, is_static, prepare_model
 from slotserve.engine.core.model.runner import ModelRunner, ModelShape
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.settings import EngineSettings
@@ -155,7 +155,7 @@ def hf_tokens(bench: Bench, new_tokens: int, prompt: list[int]) -> list[int]:
 def prepared_for(bench: Bench, decode_step: str) -> PreparedModel:
     """``bench.model`` prepared once for both sides: each runs the static step (compiled or
     eager) on the model's stock layers, so they differ only in the step their runner builds."""
-    if decode_step not in ("static", "compiled"):
+    if not is_static(decode_step):
         raise SystemExit(f"--graphs-on/--graphs-off: static or compiled, not {decode_step}")
     if bench.prepared is None:
         bench.prepared = prepare_model(

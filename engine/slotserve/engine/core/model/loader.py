@@ -23,7 +23,7 @@ from slotserve.engine.core.kernels import KernelUnavailable, NativeKernels, load
 from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
 from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.core.model.calibration import CalibrationCache
-from slotserve.engine.core.model.prepare import prepare_model
+from slotserve.engine.core.model.prepare import is_static, prepare_model
 from slotserve.engine.core.model.quantize import check_device
 from slotserve.engine.core.model.runner import ModelRunner, ModelShape, check_window
 from slotserve.engine.core.model.static_memory import (
@@ -70,7 +70,7 @@ def pick_overlap_steps(
     and the host's postprocessing hides behind the device's work; off elsewhere (on a CPU the
     step runs on the calling thread, so there is nothing to hide behind: bench/overlap_bench.py
     measures it). ``on`` needs the static step (static or compiled)."""
-    static = decode_step in ("static", "compiled")
+    static = is_static(decode_step)
     if overlap == "on" and not static:
         raise UnsupportedSettingError(
             f"overlap_steps on overlaps the static decode step: it needs decode_step static or "
@@ -181,7 +181,7 @@ def build_runner(
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     decode_step = pick_decode_step(settings.decode_step, device)
-    static = decode_step in ("static", "compiled")
+    static = is_static(decode_step)
     # The static step runs stock products: it needs no kernels (unless a quantization asks for
     # them, which prepare_model then refuses with the static step).
     kernels = (

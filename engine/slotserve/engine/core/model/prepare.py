@@ -30,6 +30,12 @@ from slotserve.engine.core.model.native_decode import NativeDecodeStep, native_s
 from slotserve.engine.settings import DecodeStep, LinearBackend, PrefillDType
 
 
+def is_static(decode_step: str) -> bool:
+    """Whether ``decode_step`` is the static step (eager or compiled): stock products on
+    fixed buffers, no C kernels, no packing."""
+    return decode_step in ("static", "compiled")
+
+
 @dataclass(frozen=True)
 class PreparedModel:
     """A model whose layers are set up, and what every runner built on it shares."""
@@ -49,7 +55,7 @@ class PreparedModel:
     @property
     def static(self) -> bool:
         """Whether decode steps run the static step (stock products, no C kernels)."""
-        return self.decode_step in ("static", "compiled")
+        return is_static(self.decode_step)
 
     def native_step(
         self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]
@@ -84,7 +90,7 @@ def prepare_model(
     only; quantization needs them). The static decode step (``decode_step`` static or
     compiled) runs the model's stock modules: no C kernels, no packing."""
     model.set_attn_implementation(register_slot_attention())
-    if decode_step in ("static", "compiled"):
+    if is_static(decode_step):
         if quantization != "none" or linear_backend not in ("auto", "aten"):
             raise UnsupportedSettingError(
                 f"decode_step {decode_step} runs stock products: it needs quantization none "
