@@ -6,6 +6,8 @@
 # cores shortens the run; override with `make test TEST_WORKERS=1` to run serially. Tests marked
 # `serial` (latency bounds, CPU hogs) then run alone, so the others' load cannot fail them.
 TEST_WORKERS ?= 4
+# The serial tests' two groups (tests/conftest.py) side by side; none with TEST_WORKERS=1.
+SERIAL_WORKERS := $(if $(filter 1,$(TEST_WORKERS)),0,2)
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -24,7 +26,7 @@ demo: $(STAMP)
 # the others one at a time. Either failing fails the run.
 test: $(STAMP) redis tools
 	$(MAKE) --no-print-directory -j2 --output-sync=line lint suite
-	$(BIN)/pytest -m serial -n 2 --dist loadgroup --durations=10
+	$(BIN)/pytest -m serial -n $(SERIAL_WORKERS) --dist loadgroup --durations=10
 
 suite: $(STAMP)
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=25
