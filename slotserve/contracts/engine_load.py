@@ -10,6 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from slotserve.contracts.pool_spec import DEFAULT_POLICY, BatchingPolicy
 
+# Keys one report may carry (17 bytes each in JSON: ~35 KB at most); an engine with many slots
+# reports fewer keys per row.
+MAX_REPORTED_PREFIX_KEYS = 2048
+
 
 class EngineLoadReport(BaseModel):
     """One engine's slots and queue right now."""
@@ -29,6 +33,12 @@ class EngineLoadReport(BaseModel):
     draining: bool = Field(False, description="Finishing its requests before it stops.")
     mean_request_seconds: float = Field(
         0.0, description="Mean seconds per finished request (the gateway's first Retry-After)."
+    )
+    prefix_keys: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_REPORTED_PREFIX_KEYS,
+        description="The prefix keys (contracts.prefix_keys) of what the engine's slot rows hold "
+        "now: the gateway routes a request whose chain they match here (prefix-aware routing).",
     )
     # Choices made at load (e.g. linear_backend) and what each cost; for people, not gateways.
     calibrations: list[dict[str, object]] = Field(default_factory=list)

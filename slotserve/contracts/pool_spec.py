@@ -143,3 +143,40 @@ class AdmissionSpec(WireModel):
         if any(level < 1 or level > self.priority_levels for level in self.priority_queue_policy):
             raise ValueError("every priorityQueuePolicy level must be between 1 and priorityLevels")
         return self
+
+
+# A session key longer than this is refused (400); shorter ones are hashed before they reach
+# Redis, so their text never becomes a key name.
+MAX_SESSION_KEY_CHARS = 256
+
+
+class RoutingSpec(WireModel):
+    """How the gateway picks among engines with a free slot (docs/gateway.md)."""
+
+    # The rule: the engine whose rows hold the longest prefix of the request, then the engine
+    # that served its session last, then the least loaded; a preferred engine only while it is
+    # within balance_threshold of the least loaded one.
+
+    prefix_aware: bool = Field(
+        True,
+        description="Prefer the engine whose cached rows hold the longest prefix of the request "
+        "(chat messages, or blocks of the prompt); false: by load only.",
+    )
+    session_header: str = Field(
+        "x-session-id",
+        max_length=128,
+        pattern=r"^[A-Za-z0-9-]*$",
+        description="Request header whose value keeps a conversation on one engine while it has "
+        'room; "" turns the header off.',
+    )
+    session_from_user: bool = Field(
+        True, description="Use OpenAI's 'user' field as the session key when the header is absent."
+    )
+    balance_threshold: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="An engine preferred for its cache or session takes the request only while "
+        "the share of its slots in flight exceeds the least loaded engine's by at most this "
+        "(0: only among the least loaded; 1: whenever it has a free slot).",
+    )

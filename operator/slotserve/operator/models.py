@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StringConstraints, WithJsonSchema, model_validator
 
-from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec, WireModel
+from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec, RoutingSpec, WireModel
 from slotserve.contracts.weights import WeightDType, WeightQuantization
 from slotserve.operator.platform_models import AutoscalingSpec, GatewayAPISpec
 
@@ -294,6 +294,7 @@ class InferencePoolSpec(WireModel):
         ),
     )
     admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
     gateway_api: GatewayAPISpec = Field(
         default_factory=GatewayAPISpec,
         alias="gatewayAPI",

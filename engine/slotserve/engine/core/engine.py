@@ -363,6 +363,11 @@ class LLMEngine:
             prefix_cache_queries_total=self.kv_cache.num_prefix_query_tokens,
             prefix_cache_hits_total=self.kv_cache.num_prefix_hit_tokens,
             calibrations=tuple(self.runner.calibrations),
+            row_request_ids=(
+                ()
+                if self.kv_cache.prefix_cache is None
+                else self.kv_cache.prefix_cache.row_requests
+            ),
         )
 
     def generate(

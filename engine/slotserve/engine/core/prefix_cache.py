@@ -85,6 +85,14 @@ class SlotPrefixCache:
         # When each free row was last released: the least recently used row is evicted first.
         self._released_at = [0] * num_slots
         self._clock = 0
+        # The request whose tokens each row holds (running, or the last to leave it): the
+        # engine's /load names the prefix keys of these (prefix-aware routing in the gateway).
+        self._row_requests: list[str | None] = [None] * num_slots
+
+    @property
+    def row_requests(self) -> tuple[str | None, ...]:
+        """Per slot row, the request whose tokens it holds (None: nothing reusable)."""
+        return tuple(self._row_requests)
 
     def row_tokens(self, slot: int) -> list[int]:
         """The tokens whose keys and values slot row ``slot`` holds now (a copy)."""
@@ -165,6 +173,7 @@ class SlotPrefixCache:
         self._owners[slot] = seq
         self._free_rows[slot] = []
         self._free_salts[slot] = None
+        self._row_requests[slot] = seq.request_id
 
     def release(self, slot: int, *, keep: bool) -> None:
         """The slot's sequence left; with ``keep`` its row's tokens stay reusable."""
@@ -174,5 +183,7 @@ class SlotPrefixCache:
             owner.token_ids[: owner.num_computed_tokens] if keep and owner is not None else []
         )
         self._free_salts[slot] = owner.params.cache_salt if keep and owner is not None else None
+        if not self._free_rows[slot]:
+            self._row_requests[slot] = None
         self._clock += 1
         self._released_at[slot] = self._clock

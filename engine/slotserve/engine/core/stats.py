@@ -82,6 +82,8 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
     # What was calibrated at load (measured, or read from the calibration cache), and its cost.
     calibrations: tuple[CalibrationRecord, ...] = ()
+    # Per slot row, the request whose tokens it holds for reuse (prefix caching; None: none).
+    row_request_ids: tuple[str | None, ...] = ()
 
 
 @dataclass(frozen=True)

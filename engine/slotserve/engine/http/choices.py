@@ -41,6 +41,8 @@ class Choices:
         self.finished = [False] * len(streams)
         # Each choice's last output (its metrics place it in the request's trace).
         self.final_outputs: list[RequestOutput | None] = [None] * len(streams)
+        # Each choice's text so far (its row's answer, for the prefix keys /load reports).
+        self.texts: list[list[str]] = [[] for _ in streams]
 
     @classmethod
     def add(
@@ -98,6 +100,7 @@ class Choices:
         """Every choice's outputs as they come, each tagged with its choice index."""
         if len(self.streams) == 1:
             async for output in self.streams[0]:
+                self.texts[0].append(output.text)
                 yield 0, output
             return
         merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
@@ -112,6 +115,7 @@ class Choices:
             while remaining:
                 index, output = await merged.get()
                 remaining -= output.finished
+                self.texts[index].append(output.text)
                 yield index, output
         finally:
             for task in tasks:

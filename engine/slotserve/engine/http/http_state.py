@@ -12,6 +12,7 @@ from aiohttp import web
 from slotserve.contracts.headers import SLOTS_FREE_HEADER, SLOTS_TOTAL_HEADER
 from slotserve.engine.http.metrics import EngineMetrics
 from slotserve.engine.http.openai_responses import ErrorBody, ErrorDetail
+from slotserve.engine.http.prefix_rows import PrefixRows
 from slotserve.engine.settings import EngineSettings
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class ServerState:
     fatal_exit_code: int = 1  # 2: the settings cannot run here (UnsupportedSettingError)
     started_at: int = field(default_factory=lambda: int(time.time()))
     metrics: EngineMetrics = field(init=False)
+    prefix_rows: PrefixRows = field(default_factory=PrefixRows)  # /load's prefix keys
 
     def __post_init__(self) -> None:
         self.idle.set()

@@ -9,6 +9,7 @@ step.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from slotserve.contracts.headers import CACHE_SALT_HEADER
+from slotserve.contracts.prefix_keys import NO_CHAIN, PrefixChain, request_chain
 from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
 from slotserve.engine.core.generation_defaults import GenerationDefaults
 from slotserve.engine.core.params import SamplingParams, check_min_tokens
@@ -302,6 +304,7 @@ async def _generate(
         raise ApiError(400, str(error), param="cache_salt", code="invalid_value") from error
     params_of = {k: v.model_copy(update={"cache_salt": salt}) for k, v in params_of.items()}
     params = next(iter(params_of.values()))
+    chain = await _prefix_chain(request, body, salt, len(batch))
     try:
         engine.limits.check_logit_bias(params.logit_bias)
     except InvalidRequestError as error:
@@ -347,6 +350,7 @@ async def _generate(
             code="draining",
             headers={"Retry-After": "1"},
         ) from error
+    state.prefix_rows.started([stream.request_id for stream in choices.streams], chain)
     state.begin(fmt.request_id)
     try:
         if body.stream:
@@ -357,7 +361,34 @@ async def _generate(
             engine.abort(request_id)  # client gone (or an error): free the slot now
             state.metrics.observe_finished("abort", None)
         state.end(fmt.request_id)
+        _note_answers(state, choices, chain)
         record_request_phases(request, fmt.request_id, engine, choices.final_outputs)
+
+
+async def _prefix_chain(
+    request: web.Request, body: SamplingRequest, salt: str | None, num_prompts: int
+) -> PrefixChain:
+    """The request's prefix keys, as the gateway computes them from the same body
+    (``contracts.prefix_keys``): one prompt only, under the salt its rows are matched with."""
+    if num_prompts != 1:
+        return NO_CHAIN
+    try:
+        payload = json.loads(await request.read())
+    except ValueError:
+        return NO_CHAIN
+    if not isinstance(payload, dict):
+        return NO_CHAIN
+    return request_chain(isinstance(body, ChatCompletionRequest), payload, salt or "")
+
+
+def _note_answers(state: ServerState, choices: Choices, chain: PrefixChain) -> None:
+    """Rows of choices that ended well hold their answers too; the others' keys stay as noted
+    (a failed row is forgotten by the prefix cache itself)."""
+    for index, output in enumerate(choices.final_outputs):
+        if output is not None and output.finish_reason in ("stop", "length"):
+            answer = "".join(choices.texts[index])
+            state.prefix_rows.finished(output.request_id, chain, answer)
+    state.prefix_rows.ended([stream.request_id for stream in choices.streams])
 
 
 async def models(request: web.Request) -> web.Response:

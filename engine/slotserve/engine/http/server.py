@@ -252,6 +252,7 @@ async def _load(request: web.Request) -> web.Response:
         draining=state.draining,
         mean_request_seconds=round(state.metrics.mean_request_seconds, 6),
         calibrations=[record.as_dict() for record in stats.calibrations],
+        prefix_keys=state.prefix_rows.report(stats.row_request_ids),
     )
     return web.json_response(report.model_dump(mode="json"), headers=slot_headers(stats))
 

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, ValidationError, field_validator
 
-from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec, WireModel
+from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec, RoutingSpec, WireModel
 from slotserve.gateway.admission.types import PoolPolicy
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ class PoolConfig(WireModel):
     endpoints: list[str] = Field(default_factory=list)
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
     # Seconds an engine of this pool takes to start: the Retry-After of a request held while
     # none is up (unset: the gateway's cold_start_seconds).
     cold_start_seconds: float | None = Field(default=None, gt=0, le=86_400)
@@ -65,6 +66,7 @@ class Pool:
     batching: BatchingSpec = field(default_factory=BatchingSpec)
     admission: AdmissionSpec = field(default_factory=AdmissionSpec)
     cold_start_s: float | None = None  # measured (status.coldStartSeconds) or configured
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
 
     @property
     def policy(self) -> PoolPolicy:
@@ -85,7 +87,7 @@ def parse_pools(text: str, source: str = "pool file") -> list[Pool]:
     except ValidationError as exc:
         raise PoolConfigError(f"{source}: {exc}") from exc
     return [
-        Pool(p.model, tuple(p.endpoints), p.batching, p.admission, p.cold_start_seconds)
+        Pool(p.model, tuple(p.endpoints), p.batching, p.admission, p.cold_start_seconds, p.routing)
         for p in parsed.pools
     ]
 

@@ -36,7 +36,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from slotserve.contracts.crd import GROUP, PLURAL, VERSION
-from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec
+from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec, RoutingSpec
 from slotserve.gateway.pools.config import Pool, PoolRegistry
 from slotserve.gateway.pools.endpointslices import SLICE_SELECTOR, EndpointIndex
 
@@ -74,9 +74,10 @@ def pool_from_inference_pool(obj: dict[str, Any]) -> Pool:
     try:
         batching = BatchingSpec.model_validate(spec.get("batching") or {})
         admission = AdmissionSpec.model_validate(spec.get("admission") or {})
+        routing = RoutingSpec.model_validate(spec.get("routing") or {})
     except ValidationError as exc:
-        raise InvalidPoolObjectError(f"invalid batching/admission: {exc}") from exc
-    return Pool(name, (), batching, admission, cold_start_seconds(obj))
+        raise InvalidPoolObjectError(f"invalid batching/admission/routing: {exc}") from exc
+    return Pool(name, (), batching, admission, cold_start_seconds(obj), routing)
 
 
 def cold_start_seconds(obj: dict[str, Any]) -> float | None:
