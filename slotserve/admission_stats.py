@@ -13,6 +13,7 @@ slot). Fields:
 | ``rejected:<reason>`` | requests refused (``queue_full``, ``queue_timeout``, ...) |
 | ``wait:<i>`` | admitted requests that waited within ``WAIT_BUCKETS_S[i]`` (last: longer) |
 | ``tenant:<name>:admitted``, ``tenant:<name>:wait:<i>`` | the same, for one tenant |
+| ``prefix:routed``, ``prefix:hit`` | admitted with prefix keys; of those, sent to a cached prefix |
 
 A window lives ``WINDOW_TTL_S``, so a pool nobody calls leaves nothing behind. Windows are
 numbered by wall-clock time (``unix seconds // WINDOW_SECONDS``): replicas' clocks only need to
@@ -35,6 +36,7 @@ WAIT_BUCKETS_S: tuple[float, ...] = (
 ADMITTED = "admitted"
 REJECTED_PREFIX = "rejected:"
 WAIT_PREFIX = "wait:"
+PREFIX_ROUTED, PREFIX_HIT = "prefix:routed", "prefix:hit"
 TENANT_PREFIX = "tenant:"  # tenant names (tenants.TENANT_NAME) hold no ':'
 # status.admission.tenants lists at most this many tenants, the most admitted first (the rest are
 # in the pool's totals): a status object stays small however many tenants a keys file declares.
@@ -73,6 +75,11 @@ class WindowCounts:
         name = f"{REJECTED_PREFIX}{reason}"
         counts[name] = counts.get(name, 0) + 1
 
+    def prefix_routed(self, pool: str, *, hit: bool) -> None:
+        counts = self.fields.setdefault(pool, {})
+        for name in (PREFIX_ROUTED, PREFIX_HIT) if hit else (PREFIX_ROUTED,):
+            counts[name] = counts.get(name, 0) + 1
+
     def take(self) -> dict[str, dict[str, int]]:
         taken, self.fields = self.fields, {}
         return taken
@@ -105,6 +112,9 @@ class WindowSummary:
     recent_rejected: dict[str, int] = field(default_factory=dict)
     # The most admitted tenants' own rates and waits (MAX_TENANTS_IN_STATUS of them).
     tenants: dict[str, TenantSummary] = field(default_factory=dict)
+    # Of the requests routed with prefix keys, the share sent to an engine holding a prefix of
+    # them (None: none routed with keys in the window).
+    prefix_hit_ratio: float | None = None
 
 
 def summarize(windows: Sequence[Mapping[str, str]], covered_s: float) -> WindowSummary:
@@ -136,6 +146,9 @@ def summarize(windows: Sequence[Mapping[str, str]], covered_s: float) -> WindowS
         queue_wait_p95_s=quantile(waits, 0.95),
         recent_rejected=recent,
         tenants=_tenants(totals, scale),
+        prefix_hit_ratio=(
+            totals.get(PREFIX_HIT, 0) / totals[PREFIX_ROUTED] if totals.get(PREFIX_ROUTED) else None
+        ),
     )
 
 

@@ -23,6 +23,9 @@ replica leaves nothing behind for long:
 | ``P:{pool}:waiting:{id}`` | ZSET | replica ``id``'s waiting request ids (dead: swept) | STATE |
 | ``P:{pool}:fair:{level}`` | HASH | ``=v`` -> virtual time V, tenant -> finish tag (6) | STATE |
 | ``P:{pool}:fairq:{level}`` | ZSET | the level's waiting ids; score = fair start tag (6) | STATE |
+| ``P:{pool}:routes`` | HASH | waiting request id -> its route (8) | STATE |
+| ``P:{pool}:routed:{key}`` | STRING | endpoint a request with prefix ``key`` went to (8) | 5 s |
+| ``P:{pool}:session:{id}`` | STRING | endpoint that served session ``id`` last (8) | 10 min |
 | ``P:{pool}:window:{n}`` | HASH | admitted, rejected, queue waits in window ``n`` (3) | 90 s |
 | ``P:epoch`` | HASH | admission epoch: ``id``, ``created``, ``ready`` (us) (2) | STATE |
 | ``P:replica:{id}`` | STRING | present while replica ``id`` heartbeats | lease TTL |
@@ -46,6 +49,10 @@ clients came back within their grace, and those that did not; halved past 64).
 has nothing waiting.
 (7) the gateway's ``admission/lua/quotas.py``: a bucket (``at`` in ms) lives until it would have
 refilled (absent is full), the in-flight set until no replica refreshed it for its TTL.
+(8) prefix-aware routing (the gateway's ``pools/routing.py``, ``admission/lua/routes.py``): a
+route is the request's prefix keys (``contracts.prefix_keys``), the keys each engine reported
+matching, its session's hash and its balance threshold; written when a request waits, read
+when it is granted. Granting a routed request records its keys and its session.
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
 write. Times are Redis server time (``TIME``) in microseconds, so replica clocks never matter.
 """
@@ -71,6 +78,7 @@ POOL_KEY_NAMES = (
     "levels",
     "delays",
     "lease_slots",
+    "routes",
 )
 
 TENANT_KEY_NAMES = ("rpm", "tpm", "inflight")
@@ -83,7 +91,7 @@ class Keys:
     prefix: str = "slotserve"
 
     def pool(self, pool_name: str) -> list[str]:
-        """The pool's keys in the order the Lua scripts expect them (KEYS[1..13])."""
+        """The pool's keys in the order the Lua scripts expect them (KEYS[1..14])."""
         return [self.pool_key(pool_name, name) for name in POOL_KEY_NAMES]
 
     def pool_key(self, pool_name: str, name: str) -> str:
@@ -102,6 +110,12 @@ class Keys:
 
     def fair_queue(self, pool_name: str, level: int | str) -> str:
         return self.pool_key(pool_name, f"fairq:{level}")
+
+    def routed(self, pool_name: str, prefix_key: str) -> str:
+        return self.pool_key(pool_name, f"routed:{prefix_key}")
+
+    def session(self, pool_name: str, session_id: str) -> str:
+        return self.pool_key(pool_name, f"session:{session_id}")
 
     def tenant(self, tenant_name: str) -> list[str]:
         """The tenant's quota keys in the order the quota scripts expect them (KEYS[1..3])."""

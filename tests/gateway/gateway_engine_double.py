@@ -76,6 +76,7 @@ async def load(request: web.Request) -> web.Response:
             "waiting": max(0, s["inflight"] - s["slots"]),
             "kv_cache_usage": running / s["slots"],
             "draining": False,
+            "prefix_keys": s["prefix_keys"],
         }
     )
 
@@ -187,7 +188,7 @@ async def control(request: web.Request) -> web.Response:
     body = await request.json()
     if body.get("reset"):
         s.update(max_inflight=0, num_requests=0, num_aborted=0, arrivals=[])
-    for key in ("fail", "delay", "slots"):
+    for key in ("fail", "delay", "slots", "prefix_keys"):
         if key in body:
             s[key] = body[key]
     return web.json_response({"ok": True})
@@ -208,6 +209,7 @@ def create_double_app(
         "num_aborted": 0,
         "num_load_polls": 0,
         "arrivals": [],
+        "prefix_keys": [],  # what its /load says its rows hold (set by a test: any value)
     }
     app.router.add_get("/load", load)
     app.router.add_get("/health", health)

@@ -86,6 +86,8 @@ def admission_status(reading: AdmissionReading, slots_total: int, now: str) -> d
     }
     if reading.window.queue_wait_p95_s is not None:
         status["queueWaitSecondsP95"] = round(reading.window.queue_wait_p95_s, 3)
+    if reading.window.prefix_hit_ratio is not None:
+        status["prefixHitRatio"] = round(reading.window.prefix_hit_ratio, 3)
     if reading.window.tenants:
         status["tenants"] = {
             name: {"admittedPerMinute": tenant.admitted_per_minute}

@@ -355,6 +355,13 @@ class AdmissionStatus(WireModel):
         description="Per tenant (the gateways' keys file), the 16 most admitted in the last "
         "minute: what each got of the pool and how long it waited (its weighted fair share).",
     )
+    prefix_hit_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Of the requests routed by prefix in the last minute, the share sent to an "
+        "engine whose cache held a prefix of them (routing.prefixAware).",
+    )
     saturated: bool = Field(
         False,
         description="Every slot busy with requests waiting, or the "

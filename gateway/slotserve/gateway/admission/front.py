@@ -52,7 +52,7 @@ from slotserve.gateway.admission.types import (
     QueueFullError,
     QueueTimeoutError,
 )
-from slotserve.gateway.pools.routing import EndpointOffer, most_slots
+from slotserve.gateway.pools.routing import EndpointOffer, Route, most_slots
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -173,6 +173,7 @@ class Admission:
         slots: int = 1,
         tenant: str = DEFAULT_TENANT,
         weight: int = 1,
+        route: Route | None = None,
     ) -> Lease:
         """Wait for a slot; raises QueueFullError, QueueTimeoutError or BackendUnavailableError.
 
@@ -181,6 +182,8 @@ class Admission:
         lease holds that many slots of one endpoint (a request's ``n``, one per choice).
         ``tenant`` and its ``weight``: within its level, the request waits for its tenant's
         weighted fair share of the pool, across every replica (``fair_share.py``).
+        ``route``: the engine its cached prefix or its session prefers, among those with room
+        (``routing.pick_endpoint``).
         """
         started = time.monotonic()
         if self.keeper.needs_restore:
@@ -189,7 +192,7 @@ class Admission:
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         demote_at = None if demote_after_s is None else started + demote_after_s
         waiter = Waiter(
-            pool, future, priority, started + timeout_s, demote_at, slots, tenant, weight
+            pool, future, priority, started + timeout_s, demote_at, slots, tenant, weight, route
         )
         self.ledger.add_waiter(request_id, waiter)
         owned = settled = False
@@ -268,6 +271,7 @@ class Admission:
                     tenant=waiter.tenant,
                     weight=waiter.weight,
                     deadline_gap_us=self.deadline_gap_us(pool.name),
+                    route=waiter.route,
                 )
             )
         except QueueFullError as exc:

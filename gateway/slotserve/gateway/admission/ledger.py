@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from slotserve.gateway.admission.tenants import DEFAULT_TENANT
 from slotserve.gateway.admission.types import PoolPolicy
+from slotserve.gateway.pools.routing import Route
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Waiter:
     slots: int = 1  # slots its lease will hold: one per choice (``n``)
     tenant: str = DEFAULT_TENANT  # its share within its level (``fair_share.py``)
     weight: int = 1
+    route: Route | None = None  # what may prefer an engine for it (``routing.pick_endpoint``)
 
 
 class HeldLease(NamedTuple):

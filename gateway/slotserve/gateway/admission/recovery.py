@@ -162,6 +162,7 @@ class LeaseKeeper:
                     slots=waiter.slots,
                     tenant=waiter.tenant,
                     weight=waiter.weight,
+                    route=waiter.route,
                 )
             )
         except BackendUnavailableError:

@@ -12,7 +12,7 @@ from slotserve.contracts.pool_spec import (
     AdmissionSpec,
     TimeoutAction,
 )
-from slotserve.gateway.pools.routing import EndpointOffer
+from slotserve.gateway.pools.routing import EndpointOffer, Route
 
 # Internal priority for a request retried after its engine failed: ahead of every client level.
 RETRY_PRIORITY = 0
@@ -307,6 +307,7 @@ class AdmissionBackend(Protocol):
         tenant: str = "default",
         weight: int = 1,
         deadline_gap_us: int = 0,
+        route: Route | None = None,
     ) -> DispatchResult:
         """Queue a request (raising QueueFullError beyond maxQueueSize, or beyond its level's
         own ``maxQueueSize``), then dispatch.
@@ -328,6 +329,9 @@ class AdmissionBackend(Protocol):
         granted only an endpoint with that many free. A head that needs more than any endpoint
         has free waits, and everyone behind it at its level waits too (FIFO, no starvation of
         big requests).
+
+        ``route``: what may prefer one engine for it (its cached prefix, its session:
+        ``routing.pick_endpoint``); without one, the least loaded engine.
 
         ``tenant``/``weight``: within its level, the request's place follows its tenant's
         weighted fair share (start-time fair queuing, ``fair_share.py``): the queue's order

@@ -42,6 +42,9 @@ class AdmissionWindowWriter:
     def rejected(self, pool: str, reason: str) -> None:
         self.counts.rejected(pool, reason)
 
+    def prefix_routed(self, pool: str, *, hit: bool) -> None:
+        self.counts.prefix_routed(pool, hit=hit)
+
     async def flush(self) -> None:
         taken = self.counts.take()
         if not taken:

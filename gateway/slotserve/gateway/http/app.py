@@ -137,6 +137,8 @@ async def metrics(request: web.Request) -> web.Response:
     admission = request.app[ADMISSION]
     for name in request.app[REGISTRY].pools:
         m.queue_size.labels(name).set(admission.queue_depth(name))
+        for url, size in request.app[MONITOR].index_sizes(name).items():
+            m.prefix_index_keys.labels(name, url).set(size)
     m.backend_up.set(1 if admission.backend_ok else 0)
     m.held_bytes.set(request.app[BUDGET].held_bytes)
     return web.Response(

@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from slotserve.contracts.headers import DEADLINE_MS_HEADER, PRIORITY_HEADER
-from slotserve.gateway.admission.tenants import DEFAULT, TENANT
+from slotserve.gateway.admission.tenants import CACHE_SALT, DEFAULT, DEFAULT_TENANT, TENANT
 from slotserve.gateway.admission.types import AdmissionError, NoEngineFitsError, PoolPolicy
 from slotserve.gateway.http.app_keys import (
     ADMISSION,
@@ -30,6 +30,7 @@ from slotserve.gateway.http.app_keys import (
 )
 from slotserve.gateway.http.errors import error_response
 from slotserve.gateway.http.proxy import proxy_request
+from slotserve.gateway.http.route_hints import SessionKeyError, route_of
 from slotserve.gateway.http.tracing import traced_admission
 from slotserve.gateway.pools.config import Pool
 from slotserve.gateway.pools.routing import EndpointOffer, most_slots
@@ -122,7 +123,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     # tree, which can be many times its body's size.
     model, slots = payload.get("model"), requested_slots(payload)
     field = "prompt" if num_prompts(payload) > 1 else "n"  # the one to name when over the bound
-    del payload
     if not isinstance(model, str) or not model:
         return error_response(400, "'model' (a string) is required", "missing_model", param="model")
     pool = request.app[REGISTRY].get(model)
@@ -130,6 +130,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return error_response(
             404, f"model {model!r} is not served here", "model_not_found", param="model"
         )
+    try:
+        chat = request.path.endswith("/chat/completions")
+        salt = request.get(CACHE_SALT, DEFAULT_TENANT)
+        route = route_of(
+            pool.routing, request.app[MONITOR], model, chat, request.headers, payload, salt
+        )
+    except SessionKeyError as exc:
+        return error_response(400, str(exc), "invalid_header")
+    del payload
     policy = pool.policy
     try:
         priority = _header_int(request, PRIORITY_HEADER, 1, policy.priority_levels)
@@ -186,6 +195,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             slots=slots,
             tenant=tenant.name,
             weight=tenant.weight,
+            route=route,
         )
         if held:
             acquire = request.app[COLD_STARTS].held(
@@ -204,6 +214,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     m.tenant_queue_wait.labels(model, tenant.name).observe(lease.queue_wait_s)
     if window is not None:
         window.admitted(model, lease.queue_wait_s, tenant.name)
+    if route is not None and route.keys:
+        depth = request.app[MONITOR].matched_depth(lease.endpoint, route.keys)
+        m.prefix_routed.labels(model, "hit" if depth else "miss").inc()
+        m.prefix_keys_matched.labels(model).inc(depth)
+        if window is not None:
+            window.prefix_routed(model, hit=depth > 0)
     try:
         return await proxy_request(request, request.app[PROXY], lease, body, deadline)
     except ConnectionResetError:

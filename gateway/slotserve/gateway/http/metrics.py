@@ -70,6 +70,27 @@ class GatewayMetrics:
             "1 when the admission backend (Redis or in-process) answers.",
             registry=r,
         )
+        # Prefix-aware routing (route_hints.py, pools/routing.py).
+        self.prefix_routed = Counter(
+            "slotserve_gateway_prefix_routed",
+            "Requests with prefix keys given a slot: hit when the engine they went to reported "
+            "holding a prefix of them (its /load), else miss.",
+            ["pool", "outcome"],
+            registry=r,
+        )
+        self.prefix_keys_matched = Counter(
+            "slotserve_gateway_prefix_keys_matched",
+            "Prefix keys (chat messages, 512-character blocks) the chosen engines held: the "
+            "prefix reused, in keys.",
+            ["pool"],
+            registry=r,
+        )
+        self.prefix_index_keys = Gauge(
+            "slotserve_gateway_prefix_index_keys",
+            "Prefix keys each engine reported holding in its slot rows (its index size).",
+            ["pool", "endpoint"],
+            registry=r,
+        )
         # Tenants (tenant_gate.py): labels come from the keys file, bounded there (tenants.py).
         self.tenant_requests = Counter(
             "slotserve_gateway_tenant_requests",

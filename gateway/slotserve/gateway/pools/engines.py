@@ -6,7 +6,8 @@ not answer, reports ``draining`` or failed a proxied request is offered to nobod
 good report.
 
 Engines are untrusted input: a report longer than ``MAX_LOAD_REPORT_BYTES``, or with values no
-engine reports (slots outside 0..1024, a load that is not a finite number, NaN), makes the engine
+engine reports (slots outside 0..1024, a load that is not a finite number, NaN, more than 2,048
+prefix keys or one that is not 16 hex digits), makes the engine
 broken: offered to nobody for ``BROKEN_HOLD_S``, whatever it reports meanwhile; so does an
 answer or stream that breaks the proxy's limits (``mark_broken``).
 """
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 import aiohttp
 
 from slotserve.contracts.engine_load import EngineLoadReport
+from slotserve.contracts.prefix_keys import deepest_match, is_key
 from slotserve.gateway.pools.config import PoolRegistry
-from slotserve.gateway.pools.routing import EndpointOffer, load_score
+from slotserve.gateway.pools.routing import MAX_ROUTE_DEPTHS, EndpointOffer, load_score
 
 log = logging.getLogger(__name__)
 FAILURES_BEFORE_DOWN = 2
@@ -56,6 +58,8 @@ def parse_load_report(data: bytes) -> EngineLoadReport:
     counts = (report.slots_total, report.running, report.waiting)
     if not 0 <= report.slots_total <= MAX_REPORTED_SLOTS or min(counts) < 0:
         raise BadReportError(f"slots_total {report.slots_total} (at most {MAX_REPORTED_SLOTS})")
+    if not all(is_key(key) for key in report.prefix_keys):
+        raise BadReportError("a prefix key that is not 16 hex digits")
     return report
 
 
@@ -73,6 +77,8 @@ class EngineLoad:
     num_failures: int = FAILURES_BEFORE_DOWN  # unknown until the first good report
     failed_by_proxy: bool = False
     broken_until: float = 0.0  # monotonic: broke the gateway's limits, offered to nobody
+    # The prefix keys its slot rows hold (its last report): prefix-aware routing's index.
+    prefix_keys: frozenset[str] = frozenset()
 
     @property
     def usable(self) -> bool:
@@ -124,6 +130,33 @@ class EngineMonitor:
                 offers.append(EndpointOffer(url, load.slots_total, score, load.mean_request_s))
         return offers
 
+    def prefix_depths(self, model: str, keys: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+        """(url, keys matched) of the pool's usable engines whose rows hold a prefix of
+        ``keys``, deepest first, at most ``MAX_ROUTE_DEPTHS``."""
+        pool = self.registry.get(model)
+        if pool is None or not keys:
+            return ()
+        depths = []
+        for url in pool.endpoints:
+            load = self.loads.get(url)
+            if load is not None and load.usable and load.prefix_keys:
+                depth = deepest_match(keys, load.prefix_keys)
+                if depth:
+                    depths.append((url, depth))
+        depths.sort(key=lambda pair: (-pair[1], pair[0]))
+        return tuple(depths[:MAX_ROUTE_DEPTHS])
+
+    def matched_depth(self, url: str, keys: tuple[str, ...]) -> int:
+        """How many leading ``keys`` the rows of ``url`` hold, as it reported last."""
+        load = self.loads.get(url)
+        return deepest_match(keys, load.prefix_keys) if load is not None else 0
+
+    def index_sizes(self, model: str) -> dict[str, int]:
+        """Prefix keys each usable engine of the pool reported last (its index size)."""
+        pool = self.registry.get(model)
+        urls = pool.endpoints if pool is not None else ()
+        return {url: len(self.loads[url].prefix_keys) for url in urls if url in self.loads}
+
     def mark_broken(self, url: str, hold_s: float = BROKEN_HOLD_S) -> None:
         """``url`` broke the gateway's limits: offer it to nobody for ``hold_s``, whatever it
         reports meanwhile."""
@@ -166,6 +199,7 @@ class EngineMonitor:
             load.kv_cache_usage = report.kv_cache_usage
             load.draining = report.draining
             load.mean_request_s = max(0.0, report.mean_request_seconds)
+            load.prefix_keys = frozenset(report.prefix_keys)
         except BadReportError as exc:
             if time.monotonic() >= load.broken_until:
                 log.warning("engine %s is broken: %s; marked down", url, exc)

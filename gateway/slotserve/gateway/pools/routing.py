@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 # An engine's slots as offered: MaxBatchSize's bound (admission.types.MAX_ENGINE_SLOTS).
 MAX_OFFER_SLOTS = 1024
@@ -80,3 +81,82 @@ def rank_endpoints(
         eligible,
         key=lambda o: (inflight.get(o.url, 0) / o.slots_total, o.load_score, o.url),
     )
+
+
+# Prefix-aware routing (docs/gateway.md). A route travels with a queued request (the Redis
+# backend stores its text, ``encode``); the Lua scripts (``admission/lua/routes.py``) decode and
+# apply the same rule as ``pick_endpoint``.
+ROUTE_SEPARATOR, ROUTE_ITEM = "\x1e", "\x1f"
+MAX_ROUTE_DEPTHS = 16  # engines named with a matched depth (those with the deepest matches)
+MAX_ROUTE_CHARS = 16_384
+SESSION_HEX = 32  # a session key reaches Redis as this many hex digits of its hash
+# "Routed keys K to engine E" lasts until E's /load shows them (polled every 0.25 s) and a while
+# more; a session's engine is remembered between a conversation's turns.
+ROUTED_TTL_MS = 5_000
+SESSION_TTL_MS = 600_000
+RouteOutcome = Literal["prefix", "session", "load"]
+
+
+@dataclass(frozen=True)
+class Route:
+    """What may prefer one engine for a request: its prefix keys, how many of them each
+    engine's rows hold (its /load), its session, and how far from the least loaded engine a
+    preferred one may be (``balance_permille``: per mille of slots in flight)."""
+
+    keys: tuple[str, ...] = ()
+    depths: tuple[tuple[str, int], ...] = ()
+    session: str = ""
+    balance_permille: int = 500
+
+    def encode(self) -> str:
+        """The text the Redis scripts read (``lua/routes.py``): balance, session, url/depth
+        pairs, keys; fields apart by \\x1e, items by \\x1f."""
+        pairs = ROUTE_ITEM.join(f"{url}{ROUTE_ITEM}{depth}" for url, depth in self.depths)
+        return ROUTE_SEPARATOR.join(
+            (str(self.balance_permille), self.session, pairs, ROUTE_ITEM.join(self.keys))
+        )
+
+
+def within_balance(
+    used: int, slots: int, least_used: int, least_slots: int, balance_permille: int
+) -> bool:
+    """``used / slots - least_used / least_slots <= balance_permille / 1000``, in integers so
+    that Lua's doubles and Python agree exactly."""
+    return (
+        used * least_slots - least_used * slots
+    ) * 1000 <= balance_permille * slots * least_slots
+
+
+def pick_endpoint(
+    ranked: Sequence[EndpointOffer],
+    inflight: Mapping[str, int],
+    route: Route | None,
+    depths: Mapping[str, int],
+    session_url: str = "",
+) -> tuple[EndpointOffer, RouteOutcome, int]:
+    """Among ``ranked`` (``rank_endpoints``: room for the request, least loaded first; not
+    empty), the engine a route prefers: the deepest matched prefix (``depths``, url -> keys
+    matched), else the session's engine (``session_url``), each only while within the route's
+    balance of the least loaded; else the least loaded. Returns it, why, and its depth."""
+    least = ranked[0]
+    if route is None:
+        return least, "load", 0
+    least_used = inflight.get(least.url, 0)
+
+    def balanced(offer: EndpointOffer) -> bool:
+        used = inflight.get(offer.url, 0)
+        return within_balance(
+            used, offer.slots_total, least_used, least.slots_total, route.balance_permille
+        )
+
+    best, best_depth = None, 0
+    for offer in ranked:  # ties on depth: the first, least loaded
+        depth = depths.get(offer.url, 0)
+        if depth > best_depth and balanced(offer):
+            best, best_depth = offer, depth
+    if best is not None:
+        return best, "prefix", best_depth
+    for offer in ranked:
+        if session_url and offer.url == session_url and balanced(offer):
+            return offer, "session", 0
+    return least, "load", 0

@@ -29,7 +29,14 @@ from slotserve.gateway.admission.types import (
     predicted_wait_us,
     promise_horizon_us,
 )
-from slotserve.gateway.pools.routing import EndpointOffer, most_slots, rank_endpoints, sound_offers
+from slotserve.gateway.pools.routing import (
+    EndpointOffer,
+    Route,
+    most_slots,
+    pick_endpoint,
+    rank_endpoints,
+    sound_offers,
+)
 
 
 def _monotonic_us() -> int:
@@ -88,9 +95,27 @@ class InProcessHub:
             if tag is not None:
                 state.fair[entry.level].served(tag)
             state._drop(request_id)
-            self.grant(policy.name, request_id, entry.replica, entry.slots, ranked[0].url, now_us)
+            url = self.routed_url(state, ranked, entry.route, now_us)
+            self.grant(policy.name, request_id, entry.replica, entry.slots, url, now_us)
         state.hold_freed_places(policy.max_queue_size)
         return DispatchResult(len(state.queue), state.num_dispatched, 0)
+
+    def routed_url(
+        self,
+        state: PoolState,
+        ranked: Sequence[EndpointOffer],
+        route: Route | None,
+        now_us: int,
+    ) -> str:
+        """The engine a request goes to among ``ranked`` (``routing.pick_endpoint``), recorded
+        as its prefix's and its session's engine (``lua/routes.py``)."""
+        if route is None:
+            return ranked[0].url
+        depths = state.routes.depths(route, now_us)
+        session_url = state.routes.session_url(route, now_us)
+        offer, _, _ = pick_endpoint(ranked, state.inflight, route, depths, session_url)
+        state.routes.granted(route, offer.url, now_us)
+        return offer.url
 
     def grant(
         self, pool_name: str, request_id: str, replica: str, slots: int, endpoint: str, now_us: int
@@ -136,6 +161,7 @@ class InProcessBackend:
         tenant: str = DEFAULT_TENANT,
         weight: int = 1,
         deadline_gap_us: int = 0,
+        route: Route | None = None,
     ) -> DispatchResult:
         check_enqueue(
             pool,
@@ -160,11 +186,12 @@ class InProcessBackend:
         if not state.queue:
             ranked = rank_endpoints(offers, state.inflight, need=slots)
             if ranked:
-                self.hub.grant(pool.name, request_id, self.replica_id, slots, ranked[0].url, now)
+                url = self.hub.routed_url(state, ranked, route, now)
+                self.hub.grant(pool.name, request_id, self.replica_id, slots, url, now)
                 return DispatchResult(len(state.queue), state.num_dispatched, 0)
         state.settle_promises(now, pool.max_queue_size)
         state.keep_promise(now)
-        entry = Entry(self.replica_id, now + timeout_us, now, priority, slots)
+        entry = Entry(self.replica_id, now + timeout_us, now, priority, slots, route)
         demote_at = 0
         if demote_after_us is not None and 0 < demote_after_us < timeout_us:
             demote_at = now + demote_after_us

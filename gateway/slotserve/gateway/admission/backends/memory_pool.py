@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from slotserve.gateway.admission.backends.memory_routes import RouteMemory
 from slotserve.gateway.admission.fair_share import FairLevel
 from slotserve.gateway.admission.types import (
     DEMOTION_OFFSET_US,
@@ -22,6 +23,7 @@ from slotserve.gateway.admission.types import (
     PROMISE_WINDOW_US,
     kept_share,
 )
+from slotserve.gateway.pools.routing import Route
 
 SWEEP_BATCH = 100  # as in the Redis backend: bounded work per step however long the queue
 HEAD_DROPS = 16  # dead heads dropped one by one on the way to a live one (``lua/prelude.py``)
@@ -44,6 +46,7 @@ class Entry:
     enqueued_us: int
     level: int
     slots: int = 1  # slots its lease will hold: one per choice (``n``)
+    route: Route | None = None  # what may prefer an engine for it (prefix-aware routing)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class PoolState:
     num_freed: int = 0  # leases released in the current step
     num_refused: int = 0  # queued requests refused: no offered engine had their slots
     fair: dict[int, FairLevel] = field(default_factory=dict)  # level -> its fair queue
+    routes: RouteMemory = field(default_factory=RouteMemory)  # recent routings, sessions
 
     def add(self, request_id: str, score: int, entry: Entry, demote_at_us: int = 0) -> None:
         self.queue[request_id] = score
@@ -180,6 +184,7 @@ class PoolState:
     def sweep(self, now_us: int, alive: Callable[[str], bool]) -> None:
         """Expired leases and queue entries, oldest first, then dead replicas' entries: each at
         most SWEEP_BATCH per step."""
+        self.routes.sweep(now_us)
         for _ in range(SWEEP_BATCH):
             if not self.lease_heap or self.lease_heap[0][0] > now_us:
                 break

@@ -60,7 +60,7 @@ from slotserve.gateway.admission.types import (
     check_enqueue,
     promise_horizon_us,
 )
-from slotserve.gateway.pools.routing import EndpointOffer, most_slots, sound_offers
+from slotserve.gateway.pools.routing import EndpointOffer, Route, most_slots, sound_offers
 
 log = logging.getLogger(__name__)
 # Anything Redis or the socket can raise; asyncio's TimeoutError is the builtin one.
@@ -295,6 +295,7 @@ class RedisBackend:
         tenant: str = DEFAULT_TENANT,
         weight: int = 1,
         deadline_gap_us: int = 0,
+        route: Route | None = None,
     ) -> DispatchResult:
         check_enqueue(
             pool,
@@ -325,6 +326,7 @@ class RedisBackend:
             tenant=tenant,
             weight=weight,
             deadline_gap_us=deadline_gap_us,
+            route="" if route is None else route.encode(),
         )
         reply = DispatchReply.parse(await self._dispatch("enqueue", pool, offers, own))
         result = self._result(reply)

@@ -30,6 +30,7 @@ class EnqueueArgs(ScriptArgs):
     tenant: str
     weight: int  # its tenant's (``fair.py``)
     deadline_gap_us: int  # predicts its wait for a deadline-aware refusal (0: none)
+    route: str = ""  # ``routing.Route.encode`` ("" none: the least loaded engine)
 
 
 @dataclass(frozen=True)

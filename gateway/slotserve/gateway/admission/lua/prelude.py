@@ -23,6 +23,7 @@ from slotserve.contracts.redis_keys import (
 )
 from slotserve.gateway.admission.lua.epoch import EPOCH
 from slotserve.gateway.admission.lua.fair import FAIR
+from slotserve.gateway.admission.lua.routes import ROUTES
 from slotserve.gateway.admission.lua.slots import SLOTS
 from slotserve.gateway.admission.lua.values import VALUES
 from slotserve.gateway.admission.types import (
@@ -96,6 +97,7 @@ local DEMOTION_OFFSET, MAX_LEVEL, PROMISE_WINDOW_US, PROMISE_GRACE_US = """
 """
     + FAIR
     + EPOCH
+    + ROUTES
     + r"""
 local EPOCH_ID, READY_AT = '', 0
 local HELD, FREED = nil, 0  -- places held for promised clients; leases freed by this script
@@ -163,6 +165,7 @@ local function drop(rid)
   redis.call('ZREM', K_QUEUE, rid)
   redis.call('ZREM', K_DEADLINES, rid)
   redis.call('ZREM', K_DELAYS, rid)
+  redis.call('HDEL', K_ROUTES, rid)
   if info then
     redis.call('HDEL', K_ENTRIES, rid)
     local replica, level = entry_owner(info)
@@ -182,6 +185,7 @@ local function drop_many(rids)
   redis.call('ZREM', K_DEADLINES, unpack(rids))
   redis.call('ZREM', K_DELAYS, unpack(rids))
   redis.call('HDEL', K_ENTRIES, unpack(rids))
+  redis.call('HDEL', K_ROUTES, unpack(rids))
   local by_replica, by_level = {}, {}
   for i = 1, #rids do
     if infos[i] then
@@ -337,7 +341,7 @@ local function dispatch(now)
       refuse(rid, replica)
     else
       -- The head waits for all its slots, and those behind it wait for the head (FIFO).
-      local ep = best_endpoint(slots)
+      local ep = best_endpoint(slots, decode_route(redis.call('HGET', K_ROUTES, rid)))
       if not ep then return 0 end
       if level then fair_served(level, tag) end
       grant(rid, replica, ep.url, slots, now)
@@ -350,7 +354,7 @@ local function touch()
   if HELD ~= nil then redis.call('HSET', K_STATS, 'held', int(HELD)) end
   if redis.call('ZCARD', K_QUEUE) == 0 then
     -- Nothing waits: whatever drift the counts of waiting requests had ends here.
-    redis.call('DEL', K_ENTRIES, K_LEVELS, K_DEADLINES, K_DELAYS)
+    redis.call('DEL', K_ENTRIES, K_LEVELS, K_DEADLINES, K_DELAYS, K_ROUTES)
     fair_clear_all()
   end
   for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], STATE_TTL_MS) end

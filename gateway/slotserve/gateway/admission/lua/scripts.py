@@ -47,7 +47,8 @@ from slotserve.gateway.admission.lua.args import (
 from slotserve.gateway.admission.lua.epoch import HEARTBEAT
 from slotserve.gateway.admission.lua.prelude import PRELUDE
 
-# Its arguments: ``args.EnqueueArgs`` (``deadline_gap_us`` absent, from an older gateway: none).
+# Its arguments: ``args.EnqueueArgs`` (``deadline_gap_us`` or ``route`` absent, from an older
+# gateway: none).
 ENQUEUE = (
     PRELUDE
     + EnqueueArgs.lua_args("REST")
@@ -69,6 +70,9 @@ local tenant = tenant_arg(ARG_TENANT)
 local weight = int_arg(ARG_WEIGHT, 1, MAX_WEIGHT)
 local deadline_gap_us = ARG_DEADLINE_GAP_US == nil and 0
   or int_arg(ARG_DEADLINE_GAP_US, 0, MAX_WAIT_US)
+-- Its route (routes.py): bounded here; one that does not read is none.
+local route_ok = (ARG_ROUTE == nil or #ARG_ROUTE <= MAX_ROUTE_CHARS) or nil
+local route = decode_route(ARG_ROUTE)
 -- The first that does not hold is named (nil: refused), in argument order.
 for _, check in ipairs({
   {'request id', rid}, {'priority', priority}, {'timeout_us', timeout_us},
@@ -76,7 +80,7 @@ for _, check in ipairs({
   {'drain_gap_us', drain_gap_us}, {'queue_timeout_us', max_promise_us},
   {'aging_us', aging_us}, {'level max_queue_size', level_max},
   {'demote_after_us', demote_us}, {'slots', slots}, {'tenant', tenant}, {'weight', weight},
-  {'deadline_gap_us', deadline_gap_us},
+  {'deadline_gap_us', deadline_gap_us}, {'route', route_ok},
 }) do
   if check[2] == nil then return {'invalid', check[1]} end
 end
@@ -95,7 +99,7 @@ end
 -- Fast path: nobody waits and a slot is free: the lease at once, no queue entry to write.
 if redis.call('ZCARD', K_QUEUE) == 0 then
   EPOCH_ID, READY_AT = check_epoch(now)
-  local ep = now >= READY_AT and best_endpoint(slots)
+  local ep = now >= READY_AT and best_endpoint(slots, route)
   if ep then
     grant(rid, CALLER, ep.url, slots, now, false)
     touch()
@@ -122,6 +126,7 @@ count_level(level, 1)
 -- Within its level, its place follows its tenant's fair share (fair.py).
 local fair_before = fair_add(rid, level, tenant, weight, slots)
 redis.call('ZADD', K_DEADLINES, int(deadline), rid)
+if route then redis.call('HSET', K_ROUTES, rid, ARG_ROUTE) end
 if demote_us > 0 then redis.call('ZADD', K_DELAYS, int(now + demote_us), rid) end
 redis.call('ZADD', waiting_key(CALLER), int(deadline), rid)
 redis.call('PEXPIRE', waiting_key(CALLER), STATE_TTL_MS)

@@ -6,7 +6,8 @@ slots all fit. Leases of one slot (nearly all) store no weight; others store it 
 ``P:{pool}:lease_slots``, which release, expiry and the heartbeat's restore read back.
 A request that no offered engine can hold is refused through the same delivery as a grant, with an
 empty endpoint (``types.REFUSED``). Needs the prelude's keys, ``OFFERS``, ``FREED``,
-``CALLER``, ``drop``, ``int``/``int_value`` (``values.py``) and ``LEASE_TTL_US``.
+``CALLER``, ``drop``, ``int``/``int_value`` (``values.py``), ``LEASE_TTL_US`` and
+``routes.py``'s ``pick_routed``.
 """
 
 from __future__ import annotations
@@ -27,21 +28,25 @@ local function lease_slots(rid)
   return n
 end
 
--- routing.rank_endpoints: room for `need` slots, lowest held share, then engine load, then URL.
-local function best_endpoint(need)
-  local best = nil
+-- routing.rank_endpoints: room for `need` slots, lowest held share, then engine load, then URL;
+-- with a route, routing.pick_endpoint among those (``routes.py``).
+local function better(a, b)
+  return a.ratio < b.ratio or (a.ratio == b.ratio and (a.load < b.load
+    or (a.load == b.load and a.url < b.url)))
+end
+
+local function best_endpoint(need, route)
+  local best, eligible = nil, {}
   for _, o in ipairs(OFFERS) do
     local used = tonumber(redis.call('HGET', K_INFLIGHT, o.url) or '0')
     if used + need <= o.slots then
-      local ratio = used / o.slots
-      if best == nil or ratio < best.ratio
-          or (ratio == best.ratio and (o.load < best.load
-              or (o.load == best.load and o.url < best.url))) then
-        best = {url = o.url, load = o.load, ratio = ratio}
-      end
+      local c = {url = o.url, load = o.load, ratio = used / o.slots, used = used, slots = o.slots}
+      eligible[#eligible + 1] = c
+      if best == nil or better(c, best) then best = c end
     end
   end
-  return best
+  if best == nil or route == nil then return best end
+  return pick_routed(best, eligible, route, better)
 end
 
 local function release_lease(rid)
