@@ -8,7 +8,8 @@ no generation, answers at once), one real redis-server, gateway processes.
    see the same machine noise. Added = gateway percentile - direct percentile.
 2. Admission throughput, two ways:
    - admission only: acquire + release against Redis (no HTTP), per replica process and with
-     3 replica processes at once;
+     3 replica processes at once, and per replica with every request routed by prefix and
+     session (``_routed``: the dispatch reads and records the prefix index);
    - end to end over HTTP: requests through 1 and 3 gateway replicas to the fast double.
 
     .venv/bin/python bench/gateway_bench.py [--requests 400] [--seconds 4] [--out PATH.json]
@@ -148,11 +149,24 @@ async def http_throughput(urls: list[str], seconds: float, concurrency: int) -> 
         return done / (time.monotonic() - started)
 
 
-def _admission_worker(redis_url: str, prefix: str, seconds: float, concurrency: int, queue) -> None:
+def _admission_worker(
+    redis_url: str, prefix: str, seconds: float, concurrency: int, queue, routed: bool = False
+) -> None:
     from slotserve.gateway.admission.backends.redis import RedisBackend
     from slotserve.gateway.admission.front import Admission
     from slotserve.gateway.admission.types import PoolPolicy
+    from slotserve.gateway.pools import routing
     from slotserve.gateway.pools.routing import EndpointOffer
+
+    # routed: every request carries a route as a 4-turn chat does (8 prefix keys, one engine's
+    # match, a session), so the dispatch reads and records the prefix index (issue 29).
+    route = None
+    if routed:
+        from slotserve.contracts.prefix_keys import chat_chain
+
+        messages = [{"role": "user", "content": f"turn {i}"} for i in range(8)]
+        keys = chat_chain(messages, "bench").keys
+        route = routing.Route(keys=keys, depths=(("http://e1", 6),), session="ab" * 16)
 
     async def run() -> int:
         backend = RedisBackend(redis_url, f"bench-{os.getpid()}", prefix=prefix)
@@ -168,7 +182,7 @@ def _admission_worker(redis_url: str, prefix: str, seconds: float, concurrency: 
             nonlocal done
             while time.monotonic() < stop_at:
                 try:
-                    lease = await admission.acquire(pool, 5, 30)
+                    lease = await admission.acquire(pool, 5, 30, route=route)
                 except Exception as exc:  # counted, not fatal: the run reports it
                     errors.append(repr(exc)[:120])
                     await asyncio.sleep(0.05)
@@ -185,14 +199,14 @@ def _admission_worker(redis_url: str, prefix: str, seconds: float, concurrency: 
     queue.put(asyncio.run(run()))
 
 
-def admission_throughput(redis_url: str, num_procs: int, seconds: float, concurrency: int) -> float:
+def admission_throughput(
+    redis_url: str, num_procs: int, seconds: float, concurrency: int, routed: bool = False
+) -> float:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     prefix = f"bench{time.monotonic_ns()}"
-    procs = [
-        ctx.Process(target=_admission_worker, args=(redis_url, prefix, seconds, concurrency, queue))
-        for _ in range(num_procs)
-    ]
+    args = (redis_url, prefix, seconds, concurrency, queue, routed)
+    procs = [ctx.Process(target=_admission_worker, args=args) for _ in range(num_procs)]
     for p in procs:
         p.start()
     total = sum(queue.get(timeout=seconds + 60) for _ in procs)
@@ -261,6 +275,9 @@ def main() -> int:
                 ),
                 "admission_only_3_replicas": admission_throughput(
                     redis.url, 3, args.seconds, args.concurrency
+                ),
+                "admission_only_1_replica_routed": admission_throughput(
+                    redis.url, 1, args.seconds, args.concurrency, routed=True
                 ),
                 "http_direct_engine": asyncio.run(
                     http_throughput([engine], args.seconds, args.concurrency)

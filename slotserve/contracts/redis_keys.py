@@ -52,7 +52,7 @@ refilled (absent is full), the in-flight set until no replica refreshed it for i
 (8) prefix-aware routing (the gateway's ``pools/routing.py``, ``admission/lua/routes.py``): a
 route is the request's prefix keys (``contracts.prefix_keys``), the keys each engine reported
 matching, its session's hash and its balance threshold; written when a request waits, read
-when it is granted. Granting a routed request records its keys and its session.
+when it is granted. Granting a routed request records its first and deepest keys and its session.
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
 write. Times are Redis server time (``TIME``) in microseconds, so replica clocks never matter.
 """

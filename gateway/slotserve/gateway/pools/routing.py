@@ -117,6 +117,13 @@ class Route:
         )
 
 
+def recorded_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The keys a grant records as routed (``P:{pool}:routed:{key}``): the first (a shared
+    system prompt or document) and the deepest (the conversation so far). Two writes a grant
+    whatever the depth; the engines' /load covers the rest within a poll."""
+    return keys[:1] + keys[-1:] if len(keys) > 1 else keys
+
+
 def within_balance(
     used: int, slots: int, least_used: int, least_slots: int, balance_permille: int
 ) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from slotserve.gateway.pools.routing import ROUTED_TTL_MS, SESSION_TTL_MS, Route
+from slotserve.gateway.pools.routing import ROUTED_TTL_MS, SESSION_TTL_MS, Route, recorded_keys
 
 SWEEP_BATCH = 10_000  # each grant pushes up to 33 records: pops keep pace with pushes
 
@@ -34,7 +34,7 @@ class RouteMemory:
 
     def granted(self, route: Route, url: str, now_us: int) -> None:
         expiry = now_us + ROUTED_TTL_MS * 1000
-        for key in route.keys:
+        for key in recorded_keys(route.keys):
             self.routed[key] = (url, expiry)
             heapq.heappush(self._expiries, (expiry, False, key))
         if route.session:

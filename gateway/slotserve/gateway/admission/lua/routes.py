@@ -7,7 +7,8 @@ that waits keeps it in ``P:{pool}:routes`` until it is granted or dropped. When 
 the engines' matches are joined by the recent routings (``P:{pool}:routed:{key}``: each of its
 keys routed to an engine in the last ``ROUTED_TTL_MS`` counts its depth there), the deepest
 within the balance wins, else its session's engine (``P:{pool}:session:{id}``) within the
-balance, else the least loaded; then its keys and session are recorded for the engine chosen.
+balance, else the least loaded; then its first and deepest keys and its session are recorded
+for the engine chosen.
 
 A route that does not read is no route (never an error): a route only prefers among the engines
 that have room, so no value in it can put a request on a full engine. The in-process twin is
@@ -94,10 +95,12 @@ local function route_depths(route)
   return depths
 end
 
+-- Its first key (a shared system prompt, a document) and its deepest (the conversation so far):
+-- the prefixes a burst shares before the engine's /load shows them (routing.recorded_keys).
 local function route_granted(route, url)
-  for _, key in ipairs(route.keys) do
-    redis.call('SET', routed_key(key), url, 'PX', ROUTED_TTL_MS)
-  end
+  local n = #route.keys
+  if n > 0 then redis.call('SET', routed_key(route.keys[1]), url, 'PX', ROUTED_TTL_MS) end
+  if n > 1 then redis.call('SET', routed_key(route.keys[n]), url, 'PX', ROUTED_TTL_MS) end
   if route.session ~= '' then
     redis.call('SET', session_key(route.session), url, 'PX', SESSION_TTL_MS)
   end
