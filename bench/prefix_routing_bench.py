@@ -77,7 +77,7 @@ def code_state() -> dict[str, Any]:
 
     def git(*argv: str) -> str:
         done = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=30)
-        return done.stdout.strip()
+        return done.stdout.rstrip("\n")  # a status line starts with a space: keep it
 
     changed = [
         line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                         cells[workload][routing].append(cell)
                         print(
                             f"[{time.monotonic() - started:6.0f} s] {label}: "
-                            f"{cell['completed']}/{cell['sent']} done in {cell['wall_s']:.0f} s, "
+                            f"{cell['completed']}/{cell['sent']} done in {cell['wall_s']:.0f} s "
+                            f"({cell['num_errors']} errors), "
                             f"hit share {cell['hit_share']:.1%} of ideal {cell['ideal_share']:.1%}"
                         )
         finally:

@@ -75,7 +75,9 @@ class PoolStack:
         pool_entry: dict[str, Any] = {
             "model": self.engine.served_name,
             "endpoints": urls,
-            "admission": {"maxQueueSize": 10_000},
+            # A backlog (chat-wide: 36 conversations on 12 slots) waits minutes on 2 cores; a
+            # refusal would end its conversation and skew the comparison, so none times out.
+            "admission": {"maxQueueSize": 10_000, "queueTimeoutSeconds": 3600},
         }
         if routing is not None:
             pool_entry["routing"] = routing
