@@ -206,6 +206,36 @@ def print_table(workload: str, cells: dict[str, list[dict[str, Any]]]) -> None:
         if len(values) == 2 and values[0] and key not in ("num_errors", "max_running_over_slots"):
             text += f"{values[1] / values[0]:>13.2f}"
         print(f"{label:<40}{text}")
+    for name, value, met in target_checks(workload, cells):
+        print(f"target: {name:<52}{value:>8.3f}  {'met' if met else 'MISSED'}")
+
+
+def target_checks(
+    workload: str, cells: dict[str, list[dict[str, Any]]]
+) -> list[tuple[str, float, bool]]:
+    """Issue 29's targets for this workload, from the medians: (what, value, met)."""
+    if not {"load", "prefix"} <= set(cells) or not all(cells.values()):
+        return []
+
+    def med(routing: str, key: str) -> float:
+        return median_of(cells[routing], key)
+
+    over = max(c["max_running_over_slots"] or 0 for runs in cells.values() for c in runs)
+    checks = [("most running on an engine - its slots, any run <= 0", float(over), over <= 0)]
+    if workload == "system":
+        ratio = med("load", "ttft_all_p50_s") / med("prefix", "ttft_all_p50_s")
+        return [("TTFT p50, load / prefix >= 2", ratio, ratio >= 2), *checks]
+    hit = med("prefix", "hit_of_ideal")
+    later = med("load", "ttft_later_p50_s") / med("prefix", "ttft_later_p50_s")
+    rate = med("prefix", "requests_per_s") / med("load", "requests_per_s")
+    busiest = med("prefix", "busiest_over_mean")
+    return [
+        ("prefix: hit share / ideal >= 0.9", hit, hit >= 0.9),
+        ("later turns' TTFT p50, load / prefix >= 2", later, later >= 2),
+        ("completed req/s, prefix / load >= 1.2", rate, rate >= 1.2),
+        ("prefix: busiest engine's requests / mean <= 1.5", busiest, busiest <= 1.5),
+        *checks,
+    ]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -248,9 +278,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     line_buffered_stdout()
     args = parse_args(argv)
-    routings = [r for r in args.routings.split(",") if r]
+    asked = [r for r in args.routings.split(",") if r]
+    routings = [r for r in ROUTINGS if r in asked]  # load first: the ratios are prefix / load
     workloads = [w for w in args.workloads.split(",") if w]
-    if bad := [r for r in routings if r not in ROUTINGS] + [
+    if bad := [r for r in asked if r not in ROUTINGS] + [
         w for w in workloads if w not in WORKLOADS
     ]:
         print(f"unknown routing or workload: {', '.join(bad)}")
@@ -334,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_end": load_at_end,
         "run_s": total_s,
         "cells": cells,
+        "targets": {w: target_checks(w, cells[w]) for w in workloads},
     }
     path = args.out / "results.json"
     path.write_text(json.dumps(result, indent=2))
