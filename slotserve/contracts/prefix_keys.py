@@ -135,6 +135,13 @@ def token_chain(token_ids: list[int], salt: str) -> PrefixChain:
 def request_chain(chat: bool, payload: Mapping[str, object], salt: str) -> PrefixChain:
     """The chain of a chat or completions request body (a single prompt only: a batch of
     prompts, or anything malformed, has none and is routed by load)."""
+    try:
+        return _request_chain(chat, payload, salt)
+    except (RecursionError, ValueError, TypeError):  # a body nested past what dumps takes
+        return NO_CHAIN
+
+
+def _request_chain(chat: bool, payload: Mapping[str, object], salt: str) -> PrefixChain:
     if chat:
         return chat_chain(payload.get("messages"), salt)
     prompt = payload.get("prompt")

@@ -74,4 +74,8 @@ def test_hostile_bodies_give_no_keys():
     assert request_chain(False, {"prompt": {"x": 1}}, "") == NO_CHAIN
     # Odd message shapes still hash (and match only themselves).
     assert len(request_chain(True, {"messages": [1, None, {"role": 5}]}, "").keys) == 3
+    deep: list = []
+    for _ in range(100_000):  # past what json.dumps recurses into
+        deep = [deep]
+    assert request_chain(True, {"messages": [{"role": "user", "content": deep}]}, "") == NO_CHAIN
     assert not is_key("ABCDEF0123456789") and not is_key("x" * 16) and is_key("0" * 16)

@@ -12,9 +12,18 @@ import pytest
 import redis
 
 from slotserve.contracts.prefix_keys import chat_chain, deepest_match
+from slotserve.gateway.admission.backends.redis import RedisBackend
 from slotserve.gateway.admission.front import Admission, Lease
-from slotserve.gateway.admission.types import PoolPolicy
-from slotserve.gateway.pools.routing import EndpointOffer, Route, pick_endpoint, rank_endpoints
+from slotserve.gateway.admission.lua.args import EnqueueArgs
+from slotserve.gateway.admission.lua.replies import dispatch_grants
+from slotserve.gateway.admission.types import InvalidAdmissionValueError, PoolPolicy
+from slotserve.gateway.pools.routing import (
+    EndpointOffer,
+    Route,
+    pick_endpoint,
+    rank_endpoints,
+    sendable_route,
+)
 from tests.gateway.admission_cluster import Cluster
 from tests.gateway.admission_twin import Twin
 
@@ -161,6 +170,8 @@ async def test_the_scripts_route_as_the_in_process_twin(redis_server):
         Route(keys=KEYS, depths=((A, 1), (B, 1)), session=SESSION, balance_permille=1000),
         Route(session=SESSION, balance_permille=0),
         Route(keys=chat_chain(HISTORY, "other").keys, depths=(("http://gone", 2),)),
+        Route(keys=("Z" * 16, *KEYS), depths=((f"{A}\x1fx", 3), (C, 99), (B, 1))),
+        Route(keys=KEYS, session="not-hex"),
     ]
     try:
         issued: list[str] = []
@@ -179,3 +190,58 @@ async def test_the_scripts_route_as_the_in_process_twin(redis_server):
         assert len(set(twin.redis_side.delivered.values())) == 3  # every engine was chosen
     finally:
         await twin.close()
+
+
+def test_a_route_is_cleaned_as_the_scripts_read_it():
+    hostile = Route(
+        keys=("Z" * 16, *KEYS, "short"),
+        depths=((f"{A}\x1fx", 3), (C, 99), (B, 2)),
+        session=SESSION,
+    )
+    clean = sendable_route(hostile)
+    assert clean is not None
+    assert clean.keys == KEYS and clean.depths == ((B, 2),)
+    assert sendable_route(Route(session="not-hex")) is None
+    assert sendable_route(Route(balance_permille=1001)) is None
+    assert sendable_route(Route(depths=(("http://" + "x" * 20_000, 1),))) is None
+
+
+def raw_enqueue(request_id: str, route: str) -> EnqueueArgs:
+    return EnqueueArgs(
+        request_id=request_id,
+        priority=5,
+        timeout_us=1_000_000,
+        max_queue_size=8,
+        only_if_absent=False,
+        drain_gap_us=1000,
+        queue_timeout_us=1_000_000,
+        aging_us=0,
+        level_max_queue_size=8,
+        demote_after_us=0,
+        slots=1,
+        tenant="default",
+        weight=1,
+        deadline_gap_us=0,
+        route=route,
+    )
+
+
+async def test_route_text_that_does_not_read_routes_by_load(redis_server):
+    """Raw script calls (another gateway version, a hand edit): a route that does not read is
+    no route, one past the bound is refused whole; never an error, never a full engine."""
+    backend = RedisBackend(redis_server.url, "raw", prefix="raw", lease_ttl_s=1.0)
+    await backend.start(lambda pool, request_id, endpoint: None)  # past the new epoch's grace
+    offers = [EndpointOffer(A, 1, 0.0), EndpointOffer(B, 1, 0.0)]
+    try:
+        garbage = ["\x1e\x1e\x1e", "x\x1e\x1e\x1e", f"500\x1e\x1e{B}\x1fnan\x1e", "\x1f" * 50]
+        for index, text in enumerate([*garbage, f"500\x1e\x1e{B}\x1f1\x1e{KEYS[0]}"]):
+            args = raw_enqueue(f"g{index}", text)
+            reply = await backend._dispatch("enqueue", POOL, offers, args)
+            assert reply[0] == "ok", (text, reply)
+            grants = dispatch_grants(reply)
+            assert grants[0][1] == (B if index == len(garbage) else A), (text, grants)
+            await backend.release(POOL, offers, f"g{index}")
+        with pytest.raises(InvalidAdmissionValueError, match="route"):
+            await backend._dispatch("enqueue", POOL, offers, raw_enqueue("big", "5" * 20_000))
+    finally:
+        await backend.close()

@@ -7,9 +7,12 @@ shared admission test suite checks that both backends agree.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from slotserve.contracts.prefix_keys import MAX_PREFIX_KEYS
 
 # An engine's slots as offered: MaxBatchSize's bound (admission.types.MAX_ENGINE_SLOTS).
 MAX_OFFER_SLOTS = 1024
@@ -95,6 +98,7 @@ SESSION_HEX = 32  # a session key reaches Redis as this many hex digits of its h
 ROUTED_TTL_MS = 5_000
 SESSION_TTL_MS = 600_000
 RouteOutcome = Literal["prefix", "session", "load"]
+_HEX = re.compile(r"[0-9a-f]*")
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,27 @@ class Route:
         return ROUTE_SEPARATOR.join(
             (str(self.balance_permille), self.session, pairs, ROUTE_ITEM.join(self.keys))
         )
+
+
+def sendable_route(route: Route | None) -> Route | None:
+    """``route`` as both backends apply it: what the Lua reads of its text
+    (``lua/routes.py``'s ``decode_route``): keys of 16 hex digits (the first 32), depths 1..32
+    (the first 16 engines), no separator in a URL; None when its balance or session cannot be
+    read, or its text is longer than ``MAX_ROUTE_CHARS`` bytes."""
+    if route is None or not 0 <= route.balance_permille <= 1000:
+        return None
+    if len(route.session) > SESSION_HEX or not _HEX.fullmatch(route.session):
+        return None
+    keys = tuple(key for key in route.keys if len(key) == 16 and _HEX.fullmatch(key))
+    depths = tuple(
+        (url, depth)
+        for url, depth in route.depths[:MAX_ROUTE_DEPTHS]
+        if 1 <= depth <= MAX_PREFIX_KEYS and ROUTE_ITEM not in url and ROUTE_SEPARATOR not in url
+    )
+    clean = Route(keys[:MAX_PREFIX_KEYS], depths, route.session, route.balance_permille)
+    if len(clean.encode().encode()) > MAX_ROUTE_CHARS:
+        return None
+    return clean
 
 
 def recorded_keys(keys: tuple[str, ...]) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ from slotserve.gateway.pools.routing import (
     most_slots,
     pick_endpoint,
     rank_endpoints,
+    sendable_route,
     sound_offers,
 )
 
@@ -177,6 +178,7 @@ class InProcessBackend:
         )
         now = self.hub.clock_us()
         state = self.hub.pool(pool.name)
+        route = sendable_route(route)  # as the Redis scripts read it
         if only_if_absent and (request_id in state.queue or request_id in state.leases):
             return DispatchResult(len(state.queue), state.num_dispatched, 0)
         offers = sound_offers(offers)

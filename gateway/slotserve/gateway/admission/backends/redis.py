@@ -60,7 +60,13 @@ from slotserve.gateway.admission.types import (
     check_enqueue,
     promise_horizon_us,
 )
-from slotserve.gateway.pools.routing import EndpointOffer, Route, most_slots, sound_offers
+from slotserve.gateway.pools.routing import (
+    EndpointOffer,
+    Route,
+    most_slots,
+    sendable_route,
+    sound_offers,
+)
 
 log = logging.getLogger(__name__)
 # Anything Redis or the socket can raise; asyncio's TimeoutError is the builtin one.
@@ -311,6 +317,7 @@ class RedisBackend:
         )
         level = pool.level(priority)
         demote_us = demote_after_us if demote_after_us and demote_after_us < timeout_us else 0
+        sendable = sendable_route(route)
         own = EnqueueArgs(
             request_id=request_id,
             priority=priority,
@@ -326,7 +333,7 @@ class RedisBackend:
             tenant=tenant,
             weight=weight,
             deadline_gap_us=deadline_gap_us,
-            route="" if route is None else route.encode(),
+            route="" if sendable is None else sendable.encode(),
         )
         reply = DispatchReply.parse(await self._dispatch("enqueue", pool, offers, own))
         result = self._result(reply)
