@@ -40,5 +40,10 @@ class EngineLoadReport(BaseModel):
         description="The prefix keys (contracts.prefix_keys) of what the engine's slot rows hold "
         "now: the gateway routes a request whose chain they match here (prefix-aware routing).",
     )
+    prefix_cache_rows: int = Field(
+        0,
+        description="The engine's KV rows: its slots, and any spare rows beyond them that keep "
+        "finished prefixes for reuse (the engine's prefix_cache_rows); 0 from older engines.",
+    )
     # Choices made at load (e.g. linear_backend) and what each cost; for people, not gateways.
     calibrations: list[dict[str, object]] = Field(default_factory=list)

@@ -28,6 +28,8 @@ LinearBackend = Literal["auto", "onednn", "aten", "native"]
 DecodeStep = Literal["auto", "classic", "static", "compiled"]
 OverlapSteps = Literal["auto", "on", "off"]
 PrefillDType = Literal["auto", "float32", "bfloat16"]
+# Far more than any memory holds at a useful max_model_len; bounds the bookkeeping a typo asks for.
+MAX_PREFIX_CACHE_ROWS = 4096
 
 
 class EngineSettings(BaseSettings):
@@ -99,6 +101,14 @@ class EngineSettings(BaseSettings):
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV of a prompt prefix that a slot row already holds."
     )
+    prefix_cache_rows: int = Field(
+        0,
+        ge=0,
+        le=MAX_PREFIX_CACHE_ROWS,
+        description="KV rows, each max_model_len positions: at least max_batch_size; rows "
+        "beyond it keep the most recently finished prefixes for reuse (prefix caching). 0: "
+        "max_batch_size rows. The rows must fit the KV memory budget.",
+    )
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
     drain_timeout_seconds: float = Field(30, ge=0)
@@ -117,6 +127,23 @@ class EngineSettings(BaseSettings):
                 "every preferred_batch_sizes entry must be between 1 and max_batch_size"
             )
         return self
+
+    @model_validator(mode="after")
+    def _prefix_cache_rows_hold_the_slots(self) -> EngineSettings:
+        rows = self.prefix_cache_rows
+        if rows and rows < self.max_batch_size:
+            raise ValueError(
+                f"prefix_cache_rows ({rows}) must be 0 or at least max_batch_size "
+                f"({self.max_batch_size}): every slot needs a row"
+            )
+        if rows > self.max_batch_size and not self.enable_prefix_caching:
+            raise ValueError("prefix_cache_rows beyond max_batch_size needs enable_prefix_caching")
+        return self
+
+    @property
+    def num_kv_rows(self) -> int:
+        """KV rows to allocate: ``prefix_cache_rows``, or one per slot when 0."""
+        return max(self.prefix_cache_rows, self.max_batch_size)
 
     @classmethod
     def from_batching(cls, batching: BatchingSpec, **overrides: object) -> EngineSettings:

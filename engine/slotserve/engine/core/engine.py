@@ -69,22 +69,27 @@ class LLMEngine:
         self.max_model_len: int = runner.max_model_len
         self.vocab_size: int = runner.shape.vocab_size
         self.clock = clock
-        # The runner's slots: fewer than max_batch_size when the memory budget holds fewer rows.
+        # The runner's rows are the slots (fewer than max_batch_size when the memory budget holds
+        # fewer rows), unless prefix_cache_rows gave it spare rows: then max_batch_size run.
+        num_rows = runner.num_slots
+        spare = settings.prefix_cache_rows > settings.max_batch_size
+        num_slots = min(settings.max_batch_size, num_rows) if spare else num_rows
         self.kv_cache = KVCacheManager(
-            num_slots=runner.num_slots,
+            num_slots=num_slots,
             num_tokens_total=kv_cache_tokens,
             enable_prefix_caching=settings.enable_prefix_caching,
+            num_rows=num_rows,
         )
         self.limits = RequestLimits(
             max_model_len=self.max_model_len,
             kv_cache_tokens=self.kv_cache.num_tokens_total,
             vocab_size=self.vocab_size,
-            num_slots=runner.num_slots,
+            num_slots=num_slots,
             max_waiting=settings.max_waiting,
         )
         config = SchedulerConfig(
             policy=settings.policy,
-            max_batch_size=runner.num_slots,
+            max_batch_size=num_slots,
             max_batched_tokens=settings.max_batched_tokens,
             max_queue_delay_seconds=settings.max_queue_delay_microseconds / 1e6,
             preferred_batch_sizes=tuple(settings.preferred_batch_sizes),
@@ -352,6 +357,7 @@ class LLMEngine:
             num_waiting=len(scheduler.waiting),
             num_slots_total=self.kv_cache.num_slots,
             num_slots_free=self.kv_cache.num_free_slots,
+            num_kv_rows=self.kv_cache.num_rows,
             kv_cache_usage=self.kv_cache.usage,
             kv_cache_tokens_total=self.kv_cache.num_tokens_total,
             slot_utilisation=scheduler.slot_utilisation,

@@ -1,9 +1,11 @@
 """KV cache bookkeeping (pure Python): which slot row a sequence owns and how many tokens it holds.
 
 The tensors live in the model runner: one pre-allocated row of ``max_model_len`` positions per
-slot, written in place. This class enforces the budget: the sum of reserved token positions over
-all running sequences never exceeds ``num_tokens_total``, which may be smaller than
-slots x max_model_len (a memory budget), so admission and decode growth are checked here.
+slot, written in place, and with ``prefix_cache_rows`` spare rows beyond the slots that only
+keep finished prefixes (at most ``num_slots`` sequences hold a row at once). This class enforces
+the budget: the sum of reserved token positions over all running sequences never exceeds
+``num_tokens_total``, which may be smaller than slots x max_model_len (a memory budget), so
+admission and decode growth are checked here.
 
 With prefix caching (:mod:`slotserve.engine.core.prefix_cache`), a new sequence may start with some
 tokens already computed: the slot is chosen for the prefix its row holds, and ``allocate``
@@ -22,23 +24,40 @@ class KVCacheManager:
     """Slots and token budget, with paired check/act methods (``can_*`` then the action)."""
 
     def __init__(
-        self, *, num_slots: int, num_tokens_total: int, enable_prefix_caching: bool = False
+        self,
+        *,
+        num_slots: int,
+        num_tokens_total: int,
+        enable_prefix_caching: bool = False,
+        num_rows: int | None = None,
     ) -> None:
+        """``num_slots`` sequences at most hold a row at once, among ``num_rows`` rows (default
+        one per slot); rows beyond the slots keep finished prefixes (``prefix_cache_rows``)."""
+        num_rows = num_slots if num_rows is None else num_rows
         if num_slots < 1 or num_tokens_total < 1:
             raise ValueError("num_slots and num_tokens_total must be at least 1")
+        if num_rows < num_slots:
+            raise ValueError("num_rows must be at least num_slots")
         self.num_slots = num_slots
+        self.num_rows = num_rows
         self.num_tokens_total = num_tokens_total
         self.num_tokens_used = 0
-        # A heap, lowest free slot first: live rows stay packed at the front of the cache.
-        self._free_slots: list[int] = list(range(num_slots))
-        self.prefix_cache = SlotPrefixCache(num_slots) if enable_prefix_caching else None
+        # A heap of rows no sequence holds, lowest first: live rows stay packed at the front.
+        # A sequence's row id is what the runner calls its slot.
+        self._free_slots: list[int] = list(range(num_rows))
+        self.prefix_cache = (
+            SlotPrefixCache(num_rows, spare_rows=num_rows > num_slots)
+            if enable_prefix_caching
+            else None
+        )
         # vLLM's prefix-cache counters, in tokens, over first admissions (not recomputes).
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        """Slots free for a new sequence (not rows: spare rows run nobody)."""
+        return self.num_slots - (self.num_rows - len(self._free_slots))
 
     @property
     def num_tokens_free(self) -> int:
@@ -50,7 +69,7 @@ class KVCacheManager:
 
     def can_allocate(self, seq: Sequence) -> bool:
         """A free slot and room for every token the sequence has now (prompt, or recompute)."""
-        return bool(self._free_slots) and seq.num_tokens <= self.num_tokens_free
+        return self.num_free_slots > 0 and seq.num_tokens <= self.num_tokens_free
 
     def should_wait_for_prefix(self, seq: Sequence) -> bool:
         """With prefix caching: a running sequence is computing a prefix ``seq`` shares (see

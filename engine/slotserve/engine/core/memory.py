@@ -48,3 +48,28 @@ def size_kv_cache(
             "kv_cache_memory_fraction or the memory limit, or set kv_cache_tokens"
         )
     return KVCacheSize(num_slots, num_slots * max_model_len)
+
+
+def spare_rows_problem(
+    *,
+    num_rows: int,
+    max_model_len: int,
+    bytes_per_token: int,
+    budget_bytes: float,
+) -> str | None:
+    """Why ``num_rows`` KV rows (``prefix_cache_rows`` beyond the slots) do not fit
+    ``budget_bytes``, in one line; None when they fit.
+
+    Spare rows are cache only, so unlike slots they are never cut to what fits: a setting that
+    asks for more than the memory holds is refused rather than quietly given fewer.
+    """
+    row_bytes = max_model_len * bytes_per_token
+    if num_rows * row_bytes <= budget_bytes:
+        return None
+    fits = int(budget_bytes // row_bytes)
+    return (
+        f"prefix_cache_rows {num_rows} needs {num_rows * row_bytes / 2**20:.0f} MiB of KV "
+        f"({row_bytes / 2**20:.1f} MiB per row of {max_model_len} positions) but the KV budget "
+        f"is {budget_bytes / 2**20:.0f} MiB ({fits} rows): lower prefix_cache_rows or "
+        "max_model_len, or raise kv_cache_memory_fraction or the memory limit"
+    )

@@ -9,6 +9,12 @@ prefix sits in another slot (a running sequence's, or a free row that it would b
 overwrite) it is copied row to row first: a memory copy of ~46 MB for 1,000 SmolLM2 tokens
 costs milliseconds where recomputing them costs seconds on a CPU.
 
+With ``prefix_cache_rows`` the runner holds more rows than sequences may run (at most
+``max_batch_size``): the spare rows keep the most recently finished prefixes, as vLLM keeps freed
+blocks cached in its free pool until they are evicted, least recently used first. A new
+sequence then copies a shared prefix out of a free row that holds more than it shares, rather
+than overwrite that row's tail (the next turn of another conversation).
+
 What a row holds is exact: a running sequence's row holds its first ``num_computed_tokens``
 tokens; a freed row keeps what its sequence had computed. A row whose sequence failed is
 forgotten (the runner zeroes it again: its values may be NaN). Positions past the reused prefix
@@ -77,7 +83,10 @@ def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
 class SlotPrefixCache:
     """Which tokens each slot row holds keys and values for; picks slots for new sequences."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, *, spare_rows: bool = False) -> None:
+        """``num_slots`` rows; ``spare_rows``: there are more rows than sequences may run
+        (``prefix_cache_rows``), so a free row is worth keeping whole (see :meth:`choose`)."""
+        self._spare_rows = spare_rows
         self._free_rows: list[list[int]] = [[] for _ in range(num_slots)]
         # The salt each free row was filled under: matched only by the same salt.
         self._free_salts: list[str | None] = [None] * num_slots
@@ -128,14 +137,29 @@ class SlotPrefixCache:
         best_free = max(free_slots, key=lambda slot: (matches[slot], -slot))
         best_any = max(matches, key=lambda slot: (matches[slot], slot in free_slots, -slot))
         free_len, any_len = matches[best_free], matches[best_any]
-        if free_len >= MIN_REUSE_TOKENS:
+        if free_len >= MIN_REUSE_TOKENS and not self._would_cut(best_free, free_len):
             dst = best_free
         else:
             dst = min(free_slots, key=self._eviction_order)
             free_len = matches[dst]
         if any_len >= MIN_REUSE_TOKENS and any_len >= free_len + MIN_REUSE_TOKENS:
+            if self._spare_rows and self._owners[best_any] is None:
+                self._touch(best_any)  # a row read is a row used: it is evicted later
             return SlotChoice(dst, any_len, (SlotCopy(best_any, dst, any_len),))
         return SlotChoice(dst, free_len, ())
+
+    def _would_cut(self, slot: int, match: int) -> bool:
+        # With spare rows, a free row that holds more than the shared prefix (another
+        # conversation's history past a common system prompt) is copied from rather than
+        # overwritten, unless it is the row to evict anyway: the least recently used row goes,
+        # as vLLM evicts its free blocks, and a copy costs milliseconds where the lost tail
+        # would cost a prefill. With one row per slot every row is soon taken again, so the
+        # copy would save nothing: a row is reused in place, as before.
+        return self._spare_rows and len(self._free_rows[slot]) > match
+
+    def _touch(self, slot: int) -> None:
+        self._clock += 1
+        self._released_at[slot] = self._clock
 
     def should_wait(self, seq: Sequence) -> bool:
         """Is a running sequence about to compute a prefix of ``seq`` at least
@@ -185,5 +209,4 @@ class SlotPrefixCache:
         self._free_salts[slot] = owner.params.cache_salt if keep and owner is not None else None
         if not self._free_rows[slot]:
             self._row_requests[slot] = None
-        self._clock += 1
-        self._released_at[slot] = self._clock
+        self._touch(slot)

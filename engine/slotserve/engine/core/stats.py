@@ -84,6 +84,8 @@ class EngineStats:
     calibrations: tuple[CalibrationRecord, ...] = ()
     # Per slot row, the request whose tokens it holds for reuse (prefix caching; None: none).
     row_request_ids: tuple[str | None, ...] = ()
+    # KV rows: the slots, and the spare rows of prefix_cache_rows beyond them (0: not reported).
+    num_kv_rows: int = 0
 
 
 @dataclass(frozen=True)

@@ -134,9 +134,10 @@ async def _load_and_start(state: ServerState) -> None:
         return
     state.engine = engine
     log.info(
-        "serving %s: %d slots, max_model_len %d, policy %s",
+        "serving %s: %d slots, %d KV rows, max_model_len %d, policy %s",
         engine.model_name,
         engine.num_slots,
+        engine.engine.kv_cache.num_rows,
         engine.max_model_len,
         state.settings.policy,
     )
@@ -253,6 +254,7 @@ async def _load(request: web.Request) -> web.Response:
         mean_request_seconds=round(state.metrics.mean_request_seconds, 6),
         calibrations=[record.as_dict() for record in stats.calibrations],
         prefix_keys=state.prefix_rows.report(stats.row_request_ids),
+        prefix_cache_rows=stats.num_kv_rows,
     )
     return web.json_response(report.model_dump(mode="json"), headers=slot_headers(stats))
 

@@ -20,7 +20,12 @@ import torch
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.generation_defaults import GenerationDefaults, load_generation_defaults
 from slotserve.engine.core.kernels import KernelUnavailable, NativeKernels, load_kernels
-from slotserve.engine.core.memory import SYSTEM, MemorySources, size_kv_cache
+from slotserve.engine.core.memory import (
+    SYSTEM,
+    MemorySources,
+    size_kv_cache,
+    spare_rows_problem,
+)
 from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.core.model.calibration import CalibrationCache
 from slotserve.engine.core.model.prepare import is_static, prepare_model
@@ -171,8 +176,10 @@ def build_runner(
     Returns the runner, the tokenizer and the KV capacity in tokens: ``kv_cache_tokens`` if
     set (never more than the slot rows hold), else as many slot rows of ``max_model_len`` as
     ``kv_cache_memory_fraction`` of the memory available after loading holds, at most
-    ``max_batch_size`` (see :mod:`slotserve.engine.core.memory`). ``runner.num_slots`` is the
-    number of slots. ``home``: ``SLOTSERVE_HOME`` (read from the environment if not given).
+    ``max_batch_size`` (see :mod:`slotserve.engine.core.memory`). ``runner.max_rows`` is the
+    number of slots; ``runner.num_slots`` the KV rows (more with ``prefix_cache_rows``, which
+    must fit the same budget). ``home``: ``SLOTSERVE_HOME`` (read from the environment if not
+    given).
     """
     home = home or CommonSettings().home
     if settings.num_threads is not None:
@@ -202,8 +209,14 @@ def build_runner(
             f"{shape.max_position_embeddings} positions"
         )
     check_window(model.config, max_model_len)
+    num_rows = settings.num_kv_rows
+    spare = num_rows > settings.max_batch_size
+    # Spare rows are checked against the memory even beside an explicit kv_cache_tokens: that
+    # bounds the running sequences' tokens, not the rows.
     available = (
-        0 if settings.kv_cache_tokens is not None else available_memory_bytes(device, memory)
+        0
+        if settings.kv_cache_tokens is not None and not spare
+        else available_memory_bytes(device, memory)
     )
     budget = settings.kv_cache_memory_fraction * available
     if device.type == "cuda" and settings.kv_cache_tokens is None:
@@ -222,6 +235,17 @@ def build_runner(
         budget_bytes=budget,
         kv_cache_tokens=settings.kv_cache_tokens,
     )
+    if spare:
+        problem = spare_rows_problem(
+            num_rows=num_rows,
+            max_model_len=max_model_len,
+            bytes_per_token=shape.kv_bytes_per_token(dtype),
+            budget_bytes=budget,
+        )
+        if problem is not None:
+            raise UnsupportedSettingError(problem)
+    else:
+        num_rows = size.num_slots
     if size.num_slots < settings.max_batch_size:
         logger.warning(
             "the KV budget (%.0f%% of %.1f GiB available) holds %d of %d slots of %d positions;"
@@ -244,7 +268,8 @@ def build_runner(
     )
     runner = ModelRunner(
         prepared,
-        num_slots=size.num_slots,
+        num_slots=num_rows,
+        max_rows=size.num_slots,
         max_model_len=max_model_len,
         overlap_steps=pick_overlap_steps(settings.overlap_steps, decode_step, device),
     )
@@ -281,14 +306,15 @@ def _log_load(
             {name: round(value, 3) for name, value in record.figures.items()},
         )
     logger.info(
-        "loaded %s on %s/%s in %.1f s (%d calibrations, %.2f s): %d slots x %d positions,"
-        " KV budget %d tokens",
+        "loaded %s on %s/%s in %.1f s (%d calibrations, %.2f s): %d slots, %d KV rows"
+        " (prefix_cache_rows) x %d positions, KV budget %d tokens",
         source,
         device,
         dtype,
         seconds,
         len(runner.calibrations),
         sum(record.seconds for record in runner.calibrations),
+        runner.max_rows,
         runner.num_slots,
         runner.max_model_len,
         kv_tokens,

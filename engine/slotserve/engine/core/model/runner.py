@@ -93,10 +93,13 @@ class ModelRunner:
         *,
         num_slots: int,
         max_model_len: int,
+        max_rows: int | None = None,
         static_warm_up: bool = True,
         overlap_steps: bool = False,
     ) -> None:
-        """``num_slots`` KV rows of ``max_model_len`` positions on ``prepared``'s device;
+        """``num_slots`` KV rows of ``max_model_len`` positions on ``prepared``'s device, of
+        which at most ``max_rows`` (default all) decode in one step: rows beyond are prefix
+        cache (``prefix_cache_rows``);
         ``overlap_steps``: the engine launches static steps before collecting the previous
         one's; ``static_warm_up``: compile the static step's buckets now (benchmarks compile
         the one they use)."""
@@ -107,6 +110,7 @@ class ModelRunner:
         self.shape = ModelShape.from_config(model.config)
         check_window(model.config, max_model_len)
         self.num_slots = num_slots
+        self.max_rows = min(num_slots, max_rows or num_slots)
         self.max_model_len = max_model_len
         self.decoder = model.get_decoder()
         self.decode_step = prepared.decode_step
@@ -145,6 +149,7 @@ class ModelRunner:
                 self.k_cache,
                 self.v_cache,
                 num_slots=num_slots,
+                max_rows=self.max_rows,
                 max_model_len=max_model_len,
                 eos_token_ids=eos_ids,
                 compile=prepared.decode_step == "compiled",

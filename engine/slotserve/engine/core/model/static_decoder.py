@@ -112,9 +112,12 @@ class StaticDecoder:
         eos_token_ids: frozenset[int],
         compile: bool,
         backend: str = "inductor",
+        max_rows: int | None = None,
     ) -> None:
-        """``backend``: torch.compile's; tests pass ``eager`` to prove the capture (graph
-        breaks, recompiles) without the minutes inductor's C++ takes on a small CPU."""
+        """``max_rows``: rows one step decodes at most (default ``num_slots``; fewer when the
+        cache keeps spare prefix rows); ``backend``: torch.compile's; tests pass ``eager`` to
+        prove the capture (graph breaks, recompiles) without the minutes inductor's C++ takes
+        on a small CPU."""
         self.model: StaticModel = static_model(model)
         self.k_cache, self.v_cache = k_cache, v_cache
         self.device = k_cache[0].device
@@ -123,7 +126,10 @@ class StaticDecoder:
             raise ValueError("the static step needs a cache of num_slots + 1 rows (scratch)")
         for cache in (*k_cache, *v_cache):
             cache[self.scratch_slot].zero_()
-        self.row_buckets = bucket_sizes(num_slots)
+        # Buckets by the rows a step decodes, not the rows the cache holds (spare prefix rows
+        # would only add graphs that never run).
+        max_rows = min(num_slots, max_rows or num_slots)
+        self.row_buckets = bucket_sizes(max_rows)
         self.kv_buckets = kv_buckets(max_model_len)
         self.buffers = {rows: StepBuffers.allocate(rows, self.device) for rows in self.row_buckets}
         vocab_size = model.config.vocab_size
@@ -137,7 +143,7 @@ class StaticDecoder:
             span: torch.arange(span, device=self.device) for span in self.kv_buckets
         }
         # Each step's sampled tokens, on the device, for the next step's chained rows.
-        self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        self.last_tokens = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
         self.transfers = Transfers()
         self.stats = StaticStats()
         self.compiled = compile
