@@ -25,6 +25,9 @@ Workloads (``--workloads``; prompts are windows of bench/data/quality_text.txt, 
   ``--system-requests`` (48) requests from ``--system-clients`` (8) clients, each a system prompt
   and a short distinct question, ``--system-new-tokens`` (16) new tokens.
 
+``--prefix-cache-rows N`` gives each engine N KV rows (at least ``--slots``: the spare ones keep
+finished prefixes, docs/engine.md); ``--engine-arg`` passes any other engine flag through.
+
 Per cell: the engines' own prefix-cache counters (``vllm:prefix_cache_hits`` over
 ``vllm:prefix_cache_queries``, read from each engine's /metrics before and after) as a share of
 prompt tokens, beside the ideal share (``IdealCache``: the tokens each prompt shares with an
@@ -253,6 +256,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--slots", type=int, default=4, help="each engine's")
     add("--num-threads", type=int, default=1, help="each engine's compute threads")
     add("--max-model-len", type=int, default=2048)
+    add(
+        "--prefix-cache-rows",
+        type=int,
+        default=0,
+        help="each engine's KV rows (>= --slots; spare rows keep finished prefixes); 0: the "
+        "engine's default, one per slot",
+    )
+    add(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more flag or value for every engine, as is (repeat it: --engine-arg=--x "
+        "--engine-arg=1)",
+    )
     add("--conversations", type=int, default=12, help="chat")
     add("--wide-conversations", type=int, default=36, help="chat-wide")
     add("--turns", type=int, default=4)
@@ -273,6 +291,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         # Two system prompts, so the 8 requests share some.
         args.system_prompts, args.system_requests, args.system_clients = 2, 8, 4
     return args
+
+
+def engine_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The flags every engine gets beyond the spec's own fields."""
+    flags = [*args.engine_arg]
+    if args.prefix_cache_rows:
+        flags += ["--prefix-cache-rows", str(args.prefix_cache_rows)]
+    return tuple(flags)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,7 +335,14 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = resolve_model(args.model, show_progress=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    spec = EngineSpec(str(model_dir), MODEL_NAME, args.slots, args.num_threads, args.max_model_len)
+    spec = EngineSpec(
+        str(model_dir),
+        MODEL_NAME,
+        args.slots,
+        args.num_threads,
+        args.max_model_len,
+        engine_flags(args),
+    )
     started = time.monotonic()
     cells: dict[str, dict[str, list[dict[str, Any]]]] = {
         w: {r: [] for r in routings} for w in workloads

@@ -57,3 +57,16 @@ def test_workloads_share_only_what_they_should(smollm2_dir: Path) -> None:
     assert all(1000 < n < 1100 for n in lengths)
     assert len({r[0]["content"] for r in requests}) == 2
     assert len({r[1]["content"] for r in requests}) == 6
+
+
+def test_engine_flags_pass_spare_rows_and_any_other_flag() -> None:
+    args = prefix_routing_bench.parse_args(
+        ["--prefix-cache-rows", "12", "--engine-arg=--max-waiting", "--engine-arg=64"]
+    )
+    assert prefix_routing_bench.engine_flags(args) == (
+        "--max-waiting",
+        "64",
+        "--prefix-cache-rows",
+        "12",
+    )
+    assert prefix_routing_bench.engine_flags(prefix_routing_bench.parse_args([])) == ()
