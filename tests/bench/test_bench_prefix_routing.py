@@ -29,7 +29,7 @@ def test_one_engine_serves_each_later_turn_from_its_history(
     assert cell["prefix_cache_queries"] == cell["prompt_tokens_sent"]
     # One engine of 4 rows holds both histories: its hits are (about) all the ideal.
     assert cell["ideal_share"] > 0.3
-    assert 0.8 <= cell["hit_of_ideal"] <= 1.0
+    assert 0.8 <= cell["hit_of_ideal"] <= 1.0, cell  # once seen at 0.10 under make test: say all
     assert cell["requests_per_engine"] == [4.0]
     assert cell["load_samples"] > 0 and cell["slots"] == [4]
     assert cell["max_running_over_slots"] <= 0
