@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -68,8 +69,19 @@ def hf(smollm2_dir):
     return tokenizer, model
 
 
+# transformers' answers by question: both lm-eval runs (engine, gateway) ask the same ones.
+HF_ANSWERS: dict[tuple[object, ...], Any] = {}
+
+
 def hf_loglikelihood(hf, context: str, continuation: str) -> tuple[float, int]:
     """lm-eval's own split of (context, continuation) into tokens, scored by transformers."""
+    key = ("loglikelihood", context, continuation)
+    if key not in HF_ANSWERS:
+        HF_ANSWERS[key] = _hf_loglikelihood(hf, context, continuation)
+    return HF_ANSWERS[key]
+
+
+def _hf_loglikelihood(hf, context: str, continuation: str) -> tuple[float, int]:
     tokenizer, model = hf
     spaces = len(context) - len(context.rstrip())
     if spaces:
@@ -83,6 +95,13 @@ def hf_loglikelihood(hf, context: str, continuation: str) -> tuple[float, int]:
 
 
 def hf_greedy(hf, prompt: str, until: list[str], max_new: int) -> str:
+    key = ("greedy", prompt, tuple(until), max_new)
+    if key not in HF_ANSWERS:
+        HF_ANSWERS[key] = _hf_greedy(hf, prompt, until, max_new)
+    return HF_ANSWERS[key]
+
+
+def _hf_greedy(hf, prompt: str, until: list[str], max_new: int) -> str:
     tokenizer, model = hf
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     with torch.no_grad():
