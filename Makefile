@@ -6,8 +6,8 @@
 # cores shortens the run; override with `make test TEST_WORKERS=1` to run serially. Tests marked
 # `serial` (latency bounds, CPU hogs) then run alone, so the others' load cannot fail them.
 TEST_WORKERS ?= 4
-# The serial tests' two groups (tests/conftest.py) side by side; none with TEST_WORKERS=1.
-SERIAL_WORKERS := $(if $(filter 1,$(TEST_WORKERS)),0,2)
+# The serial tests' two sessions side by side; one after the other with TEST_WORKERS=1.
+SERIAL_JOBS := $(if $(filter 1,$(TEST_WORKERS)),1,2)
 # The files that hold serial tests: collecting only them spares each of the serial run's three
 # processes collecting all ~1,800 tests (~10 s of CPU apiece) to keep a few dozen.
 SERIAL_FILES = $(shell grep -rl --include='test_*.py' 'mark\.serial' tests)
@@ -21,7 +21,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test suite lint venv redis tools clean
+.PHONY: demo test suite serial-alone serial-wall-clock lint venv redis tools clean
 
 demo: $(STAMP)
 	$(BIN)/slotserve demo
@@ -33,10 +33,21 @@ demo: $(STAMP)
 # the others one at a time. Either failing fails the run.
 test: $(STAMP) redis tools
 	$(MAKE) --no-print-directory -j2 --output-sync=line lint suite
-	$(BIN)/pytest -m serial -n $(SERIAL_WORKERS) --dist loadgroup --durations=10 $(SERIAL_FILES)
+	$(MAKE) --no-print-directory -j$(SERIAL_JOBS) --output-sync=line serial-alone serial-wall-clock
 
 suite: $(STAMP)
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=25
+
+# Two sessions, not pytest-xdist's loadgroup (it stopped grouping with pytest 9.2:
+# pytest-dev/pytest-xdist#1386, so two "alone" tests ran at once): the tests that mostly sleep on
+# wall-clock windows one at a time beside the others one at a time, each with its own ports.
+serial-alone: $(STAMP)
+	SLOTSERVE_TEST_WORKER=gw10 $(BIN)/pytest -m "serial and not wall_clock" --durations=10 \
+		$(SERIAL_FILES)
+
+serial-wall-clock: $(STAMP)
+	SLOTSERVE_TEST_WORKER=gw11 $(BIN)/pytest -m "serial and wall_clock" --durations=10 \
+		$(SERIAL_FILES)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -40,16 +40,11 @@ LONG_FILES = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Long files first (a stable sort: the rest keep their order); serial tests in two xdist
-    groups, so ``make test``'s ``pytest -m serial -n 2 --dist loadgroup`` runs the ones that
-    mostly sleep on wall-clock windows (``wall_clock``) beside the rest, one at a time each."""
+    """Long files first (a stable sort: the rest keep their order). The serial tests run in two
+    sessions of their own (the Makefile's ``serial-alone`` and ``serial-wall-clock``)."""
     root = config.rootpath
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))
-    for item in items:
-        if item.get_closest_marker("serial"):
-            group = "wall-clock" if item.get_closest_marker("wall_clock") else "alone"
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

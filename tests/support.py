@@ -25,7 +25,8 @@ _PORT_BLOCK = 1_000
 
 
 def _worker_index() -> int:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    # SLOTSERVE_TEST_WORKER: a session outside xdist beside another (make test's serial ones).
+    worker = os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("SLOTSERVE_TEST_WORKER", "gw0")
     digits = worker.removeprefix("gw")
     return int(digits) % 12 if digits.isdigit() else 0
 
