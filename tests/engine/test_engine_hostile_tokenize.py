@@ -116,14 +116,21 @@ def test_the_worker_exits_with_its_engine(tokenizer, tmp_path):
         "    prompts = PromptTokenizer(AutoTokenizer.from_pretrained(sys.argv[1]), 64)\n"
         "    asyncio.run(prompts.start())\n"
         "    print(asyncio.run(prompts.encode('hi')), flush=True)\n"
+        "    sys.stdin.readline()\n"
         "    os._exit(0)\n"
     )
     engine = psutil.Popen(
-        [sys.executable, str(script), tokenizer.name_or_path], stdout=subprocess.PIPE
+        [sys.executable, str(script), tokenizer.name_or_path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
     assert engine.stdout.readline().startswith(b"[")
+    # The engine waits for the go before it exits: listed after its exit, its worker is no
+    # longer its child (once seen on a busy machine: an empty list, the test proving nothing).
     workers = [c for c in engine.children() if "spawn_main" in " ".join(c.cmdline())]
     assert workers
+    engine.stdin.write(b"exit\n")
+    engine.stdin.close()
     engine.wait(timeout=30)
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
