@@ -16,3 +16,7 @@ QUEUE_WAIT_MS_HEADER = "x-slotserve-queue-wait-ms"
 # tenant's cached prompts never shorten another's time to first token. The gateway always sets it
 # (a client's own value is never forwarded); an engine combines it with a body's ``cache_salt``.
 CACHE_SALT_HEADER = "x-slotserve-cache-salt"
+# Gateway -> engine, on a preempting grant only: the tenant over its share whose running answer
+# this request may preempt when every slot of the engine runs (issue 26). Internal like the salt:
+# the gateway drops a client's copy, so only the gateway's decision reaches an engine.
+PREEMPT_HEADER = "x-slotserve-preempt"

@@ -363,6 +363,8 @@ class LLMEngine:
             slot_utilisation=scheduler.slot_utilisation,
             num_steps=scheduler.num_steps,
             num_preemptions=scheduler.num_preemptions,
+            num_tenant_preemptions=scheduler.num_tenant_preemptions,
+            tenant_recomputed_tokens_total=scheduler.num_tenant_recomputed_tokens,
             prompt_tokens_total=self._counters.prompt_tokens_total,
             generation_tokens_total=self._counters.generation_tokens_total,
             sequence_failures=dict(self._counters.sequence_failures),

@@ -88,6 +88,14 @@ class SamplingParams(BaseModel):
         max_length=2 * MAX_CACHE_SALT_CHARS + 1,  # the gateway's salt, a separator, the client's
         description="Prefix-cache reuse only among requests with the same salt (vLLM).",
     )
+    # Gateway-only (``x-slotserve-preempt``, never a body field): the tenant whose running
+    # sequence this request may preempt when every slot runs (``core/tenant_preempt.py``).
+    preempt_tenant: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="Tenant preemption: take a slot from this tenant when all slots run.",
+    )
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES)
     min_tokens: MinTokens = Field(
         default=0, description="No EOS or stop token before this many tokens."

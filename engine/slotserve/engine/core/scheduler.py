@@ -33,6 +33,8 @@ step's forward (:mod:`slotserve.engine.core.prefix_cache`).
 Every step, running sequences are served oldest first (decodes and unfinished prefills) under the
 token budget; if the KV budget cannot hold a decode's next token, the newest running sequence is
 preempted (its KV freed; it goes back to the front of the waiting queue and is recomputed later).
+Continuous only: a request the gateway marked as a tenant preemptor (``tenant_preempt.py``) that
+finds every slot taken preempts the same way, before the step is planned, and takes the slot.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from slotserve.contracts.pool_spec import (
 from slotserve.engine.core.kv_cache import KVCacheManager
 from slotserve.engine.core.prefix_cache import SlotCopy
 from slotserve.engine.core.sequence import FinishReason, Sequence, SequenceError, SequenceStatus
+from slotserve.engine.core.tenant_preempt import first_preemptor, pick_victim
 
 
 @dataclass(slots=True)
@@ -78,7 +81,8 @@ class StepPlan:
 
     step: int
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # for KV room
+    tenant_preempted: list[Sequence] = field(default_factory=list)  # for a preemptor's slot
     aborted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     # Prefix rows to copy, in order, before the forward (later copies may read earlier ones).
@@ -126,7 +130,9 @@ class Scheduler:
         self._pending_aborts: set[str] = set()
         self.num_steps = 0
         self.num_useful_slot_steps = 0
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # for KV room (vllm:num_preemptions)
+        self.num_tenant_preemptions = 0  # for a preemptor of a tenant under its share
+        self.num_tenant_recomputed_tokens = 0  # computed tokens those victims lost
         self._batch_ended_at = -math.inf  # when ``running`` last became empty
 
     # -- queues -----------------------------------------------------------------------------
@@ -163,6 +169,8 @@ class Scheduler:
         """Plan the next step. An empty plan (no chunks) does not count as a step."""
         plan = StepPlan(step=self.num_steps + 1)
         plan.aborted = self._apply_aborts(now)
+        if self.config.policy == "continuous":
+            self._preempt_for_tenant(plan)
         budget = self.config.max_batched_tokens
         budget = self._schedule_running(plan, budget)
         if not plan.preempted:
@@ -299,14 +307,34 @@ class Scheduler:
         fitting = [size for size in self.config.preferred_batch_sizes if size <= available]
         return max(fitting) if fitting else available
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, *, for_tenant: bool = False) -> None:
         self.running.remove(seq)
         self.kv_cache.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        self.num_preemptions += 1
+        if for_tenant:
+            self.num_tenant_preemptions += 1
+        else:
+            self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _preempt_for_tenant(self, plan: StepPlan) -> None:
+        """A preemptor waiting while every slot runs takes the newest running sequence's slot
+        (``tenant_preempt.pick_victim``); it goes first, the victim right behind it, so the
+        victim resumes at the next free slot. One per step: the gateway sends at most one
+        preemptor per engine at a time."""
+        preemptor = first_preemptor(self.waiting)
+        if preemptor is None or self.kv_cache.num_free_slots > 0:
+            return
+        victim = pick_victim(self.running, preemptor)
+        if victim is None:
+            return  # only its own tenant runs here: it waits like anyone
+        self.num_tenant_recomputed_tokens += victim.num_computed_tokens
+        self._preempt(victim, for_tenant=True)
+        plan.tenant_preempted.append(victim)
+        self.waiting.remove(preemptor)
+        self.waiting.appendleft(preemptor)
 
     def _apply_aborts(self, now: float) -> list[Sequence]:
         if not self._pending_aborts:

@@ -86,6 +86,10 @@ class EngineStats:
     row_request_ids: tuple[str | None, ...] = ()
     # KV rows: the slots, and the spare rows of prefix_cache_rows beyond them (0: not reported).
     num_kv_rows: int = 0
+    # Tenant preemptions (a gateway preemptor took a running sequence's slot) and the computed
+    # tokens their victims lost (recomputed when they resume, less what the prefix cache keeps).
+    num_tenant_preemptions: int = 0
+    tenant_recomputed_tokens_total: int = 0
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,16 @@ class EngineStatsCollector(Collector):
             stats.kv_cache_tokens_total,
         )
         yield counter("slotserve_engine_steps", "Engine steps run.", stats.num_steps)
+        yield counter(
+            "slotserve_tenant_preemptions",
+            "Sequences preempted for a request of a tenant under its share (not for KV room).",
+            stats.num_tenant_preemptions,
+        )
+        yield counter(
+            "slotserve_tenant_recomputed_tokens",
+            "Computed tokens that tenant-preempted sequences lost (recomputed on resume).",
+            stats.tenant_recomputed_tokens_total,
+        )
         failures = CounterMetricFamily(
             "slotserve_sequence_failures",
             "Sequences ended with finish_reason error, by reason (others went on).",

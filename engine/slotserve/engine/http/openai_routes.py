@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from slotserve.contracts.headers import CACHE_SALT_HEADER
+from slotserve.contracts.headers import CACHE_SALT_HEADER, PREEMPT_HEADER
 from slotserve.contracts.prefix_keys import NO_CHAIN, PrefixChain, request_chain
 from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
 from slotserve.engine.core.generation_defaults import GenerationDefaults
-from slotserve.engine.core.params import SamplingParams, check_min_tokens
+from slotserve.engine.core.params import MAX_CACHE_SALT_CHARS, SamplingParams, check_min_tokens
 from slotserve.engine.core.structured import GrammarError
 from slotserve.engine.core.tokenize import PromptTooLongError, TokenizerUnavailableError
 from slotserve.engine.http.choices import Choices
@@ -303,6 +303,13 @@ async def _generate(
     except ValueError as error:
         raise ApiError(400, str(error), param="cache_salt", code="invalid_value") from error
     params_of = {k: v.model_copy(update={"cache_salt": salt}) for k, v in params_of.items()}
+    victim = request.headers.get(PREEMPT_HEADER)  # a preempting grant (core/tenant_preempt.py)
+    if victim:
+        if len(victim) > MAX_CACHE_SALT_CHARS:
+            raise ApiError(400, "the preempt header is too long", code="invalid_value")
+        params_of = {
+            k: v.model_copy(update={"preempt_tenant": victim}) for k, v in params_of.items()
+        }
     params = next(iter(params_of.values()))
     chain = await _prefix_chain(request, body, salt, len(batch))
     try:
