@@ -133,6 +133,13 @@ class AdmissionSpec(WireModel):
         "request waits at most (L-1) x this plus the better-level requests already queued); "
         "unset: the gateway's (2 s).",
     )
+    preempt_for_share: bool = Field(
+        True,
+        description="A request of a tenant holding fewer slots than its weighted share of the "
+        "pool may preempt a running answer of a tenant holding more, when no slot is free (at "
+        "most one outstanding per engine; the answer resumes, recomputed). Never fires with "
+        "one tenant.",
+    )
 
     @model_validator(mode="after")
     def _levels_fit(self) -> AdmissionSpec:

@@ -79,6 +79,12 @@ POOL_KEY_NAMES = (
     "delays",
     "lease_slots",
     "routes",
+    # Tenant preemption (the gateway's ``admission/lua/preempt.py``): held slots per tenant.
+    "entry_tenants",
+    "lease_tenants",
+    "tenant_held",
+    "tenant_held_at",
+    "tenant_weights",
 )
 
 TENANT_KEY_NAMES = ("rpm", "tpm", "inflight")
@@ -91,7 +97,7 @@ class Keys:
     prefix: str = "slotserve"
 
     def pool(self, pool_name: str) -> list[str]:
-        """The pool's keys in the order the Lua scripts expect them (KEYS[1..14])."""
+        """The pool's keys in the order the Lua scripts expect them (KEYS[1..19])."""
         return [self.pool_key(pool_name, name) for name in POOL_KEY_NAMES]
 
     def pool_key(self, pool_name: str, name: str) -> str:
@@ -222,6 +228,7 @@ class DispatchArgs(ScriptArgs):
     known_epoch: str  # the admission epoch the caller knows ("" if none yet)
     sweep_batch: int
     max_queue: int  # the pool's maxQueueSize
+    preempt: bool  # the pool's preemptForShare: a tenant under its share may preempt
     num_offers: int
 
     @classmethod

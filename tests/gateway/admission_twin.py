@@ -24,6 +24,7 @@ from slotserve.contracts.redis_keys import Keys
 from slotserve.gateway.admission.backends.memory import InProcessBackend, InProcessHub
 from slotserve.gateway.admission.backends.redis import RedisBackend
 from slotserve.gateway.admission.lua.scripts import SCRIPTS
+from slotserve.gateway.admission.preempt_share import split_grant
 from slotserve.gateway.admission.types import REFUSED, AdmissionError, PoolPolicy
 from slotserve.gateway.pools.routing import EndpointOffer
 
@@ -204,6 +205,14 @@ class Twin:
             "kept": (int(stats.get("kept", 0)), int(stats.get("lapsed", 0))),
             "demoting": set(self.members(key("delays"))),
             "fair": self.redis_fair(pool),
+            "lease_tenants": self.sync.hgetall(key("lease_tenants")),
+            "tenant_held": {k: int(v) for k, v in self.sync.hgetall(key("tenant_held")).items()},
+            "tenant_held_at": {
+                tuple(str(k).split("\x1f")): int(v)
+                for k, v in self.sync.hgetall(key("tenant_held_at")).items()
+            },
+            "entry_tenants": self.sync.hgetall(key("entry_tenants")),
+            "preempting": int(stats.get("preempting", 0)),
         }
 
     def redis_fair(self, pool: PoolPolicy) -> dict[int, tuple[dict[str, int], list]]:
@@ -241,6 +250,13 @@ class Twin:
                 for level, fair in state.fair.items()
                 if fair.fields or fair.tags
             },
+            "lease_tenants": dict(state.lease_tenant),
+            "tenant_held": dict(state.tenant_held),
+            "tenant_held_at": dict(state.tenant_held_at),
+            "entry_tenants": {
+                rid: e.tenant for rid, e in state.entries.items() if e.tenant is not None
+            },
+            "preempting": state.num_preempting,
         }
 
     def check(self, pool: PoolPolicy, offers: list[EndpointOffer], before: dict[str, int]) -> None:
@@ -273,15 +289,32 @@ class Twin:
         for endpoint, slots in leases.values():
             weights[endpoint] += slots
         assert got["inflight"] == dict(weights), "in-flight differs from the leases"
+        # A preempting grant (``preempt_share.py``) may take an engine one over its slots, and
+        # only from exactly its slots: never two outstanding.
         slots_of = {offer.url: offer.slots_total for offer in offers}
         inflight = got["inflight"]
         assert isinstance(inflight, dict)
+        extra = 1 if pool.preempt_for_share else 0
         for endpoint, used in inflight.items():
             if used > before.get(endpoint, 0):
-                assert used <= slots_of.get(endpoint, 0), f"{endpoint} over its slots: {used}"
+                limit = slots_of.get(endpoint, 0) + extra
+                assert used <= limit, f"{endpoint} over its slots: {used}"
+        # The tenants' held slots are the sum of their leases' (a lease restored without a
+        # tenant counts for nobody).
+        lease_tenants = got["lease_tenants"]
+        assert isinstance(lease_tenants, dict)
+        held: Counter[str] = Counter()
+        held_at: Counter[tuple[str, str]] = Counter()
+        for rid, tenant in lease_tenants.items():
+            endpoint, slots = leases[rid]
+            held[tenant] += slots
+            held_at[(tenant, endpoint)] += slots
+        assert got["tenant_held"] == dict(held), "held slots per tenant differ from the leases"
+        assert got["tenant_held_at"] == dict(held_at), "held slots per engine differ"
         # Every grant delivered or released: each lease was delivered to its replica, once.
         for rid, (endpoint, _) in leases.items():
-            assert self.redis_side.delivered.get(rid) == endpoint, f"lease {rid} never delivered"
+            url, _ = split_grant(self.redis_side.delivered.get(rid) or "")
+            assert url == endpoint, f"lease {rid} never delivered"
         assert not self.redis_side.twice and not self.memory_side.twice
         assert REFUSED not in {endpoint for endpoint, _ in leases.values()}
         # The oracle.

@@ -6,6 +6,8 @@ as many requests waiting as B; slots free one at a time and each grant is counte
 B gets its weight's share of the grants (half at equal weights, three quarters at 3:1), where
 first-come first-served would give it none of the first twenty. With nothing of B's waiting, A
 gets every slot (the share is never capacity left idle). Counted in grants, not in milliseconds.
+Preemption for a tenant under its share is off here: these count the fair order alone
+(``test_gateway_admission_preempt.py`` tests it).
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class Tenants:
 @pytest.mark.parametrize(("weight_a", "weight_b"), [(1, 1), (1, 3)])
 async def test_a_flooding_tenant_leaves_the_other_its_weighted_share(cluster, weight_a, weight_b):
     pool = cluster.serve(
-        PoolPolicy("m", max_queue_size=256, queue_timeout_s=60), ("http://a", 2, 0.0)
+        PoolPolicy("m", max_queue_size=256, queue_timeout_s=60, preempt_for_share=False),
+        ("http://a", 2, 0.0),
     )
     replicas = [await cluster.replica() for _ in range(3)]
     waiting = _waiting_count(cluster, pool)
@@ -109,7 +112,8 @@ async def test_a_flooding_tenant_leaves_the_other_its_weighted_share(cluster, we
 
 async def test_with_nothing_of_the_other_waiting_the_flooding_tenant_gets_every_slot(cluster):
     pool = cluster.serve(
-        PoolPolicy("m", max_queue_size=256, queue_timeout_s=60), ("http://a", 2, 0.0)
+        PoolPolicy("m", max_queue_size=256, queue_timeout_s=60, preempt_for_share=False),
+        ("http://a", 2, 0.0),
     )
     replicas = [await cluster.replica() for _ in range(3)]
     waiting = _waiting_count(cluster, pool)

@@ -67,15 +67,17 @@ STEPS = [
 ]
 step = st.sampled_from(STEPS).flatmap(lambda kind: kind)
 pools = st.builds(
-    lambda size, timeout_s, level: PoolPolicy(
+    lambda size, timeout_s, level, preempt: PoolPolicy(
         "m",
         max_queue_size=size,
         queue_timeout_s=timeout_s,
         priority_queue_policy=level,
+        preempt_for_share=preempt,
     ),
     st.sampled_from([8, 3, 1, 2, 0]),
     st.sampled_from([1.0, 60.0]),
     st.sampled_from([(), ((2, LevelPolicy(1, 60.0)),), ((5, LevelPolicy(2, 1.0, "DELAY")),)]),
+    st.booleans(),  # tenant preemption (``preempt_share.py``)
 )
 
 # Values no caller passes (``check_enqueue``): each must be refused alike by both backends.
@@ -121,7 +123,8 @@ def _offers(raw: list[tuple[int, float]]) -> list[EndpointOffer]:
     return [EndpointOffer(URLS[i], slots, load) for i, (slots, load) in enumerate(raw)]
 
 
-async def run_example(url: str, pool: PoolPolicy, initial: list, steps: list) -> None:
+async def run_example(url: str, pool: PoolPolicy, initial: list, steps: list) -> int:
+    """Run ``steps`` on both backends, checking after each; the preempting grants made."""
     twin = Twin(url, f"f{uuid.uuid4().hex[:6]}", NUM_REPLICAS, LEASE_TTL_S)
     await twin.start()
     offers = _offers(initial)
@@ -212,6 +215,9 @@ async def run_example(url: str, pool: PoolPolicy, initial: list, steps: list) ->
             else:
                 continue
             twin.check(pool, offers, before)
+        preempting = twin.redis_state(pool)["preempting"]
+        assert isinstance(preempting, int)
+        return preempting
     finally:
         await twin.close()
 
@@ -283,3 +289,27 @@ def fuzz_redis(tmp_path_factory):
 )
 def test_scripts_match_the_oracle_and_keep_every_invariant(fuzz_redis, pool, initial, steps):
     asyncio.run(run_example(fuzz_redis.url, pool, initial, steps))
+
+
+def _enqueue(who: int, tenant: str, weight: int = 1) -> tuple:
+    return ("enqueue", who, 5, 1, 60_000_000, None, 0, 1_000_000, tenant, weight, 0)
+
+
+def test_a_flood_with_preemption_matches_the_oracle(fuzz_redis):
+    """A fixed example that surely preempts: A fills both engines, B and C come, A's answers end
+    one by one, leases expire; on (and off: the same steps, no preempting grant)."""
+    steps = [
+        *[_enqueue(0, "a") for _ in range(4)],
+        _enqueue(1, "b"),  # under its share: preempts A on one engine
+        _enqueue(2, "c", 2),  # under its share: preempts A on the other
+        _enqueue(1, "b"),  # at its share now: waits
+        ("release", 0, 0),
+        ("tick", 1),
+        ("release", 0, 1),
+        ("advance", 2_500_000),  # every lease expires: the counts with them
+        ("tick", 2),
+    ]
+    for preempt, at_least in ((True, 2), (False, 0)):
+        pool = PoolPolicy("m", max_queue_size=8, queue_timeout_s=60.0, preempt_for_share=preempt)
+        made = asyncio.run(run_example(fuzz_redis.url, pool, [(2, 0.0), (2, 0.5)], steps))
+        assert made >= at_least if preempt else made == 0

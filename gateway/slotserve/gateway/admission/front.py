@@ -38,6 +38,7 @@ from slotserve.gateway.admission.drain import (
     wait_gap_us,
 )
 from slotserve.gateway.admission.ledger import Ledger, Waiter
+from slotserve.gateway.admission.preempt_share import split_grant
 from slotserve.gateway.admission.recovery import LeaseKeeper
 from slotserve.gateway.admission.tenants import DEFAULT_TENANT
 from slotserve.gateway.admission.types import (
@@ -73,6 +74,9 @@ class Lease:
     queue_wait_s: float
     granted_at: float = 0.0  # monotonic; 0 for leases handed back unused
     slots: int = 1  # one per choice the request asks for (``n``)
+    # A preempting grant (``preempt_share.py``): the tenant whose running answer it may take
+    # the slot of; the proxy tells the engine (``x-slotserve-preempt``).
+    preempt_tenant: str | None = None
 
 
 class Admission:
@@ -223,7 +227,8 @@ class Admission:
                 # ``_on_grant``, finds no waiter and is released; take the entry out too.
                 self.spawn(self._abandon(pool, request_id, slots))
         now = time.monotonic()
-        return Lease(request_id, pool, endpoint, now - started, now, slots)
+        url, victim = split_grant(endpoint)
+        return Lease(request_id, pool, url, now - started, now, slots, victim)
 
     async def release(self, lease: Lease) -> None:
         """Give the slot back (on the replica that acquired it; safe to repeat); never raises."""
@@ -319,15 +324,16 @@ class Admission:
                 most = most_slots(self.offers(pool_name))
                 waiter.future.set_exception(NoEngineFitsError.of(pool_name, waiter.slots, most))
             return
+        url, _ = split_grant(endpoint)  # a preempting grant's victim goes to its waiter
         if waiter is not None and not waiter.future.done():
-            self.ledger.hold(request_id, pool_name, endpoint, waiter.slots)
+            self.ledger.hold(request_id, pool_name, url, waiter.slots)
             waiter.future.set_result(endpoint)
             return
         if self.ledger.holds(request_id):
             return  # already ours (the grant came twice: in a reply and on the grant list)
         # Nobody here waits for it any more (timed out, client gone): give it back at once.
         policy = next((p for p in self.pools() if p.name == pool_name), PoolPolicy(pool_name))
-        self.release_soon(Lease(request_id, policy, endpoint, 0.0))
+        self.release_soon(Lease(request_id, policy, url, 0.0))
 
     def apply(self, pool: PoolPolicy, result: DispatchResult) -> None:
         """Take in what one backend step did: queue depth, hold-back, lost state."""

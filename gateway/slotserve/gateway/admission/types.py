@@ -77,6 +77,8 @@ class PoolPolicy:
     # (level, its policy) for the levels that have their own; the rest use the pool's values.
     priority_queue_policy: tuple[tuple[int, LevelPolicy], ...] = ()
     priority_aging_s: float | None = None  # unset: the gateway's --priority-aging-seconds
+    # A tenant under its share may preempt one over it when no slot is free (preempt_share.py).
+    preempt_for_share: bool = True
 
     @classmethod
     def from_specs(cls, name: str, admission: AdmissionSpec) -> PoolPolicy:
@@ -101,6 +103,7 @@ class PoolPolicy:
             default_priority_level=admission.default_priority_level,
             priority_queue_policy=levels,
             priority_aging_s=admission.priority_aging_seconds,
+            preempt_for_share=admission.preempt_for_share,
         )
 
     def level(self, priority: int) -> LevelPolicy:

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from slotserve.contracts.headers import (
     CACHE_SALT_HEADER,
+    PREEMPT_HEADER,
     QUEUE_WAIT_MS_HEADER,
     SLOTS_FREE_HEADER,
     SLOTS_TOTAL_HEADER,
@@ -171,6 +172,11 @@ async def proxy_request(
     headers[CACHE_SALT_HEADER] = request.get(CACHE_SALT, DEFAULT_TENANT)  # never the client's
     attempt = 1
     while True:
+        # Only a preempting grant's own lease tells its engine whom it may preempt (the client's
+        # copy is never forwarded: FORWARD_REQUEST_HEADERS lists what is).
+        headers.pop(PREEMPT_HEADER, None)
+        if lease.preempt_tenant is not None:
+            headers[PREEMPT_HEADER] = lease.preempt_tenant
         ctx.metrics.inflight.labels(pool.name, lease.endpoint).inc(lease.slots)
         try:
             forward = partial(_forward_once, request, ctx, lease, body)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from slotserve.gateway.admission.backends.memory_pool import Entry, PoolState, StepBudget
+from slotserve.gateway.admission.preempt_share import PREEMPT_MARK, pick_preemption
 from slotserve.gateway.admission.tenants import DEFAULT_TENANT
 from slotserve.gateway.admission.types import (
     DEFAULT_AGING_US,
@@ -91,13 +92,36 @@ class InProcessHub:
                 continue
             # The head waits for all its slots, and those behind it wait for the head (FIFO).
             ranked = rank_endpoints(offers, state.inflight, need=entry.slots)
-            if not ranked:
+            preemption = None
+            if not ranked and policy.preempt_for_share and entry.slots == 1 and entry.tenant:
+                # No free slot: a tenant under its share may take one (``preempt_share.py``).
+                preemption = pick_preemption(
+                    offers,
+                    state.inflight,
+                    state.tenant_held,
+                    state.tenant_held_at,
+                    state.weights,
+                    entry.tenant,
+                )
+            if not ranked and preemption is None:
                 break
             if tag is not None:
                 state.fair[entry.level].served(tag)
             state._drop(request_id)
-            url = self.routed_url(state, ranked, entry.route, now_us)
-            self.grant(policy.name, request_id, entry.replica, entry.slots, url, now_us)
+            if preemption is not None:
+                url, victim = preemption.offer.url, preemption.victim
+            else:
+                url, victim = self.routed_url(state, ranked, entry.route, now_us), None
+            self.grant(
+                policy.name,
+                request_id,
+                entry.replica,
+                entry.slots,
+                url,
+                now_us,
+                tenant=entry.tenant,
+                victim=victim,
+            )
         state.hold_freed_places(policy.max_queue_size)
         return DispatchResult(len(state.queue), state.num_dispatched, 0)
 
@@ -119,12 +143,26 @@ class InProcessHub:
         return offer.url
 
     def grant(
-        self, pool_name: str, request_id: str, replica: str, slots: int, endpoint: str, now_us: int
+        self,
+        pool_name: str,
+        request_id: str,
+        replica: str,
+        slots: int,
+        endpoint: str,
+        now_us: int,
+        *,
+        tenant: str | None = None,
+        victim: str | None = None,
     ) -> None:
+        """A lease of ``slots`` on ``endpoint``, held for ``tenant``; a preempting one carries
+        its ``victim`` tenant to the waiter (``lua/slots.py``'s ``grant``)."""
         state = self.pool(pool_name)
         state.set_lease(request_id, now_us + self.lease_ttl_us)
-        state.hold_slots(request_id, endpoint, slots)
+        state.hold_slots(request_id, endpoint, slots, tenant)
         state.num_dispatched += 1
+        if victim is not None:
+            state.num_preempting += 1
+            endpoint = f"{endpoint}{PREEMPT_MARK}{victim}"
         self.deliver(pool_name, replica, request_id, endpoint)
 
     def deliver(self, pool_name: str, replica: str, request_id: str, endpoint: str) -> None:
@@ -178,6 +216,7 @@ class InProcessBackend:
         )
         now = self.hub.clock_us()
         state = self.hub.pool(pool.name)
+        state.weights[tenant] = weight  # for the share (``preempt_share.py``)
         route = sendable_route(route)  # as the Redis scripts read it
         if only_if_absent and (request_id in state.queue or request_id in state.leases):
             return DispatchResult(len(state.queue), state.num_dispatched, 0)
@@ -189,11 +228,13 @@ class InProcessBackend:
             ranked = rank_endpoints(offers, state.inflight, need=slots)
             if ranked:
                 url = self.hub.routed_url(state, ranked, route, now)
-                self.hub.grant(pool.name, request_id, self.replica_id, slots, url, now)
+                self.hub.grant(
+                    pool.name, request_id, self.replica_id, slots, url, now, tenant=tenant
+                )
                 return DispatchResult(len(state.queue), state.num_dispatched, 0)
         state.settle_promises(now, pool.max_queue_size)
         state.keep_promise(now)
-        entry = Entry(self.replica_id, now + timeout_us, now, priority, slots, route)
+        entry = Entry(self.replica_id, now + timeout_us, now, priority, slots, route, tenant)
         demote_at = 0
         if demote_after_us is not None and 0 < demote_after_us < timeout_us:
             demote_at = now + demote_after_us

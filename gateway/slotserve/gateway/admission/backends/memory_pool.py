@@ -47,6 +47,7 @@ class Entry:
     level: int
     slots: int = 1  # slots its lease will hold: one per choice (``n``)
     route: Route | None = None  # what may prefer an engine for it (prefix-aware routing)
+    tenant: str | None = None  # whose slots its lease will hold (``preempt_share.py``)
 
 
 @dataclass
@@ -80,6 +81,13 @@ class PoolState:
     num_refused: int = 0  # queued requests refused: no offered engine had their slots
     fair: dict[int, FairLevel] = field(default_factory=dict)  # level -> its fair queue
     routes: RouteMemory = field(default_factory=RouteMemory)  # recent routings, sessions
+    # Tenant preemption (``preempt_share.py``, ``lua/preempt.py``): slots held per tenant, in
+    # the pool and per (tenant, endpoint), kept with the leases; weights as last enqueued.
+    lease_tenant: dict[str, str] = field(default_factory=dict)  # request id -> tenant
+    tenant_held: dict[str, int] = field(default_factory=dict)
+    tenant_held_at: dict[tuple[str, str], int] = field(default_factory=dict)
+    weights: dict[str, int] = field(default_factory=dict)
+    num_preempting: int = 0  # preempting grants made
 
     def add(self, request_id: str, score: int, entry: Entry, demote_at_us: int = 0) -> None:
         self.queue[request_id] = score
@@ -164,11 +172,29 @@ class PoolState:
         self.leases[request_id] = expiry_us
         heapq.heappush(self.lease_heap, (expiry_us, request_id))
 
-    def hold_slots(self, request_id: str, endpoint: str, slots: int) -> None:
-        """A new lease weighs its slots (``lua/slots.py``)."""
+    def hold_slots(
+        self, request_id: str, endpoint: str, slots: int, tenant: str | None = None
+    ) -> None:
+        """A new lease weighs its slots (``lua/slots.py``), counted for its tenant."""
         self.lease_endpoint[request_id] = endpoint
         self.lease_slots[request_id] = slots
         self.inflight[endpoint] = self.inflight.get(endpoint, 0) + slots
+        if tenant is not None:
+            self.lease_tenant[request_id] = tenant
+            self._count_held(tenant, endpoint, slots)
+
+    def _count_held(self, tenant: str, endpoint: str, delta: int) -> None:
+        """``lua/preempt.py``'s ``count_held``: a count that reaches zero is gone."""
+        held = self.tenant_held.get(tenant, 0) + delta
+        if held > 0:
+            self.tenant_held[tenant] = held
+        else:
+            self.tenant_held.pop(tenant, None)
+        at = self.tenant_held_at.get((tenant, endpoint), 0) + delta
+        if at > 0:
+            self.tenant_held_at[(tenant, endpoint)] = at
+        else:
+            self.tenant_held_at.pop((tenant, endpoint), None)
 
     def free_lease(self, request_id: str) -> bool:
         if self.leases.pop(request_id, None) is None:
@@ -176,6 +202,9 @@ class PoolState:
         self.num_freed += 1
         endpoint = self.lease_endpoint.pop(request_id, "")
         slots = self.lease_slots.pop(request_id, 1)
+        tenant = self.lease_tenant.pop(request_id, None)
+        if tenant is not None:
+            self._count_held(tenant, endpoint, -slots)
         self.inflight[endpoint] = self.inflight.get(endpoint, 0) - slots
         if self.inflight[endpoint] <= 0:
             del self.inflight[endpoint]

@@ -190,6 +190,7 @@ class RedisBackend:
             known_epoch=self.epoch,
             sweep_batch=SWEEP_BATCH,
             max_queue=pool.max_queue_size,
+            preempt=pool.preempt_for_share,
             num_offers=len(offers),
         ).argv()
         for offer in offers:  # sound ones only (``routing.sound_offers``); the scripts re-check

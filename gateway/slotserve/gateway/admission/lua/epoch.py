@@ -17,7 +17,15 @@ from slotserve.gateway.admission.lua.values import VALUES
 # Keys as Lua builds them at run time from its PREFIX (``redis_keys.lua_key``).
 _KEYS = Keys(lua_expr("PREFIX"))
 # The keys of a pool's leases that the heartbeat renews and restores, in the order it renews.
-_LEASE_KEYS = ("leases", "lease_endpoint", "lease_slots", "inflight")
+_LEASE_KEYS = (
+    "leases",
+    "lease_endpoint",
+    "lease_slots",
+    "inflight",
+    "lease_tenants",
+    "tenant_held",
+    "tenant_held_at",
+)
 
 # Shared by every script: the epoch check (needs ``values.VALUES``, PREFIX, CALLER,
 # LEASE_TTL_US, STATE_TTL_MS, KNOWN_EPOCH).

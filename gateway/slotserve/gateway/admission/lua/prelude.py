@@ -23,6 +23,7 @@ from slotserve.contracts.redis_keys import (
 )
 from slotserve.gateway.admission.lua.epoch import EPOCH
 from slotserve.gateway.admission.lua.fair import FAIR
+from slotserve.gateway.admission.lua.preempt import PREEMPT
 from slotserve.gateway.admission.lua.routes import ROUTES
 from slotserve.gateway.admission.lua.slots import SLOTS
 from slotserve.gateway.admission.lua.values import VALUES
@@ -42,6 +43,7 @@ _DISPATCH_INTS = {
     "state_ttl_ms": (1, MAX_WAIT_US),
     "sweep_batch": (1, 10_000),
     "max_queue": (0, MAX_QUEUE_SIZE),
+    "preempt": (0, 1),
     "num_offers": (0, 10_000),
 }
 _DISPATCH_NAMES = ("prefix", "pool", "caller")
@@ -166,6 +168,7 @@ local function drop(rid)
   redis.call('ZREM', K_DEADLINES, rid)
   redis.call('ZREM', K_DELAYS, rid)
   redis.call('HDEL', K_ROUTES, rid)
+  redis.call('HDEL', K_ENTRY_TENANTS, rid)
   if info then
     redis.call('HDEL', K_ENTRIES, rid)
     local replica, level = entry_owner(info)
@@ -186,6 +189,7 @@ local function drop_many(rids)
   redis.call('ZREM', K_DELAYS, unpack(rids))
   redis.call('HDEL', K_ENTRIES, unpack(rids))
   redis.call('HDEL', K_ROUTES, unpack(rids))
+  redis.call('HDEL', K_ENTRY_TENANTS, unpack(rids))
   local by_replica, by_level = {}, {}
   for i = 1, #rids do
     if infos[i] then
@@ -322,6 +326,7 @@ local function hold_freed_places()
 end
 
 """
+    + PREEMPT
     + SLOTS
     + r"""
 -- Every policy alike: the engine forms its batches (static, dynamic) from what arrives.
@@ -342,9 +347,14 @@ local function dispatch(now)
     else
       -- The head waits for all its slots, and those behind it wait for the head (FIFO).
       local ep = best_endpoint(slots, decode_route(redis.call('HGET', K_ROUTES, rid)))
+      local tenant, victim = redis.call('HGET', K_ENTRY_TENANTS, rid) or nil, nil
+      if not ep and PREEMPT == 1 and slots == 1 and tenant then
+        -- No free slot: a tenant under its share may take one (preempt.py).
+        ep, victim = pick_preemption(tenant)
+      end
       if not ep then return 0 end
       if level then fair_served(level, tag) end
-      grant(rid, replica, ep.url, slots, now)
+      grant(rid, replica, ep.url, slots, now, true, tenant, victim)
     end
   end
 end
@@ -354,7 +364,7 @@ local function touch()
   if HELD ~= nil then redis.call('HSET', K_STATS, 'held', int(HELD)) end
   if redis.call('ZCARD', K_QUEUE) == 0 then
     -- Nothing waits: whatever drift the counts of waiting requests had ends here.
-    redis.call('DEL', K_ENTRIES, K_LEVELS, K_DEADLINES, K_DELAYS, K_ROUTES)
+    redis.call('DEL', K_ENTRIES, K_LEVELS, K_DEADLINES, K_DELAYS, K_ROUTES, K_ENTRY_TENANTS)
     fair_clear_all()
   end
   for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], STATE_TTL_MS) end

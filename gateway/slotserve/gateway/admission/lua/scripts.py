@@ -86,6 +86,8 @@ for _, check in ipairs({
 end
 local level = int(priority)
 local now = now_us()
+redis.call('HSET', K_TENANT_WEIGHTS, tenant, int(weight))  -- for the share (preempt.py)
+redis.call('PEXPIRE', K_TENANT_WEIGHTS, STATE_TTL_MS)
 if ARG_ONLY_IF_ABSENT == '1' and (redis.call('ZSCORE', K_QUEUE, rid)
     or redis.call('ZSCORE', K_LEASES, rid)) then
   EPOCH_ID = check_epoch(now)
@@ -101,7 +103,7 @@ if redis.call('ZCARD', K_QUEUE) == 0 then
   EPOCH_ID, READY_AT = check_epoch(now)
   local ep = now >= READY_AT and best_endpoint(slots, route)
   if ep then
-    grant(rid, CALLER, ep.url, slots, now, false)
+    grant(rid, CALLER, ep.url, slots, now, false, tenant)
     touch()
     return result('ok', 0)
   end
@@ -122,6 +124,7 @@ local deadline = now + timeout_us
 redis.call('ZADD', K_QUEUE, int(now + priority * aging_us), rid)
 redis.call('HSET', K_ENTRIES, rid, CALLER .. '|' .. int(deadline) .. '|' .. int(now) .. '|'
   .. level .. '|' .. int(slots))
+redis.call('HSET', K_ENTRY_TENANTS, rid, tenant)
 count_level(level, 1)
 -- Within its level, its place follows its tenant's fair share (fair.py).
 local fair_before = fair_add(rid, level, tenant, weight, slots)

@@ -55,6 +55,11 @@ local function release_lease(rid)
   local ep, n = redis.call('HGET', K_LEASE_ENDPOINT, rid), lease_slots(rid)
   redis.call('HDEL', K_LEASE_ENDPOINT, rid)
   redis.call('HDEL', K_LEASE_SLOTS, rid)
+  local tenant = redis.call('HGET', K_LEASE_TENANTS, rid)
+  if tenant then
+    redis.call('HDEL', K_LEASE_TENANTS, rid)
+    if ep then count_held(tenant, ep, -n) end
+  end
   if ep and redis.call('HINCRBY', K_INFLIGHT, ep, int(-n)) <= 0 then
     redis.call('HDEL', K_INFLIGHT, ep)
   end
@@ -64,6 +69,7 @@ end
 local mine = {}
 
 -- To the caller in the reply, to another replica on its grant list.
+-- A preempting grant carries its victim tenant after '\30' (preempt_share.PREEMPT_MARK).
 local function deliver(rid, replica, url)
   if replica == CALLER then
     mine[#mine + 1] = rid
@@ -77,14 +83,25 @@ local function deliver(rid, replica, url)
   end
 end
 
-local function grant(rid, replica, url, slots, now, queued)
+-- ``tenant``: whose slots the lease holds (counted for preemption; nil: an entry from before);
+-- ``victim``: a preempting grant's (preempt.py).
+local function grant(rid, replica, url, slots, now, queued, tenant, victim)
   if queued ~= false then drop(rid) end
   redis.call('ZADD', K_LEASES, int(now + LEASE_TTL_US), rid)
   redis.call('HSET', K_LEASE_ENDPOINT, rid, url)
   if slots > 1 then redis.call('HSET', K_LEASE_SLOTS, rid, int(slots)) end
   redis.call('HINCRBY', K_INFLIGHT, url, int(slots))
   redis.call('HINCRBY', K_STATS, 'dispatched', 1)
-  deliver(rid, replica, url)
+  if tenant then
+    redis.call('HSET', K_LEASE_TENANTS, rid, tenant)
+    count_held(tenant, url, slots)
+  end
+  if victim then
+    redis.call('HINCRBY', K_STATS, 'preempting', 1)
+    deliver(rid, replica, url .. '\30' .. victim)
+  else
+    deliver(rid, replica, url)
+  end
 end
 
 -- A queued request that no offered engine can hold: out of the queue, told so (no lease).

@@ -1,0 +1,136 @@
+"""Preemption for a tenant under its share (issue 26, ``preempt_share.py``, ``lua/preempt.py``).
+
+Both backends (in-process, and a real redis-server with several replicas): a request of a tenant
+holding fewer slots than its weighted share of the pool is granted at once on a full engine as a
+preempting grant naming the tenant over its share, exactly when the rule says; never two
+outstanding on one engine; the held-slot counts follow the leases and return to nothing when
+they end, by release or by expiry; and a pool that turns it off waits as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import redis
+
+from slotserve.gateway.admission.front import Admission, Lease
+from slotserve.gateway.admission.types import PoolPolicy
+from tests.gateway.admission_cluster import Cluster
+
+ENGINE = "http://a"
+
+
+def _pool(cluster: Cluster, *, preempt: bool = True, slots: int = 2) -> PoolPolicy:
+    policy = PoolPolicy("m", max_queue_size=64, queue_timeout_s=30, preempt_for_share=preempt)
+    return cluster.serve(policy, (ENGINE, slots, 0.0))
+
+
+def _held(cluster: Cluster, pool: PoolPolicy) -> Callable[[], dict[str, int]]:
+    """Slots held per tenant in the pool, read from the backend itself."""
+    if cluster.kind == "memory":
+        return lambda: dict(cluster.hub.pool(pool.name).tenant_held)
+    assert cluster.redis_url is not None
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    key = f"{cluster.prefix}:{{{pool.name}}}:tenant_held"
+    return lambda: {str(k): int(v) for k, v in client.hgetall(key).items()}
+
+
+def _waiting(cluster: Cluster, pool: PoolPolicy) -> Callable[[], int]:
+    if cluster.kind == "memory":
+        return lambda: len(cluster.hub.pool(pool.name).queue)
+    assert cluster.redis_url is not None
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    key = f"{cluster.prefix}:{{{pool.name}}}:queue"
+    return lambda: int(client.zcard(key))
+
+
+async def _until(check: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
+def _acquire(replica: Admission, pool: PoolPolicy, tenant: str) -> asyncio.Task[Lease]:
+    return asyncio.ensure_future(replica.acquire(pool, 5, 30, tenant=tenant))
+
+
+async def _fill(replica: Admission, pool: PoolPolicy, tenant: str, n: int) -> list[Lease]:
+    return [await replica.acquire(pool, 5, 30, tenant=tenant) for _ in range(n)]
+
+
+async def test_an_under_share_tenant_preempts_at_once_and_never_twice_per_engine(cluster):
+    pool = _pool(cluster)
+    first, second, third = [await cluster.replica() for _ in range(3)]
+    waiting, held = _waiting(cluster, pool), _held(cluster, pool)
+    leases_a = await _fill(first, pool, "a", 2)
+    assert all(lease.preempt_tenant is None for lease in leases_a)
+    # B holds nothing of its share (1 of 2 slots): granted at once, taking one of A's.
+    lease_b = await asyncio.wait_for(second.acquire(pool, 5, 30, tenant="b"), 5)
+    assert (lease_b.endpoint, lease_b.preempt_tenant) == (ENGINE, "a")
+    assert held() == {"a": 2, "b": 1}
+    # C is under its share too (2/3 of a slot among three tenants), but the engine already has
+    # its one outstanding preemption: C waits.
+    task_c = _acquire(third, pool, "c")
+    await _until(lambda: waiting() == 1, "C queued")
+    assert not task_c.done()
+    # One of A's answers ends: the engine is exactly full again, so C preempts A (over its
+    # share with one slot of 2 among three tenants).
+    await first.release(leases_a.pop())
+    lease_c = await asyncio.wait_for(task_c, 5)
+    assert lease_c.preempt_tenant == "a"
+    assert held() == {"a": 1, "b": 1, "c": 1}
+    # B at its share waits, however full the engine is.
+    more_b = _acquire(second, pool, "b")
+    await _until(lambda: waiting() == 1, "B's second request queued")
+    await first.release(leases_a.pop())  # exactly full again, but nobody is over the share
+    assert not more_b.done()
+    await second.release(lease_b)
+    lease_b2 = await asyncio.wait_for(more_b, 5)
+    assert lease_b2.preempt_tenant is None  # a free slot: an ordinary grant
+    await second.release(lease_b2)
+    await third.release(lease_c)
+    await _until(lambda: held() == {}, "every held count back to nothing")
+
+
+async def test_weights_decide_the_share(cluster):
+    pool = _pool(cluster, slots=4)
+    replica = await cluster.replica()
+    leases = [await replica.acquire(pool, 5, 30, tenant="a", weight=1) for _ in range(3)]
+    leases.append(await replica.acquire(pool, 5, 30, tenant="b", weight=3))
+    # B holds 1 of its 3/4 x 4 = 3 slots: it preempts A (3 held, over its 1).
+    lease = await asyncio.wait_for(replica.acquire(pool, 5, 30, tenant="b", weight=3), 5)
+    assert lease.preempt_tenant == "a"
+    for held_lease in [*leases, lease]:
+        await replica.release(held_lease)
+
+
+async def test_held_counts_end_with_expired_leases(cluster):
+    pool = _pool(cluster)
+    doomed, survivor = await cluster.replica(), await cluster.replica()
+    held = _held(cluster, pool)
+    await _fill(doomed, pool, "a", 2)
+    assert held() == {"a": 2}
+    await doomed.close()  # no release, no heartbeat: its leases expire after the lease TTL
+    await _until(lambda: held() == {}, "expired leases' counts gone")
+    lease = await asyncio.wait_for(survivor.acquire(pool, 5, 30, tenant="b"), 5)
+    assert lease.preempt_tenant is None  # the slots are free again: an ordinary grant
+    await survivor.release(lease)
+    assert held() == {}
+
+
+async def test_a_pool_without_preemption_waits_for_an_answer_to_end(cluster):
+    pool = _pool(cluster, preempt=False)
+    replica = await cluster.replica()
+    waiting = _waiting(cluster, pool)
+    leases = await _fill(replica, pool, "a", 2)
+    task = _acquire(replica, pool, "b")
+    await _until(lambda: waiting() == 1, "B queued")
+    assert not task.done()
+    await replica.release(leases.pop())
+    lease = await asyncio.wait_for(task, 5)
+    assert lease.preempt_tenant is None
+    for held_lease in [*leases, lease]:
+        await replica.release(held_lease)
