@@ -40,6 +40,7 @@ class EngineLaunch:
     num_threads: int | None = None
     quantization: Quantization | None = None
     device: str | None = None
+    prefix_cache_rows: int | None = None
 
 
 def engine_argv(launch: EngineLaunch) -> list[str]:
@@ -67,6 +68,8 @@ def engine_argv(launch: EngineLaunch) -> list[str]:
         # Appended last, and None (no flag) for "none", so that adding it rolled no pods.
         ("quantization", launch.quantization),
         ("device", launch.device),
+        # Last, and None for 0 (one row per slot): pools made before it keep their args.
+        ("prefix_cache_rows", launch.prefix_cache_rows),
     ]
     argv = ["engine"]
     for field, value in values:

@@ -50,6 +50,25 @@ MaxBatchedTokens = Annotated[
     int, Field(ge=16, le=1_048_576, description="Per-step token budget (chunked prefill).")
 ]
 
+# Far more than any memory holds at a useful max_model_len; bounds the bookkeeping a typo asks for.
+MAX_PREFIX_CACHE_ROWS = 4096
+PrefixCacheRows = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=MAX_PREFIX_CACHE_ROWS,
+        description="KV rows of an engine, each maxModelLen positions: 0 (the default) or at "
+        "least maxBatchSize. Rows beyond maxBatchSize keep the most recently finished prefixes "
+        "for reuse (a conversation's history, a system prompt), at the memory of a row each; "
+        "an engine whose rows do not fit its memory exits 2 at start.",
+    ),
+]
+
+
+def prefix_cache_rows_fit(prefix_cache_rows: int, max_batch_size: int) -> bool:
+    """Whether ``prefix_cache_rows`` gives every slot a row (0: one row per slot)."""
+    return prefix_cache_rows == 0 or prefix_cache_rows >= max_batch_size
+
 
 def preferred_sizes_fit(preferred_batch_sizes: list[int], max_batch_size: int) -> bool:
     """Whether every preferred batch size is a batch that ``max_batch_size`` slots can run."""

@@ -151,6 +151,7 @@ def test_every_launch_setting_round_trips_through_the_engine_parser() -> None:
         num_threads=2,
         quantization="int4",
         device="cuda",
+        prefix_cache_rows=12,
     )
     settings = parse_engine_argv(engine_argv(launch))
     assert settings.model_dump(include=set(BatchingSpec.model_fields)) == batching.model_dump()

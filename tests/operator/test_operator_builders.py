@@ -140,6 +140,19 @@ def test_no_quantization_flag_when_none_or_absent(model: dict[str, Any]):
     )
 
 
+def test_prefix_cache_rows_reach_the_engine_args_last_and_only_when_set():
+    model = {"name": "m", "source": {"builtin": "smollm2"}}
+    pool = make_pool(model=model, batching={"maxBatchSize": 4}, engine={"prefixCacheRows": 12})
+    args = container(builders.build_deployment(pool, engine_image=IMAGE))["args"]
+    # After --device: pools made before the field keep their order, and their pods.
+    assert args[-4:] == ["--device", "cpu", "--prefix-cache-rows", "12"]
+    plain = make_pool(model=model, engine={"prefixCacheRows": 0})
+    assert (
+        "--prefix-cache-rows"
+        not in container(builders.build_deployment(plain, engine_image=IMAGE))["args"]
+    )
+
+
 def test_startup_probe_covers_the_model_load_timeout():
     engine = container(
         builders.build_deployment(

@@ -125,3 +125,22 @@ def test_device_cuda_needs_a_gpu_in_the_limits():
     (rule,) = engine["x-kubernetes-validations"]
     assert "self.device != 'cuda'" in rule["rule"] and "nvidia.com/gpu" in rule["rule"]
     assert engine["properties"]["device"]["enum"] == ["auto", "cpu", "cuda"]
+
+
+def test_prefix_cache_rows_must_give_every_slot_a_row():
+    with pytest.raises(ValidationError, match="prefixCacheRows must be 0 or at least"):
+        InferencePoolSpec.model_validate(
+            spec(batching={"maxBatchSize": 8}, engine={"prefixCacheRows": 4})
+        )
+    with pytest.raises(ValidationError, match="prefixCacheRows must be 0 or at least"):
+        InferencePoolSpec.model_validate(spec(engine={"prefixCacheRows": 31}))  # 32 slots
+    with pytest.raises(ValidationError, match="less than or equal to 4096"):
+        InferencePoolSpec.model_validate(spec(engine={"prefixCacheRows": 10**9}))
+    for rows in (0, 8, 24):
+        parsed = InferencePoolSpec.model_validate(
+            spec(batching={"maxBatchSize": 8}, engine={"prefixCacheRows": rows})
+        )
+        assert parsed.engine.prefix_cache_rows == rows
+    # The same rule in the CRD, for the API server (CEL), read with the defaults it applies.
+    (rule,) = crd.openapi_schema()["properties"]["spec"]["x-kubernetes-validations"]
+    assert "self.engine.prefixCacheRows >= " in rule["rule"] and ": 32)" in rule["rule"]

@@ -18,7 +18,9 @@ from slotserve.contracts.pool_spec import (
     MaxQueueDelayMicroseconds,
     Policy,
     PreferredBatchSizes,
+    PrefixCacheRows,
     preferred_sizes_fit,
+    prefix_cache_rows_fit,
 )
 from slotserve.contracts.weights import WeightDType, WeightQuantization
 from slotserve.engine.core.generation_defaults import parse_override
@@ -28,8 +30,6 @@ LinearBackend = Literal["auto", "onednn", "aten", "native"]
 DecodeStep = Literal["auto", "classic", "static", "compiled"]
 OverlapSteps = Literal["auto", "on", "off"]
 PrefillDType = Literal["auto", "float32", "bfloat16"]
-# Far more than any memory holds at a useful max_model_len; bounds the bookkeeping a typo asks for.
-MAX_PREFIX_CACHE_ROWS = 4096
 
 
 class EngineSettings(BaseSettings):
@@ -101,14 +101,7 @@ class EngineSettings(BaseSettings):
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV of a prompt prefix that a slot row already holds."
     )
-    prefix_cache_rows: int = Field(
-        0,
-        ge=0,
-        le=MAX_PREFIX_CACHE_ROWS,
-        description="KV rows, each max_model_len positions: at least max_batch_size; rows "
-        "beyond it keep the most recently finished prefixes for reuse (prefix caching). 0: "
-        "max_batch_size rows. The rows must fit the KV memory budget.",
-    )
+    prefix_cache_rows: PrefixCacheRows = 0
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
     drain_timeout_seconds: float = Field(30, ge=0)
@@ -131,7 +124,7 @@ class EngineSettings(BaseSettings):
     @model_validator(mode="after")
     def _prefix_cache_rows_hold_the_slots(self) -> EngineSettings:
         rows = self.prefix_cache_rows
-        if rows and rows < self.max_batch_size:
+        if not prefix_cache_rows_fit(rows, self.max_batch_size):
             raise ValueError(
                 f"prefix_cache_rows ({rows}) must be 0 or at least max_batch_size "
                 f"({self.max_batch_size}): every slot needs a row"

@@ -95,6 +95,7 @@ def engine_args(spec: InferencePoolSpec, model_arg: str) -> list[str]:
             # they were, and so do their pods.
             quantization=None if model.quantization == "none" else model.quantization,
             device=engine_device(spec),
+            prefix_cache_rows=spec.engine.prefix_cache_rows or None,
         )
     )
 

@@ -18,7 +18,15 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StringConstraints, WithJsonSchema, model_validator
 
-from slotserve.contracts.pool_spec import AdmissionSpec, BatchingSpec, RoutingSpec, WireModel
+from slotserve.contracts.pool_spec import (
+    DEFAULT_MAX_BATCH_SIZE,
+    AdmissionSpec,
+    BatchingSpec,
+    PrefixCacheRows,
+    RoutingSpec,
+    WireModel,
+    prefix_cache_rows_fit,
+)
 from slotserve.contracts.weights import WeightDType, WeightQuantization
 from slotserve.operator.platform_models import AutoscalingSpec, GatewayAPISpec
 
@@ -259,6 +267,7 @@ class EngineSpec(WireModel):
     drain_timeout_seconds: int = Field(
         30, ge=0, le=3600, description="How long a stopping engine may finish its requests."
     )
+    prefix_cache_rows: PrefixCacheRows = 0
 
     @model_validator(mode="after")
     def _cuda_needs_a_gpu(self) -> EngineSpec:
@@ -278,8 +287,21 @@ class EngineSpec(WireModel):
         return self
 
 
+# Defaulting runs before CEL, but a rule must still read a spec written without the sections.
+_ROWS_HOLD_THE_SLOTS_RULE = (
+    "!has(self.engine) || !has(self.engine.prefixCacheRows) || self.engine.prefixCacheRows == 0"
+    " || self.engine.prefixCacheRows >= (has(self.batching) && has(self.batching.maxBatchSize)"
+    f" ? self.batching.maxBatchSize : {DEFAULT_MAX_BATCH_SIZE})"
+)
+_ROWS_HOLD_THE_SLOTS = "engine.prefixCacheRows must be 0 or at least batching.maxBatchSize"
+
+
 class InferencePoolSpec(WireModel):
     """The desired state: a model served by a number of engine pods with one batching policy."""
+
+    model_config: ClassVar = WireModel.model_config | {
+        "json_schema_extra": _cel(_ROWS_HOLD_THE_SLOTS_RULE, _ROWS_HOLD_THE_SLOTS)
+    }
 
     model: ModelSpec
     replicas: int = Field(1, ge=0, le=1000, description="Engine pods (also set by kubectl scale).")
@@ -306,6 +328,12 @@ class InferencePoolSpec(WireModel):
         description="Scale replicas from the admission queue (spec.replicas is then set "
         "by the operator or KEDA). Leave unset to use kubectl scale or your own HPA.",
     )
+
+    @model_validator(mode="after")
+    def _rows_hold_the_slots(self) -> InferencePoolSpec:
+        if not prefix_cache_rows_fit(self.engine.prefix_cache_rows, self.batching.max_batch_size):
+            raise ValueError(_ROWS_HOLD_THE_SLOTS)
+        return self
 
 
 ConditionType = Literal["Ready", "Progressing", "Degraded", "Saturated"]
