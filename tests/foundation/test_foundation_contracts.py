@@ -262,6 +262,7 @@ def test_the_lua_scripts_read_each_argument_where_the_backend_puts_it(redis_serv
         known_epoch="e",
         sweep_batch=13,
         max_queue=17,
+        preempt=True,
         num_offers=1,
     )
     names = [name.upper() for name in vars(args)]
@@ -275,7 +276,9 @@ def test_the_lua_scripts_read_each_argument_where_the_backend_puts_it(redis_serv
         reply = client.eval(script, 0, *args.argv(), "http://a", 4, "0.5")
     finally:
         client.close()
-    assert reply == [str(value) for value in vars(args).values()] + ["http://a"]
+    # A bool travels as 1 or 0 (``ScriptArgs.argv``), a number to Lua.
+    sent = [str(int(v) if isinstance(v, bool) else v) for v in vars(args).values()]
+    assert reply == [*sent, "http://a"]
 
 
 async def test_max_batch_size_reaches_the_gateway_slot_count_under_one_name(
