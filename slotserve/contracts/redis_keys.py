@@ -26,6 +26,11 @@ replica leaves nothing behind for long:
 | ``P:{pool}:routes`` | HASH | waiting request id -> its route (8) | STATE |
 | ``P:{pool}:routed:{key}`` | STRING | endpoint a request with prefix ``key`` went to (8) | 5 s |
 | ``P:{pool}:session:{id}`` | STRING | endpoint that served session ``id`` last (8) | 10 min |
+| ``P:{pool}:entry_tenants`` | HASH | waiting request id -> its tenant (9) | STATE |
+| ``P:{pool}:lease_tenants`` | HASH | request id holding a slot -> its tenant (9) | STATE |
+| ``P:{pool}:tenant_held`` | HASH | tenant -> slots its leases hold in the pool (9) | STATE |
+| ``P:{pool}:tenant_held_at`` | HASH | tenant ``\\x1f`` URL -> slots held there (9) | STATE |
+| ``P:{pool}:tenant_weights`` | HASH | tenant -> its weight, written at enqueue (9) | STATE |
 | ``P:{pool}:window:{n}`` | HASH | admitted, rejected, queue waits in window ``n`` (3) | 90 s |
 | ``P:epoch`` | HASH | admission epoch: ``id``, ``created``, ``ready`` (us) (2) | STATE |
 | ``P:replica:{id}`` | STRING | present while replica ``id`` heartbeats | lease TTL |
@@ -44,7 +49,8 @@ replica leaves nothing behind for long:
 ``bad_entries`` (entries or lease weights that did not parse, dropped), ``held`` (queue places
 held for promised clients), ``retry_horizon`` (us: the last place promised), ``settled`` (us:
 promises due up to then have opened their places), ``kept`` and ``lapsed`` (promises whose
-clients came back within their grace, and those that did not; halved past 64).
+clients came back within their grace, and those that did not; halved past 64), ``preempting``
+(preempting grants made so far, (9)).
 (6) start-time fair queuing within a level (``gateway/lua_fair.py``); both deleted when the level
 has nothing waiting.
 (7) the gateway's ``admission/lua/quotas.py``: a bucket (``at`` in ms) lives until it would have
@@ -53,6 +59,8 @@ refilled (absent is full), the in-flight set until no replica refreshed it for i
 route is the request's prefix keys (``contracts.prefix_keys``), the keys each engine reported
 matching, its session's hash and its balance threshold; written when a request waits, read
 when it is granted. Granting a routed request records its first and deepest keys and its session.
+(9) preemption for a tenant under its share (the gateway's ``admission/lua/preempt.py`` and
+``admission/preempt_share.py``): kept with the leases, at grant, release and expiry.
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
 write. Times are Redis server time (``TIME``) in microseconds, so replica clocks never matter.
 """
