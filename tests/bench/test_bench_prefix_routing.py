@@ -13,7 +13,12 @@ from bench import prefix_routing_bench
 from bench.lib.chat_workloads import IdealCache, chat_ids, conversations, system_requests
 
 
+# Serial: twice in about seven runs of the whole suite (never alone, in 13 runs, nor beside two
+# CPU hogs) the engine's own counters showed almost no hits (0.10 of the ideal: 69 of 720
+# reusable tokens) though each later turn found its history's row free. Not explained yet (issue
+# 29's note); alone, the check holds and still fails if the engine stops reusing rows.
 @pytest.mark.slow
+@pytest.mark.serial
 def test_one_engine_serves_each_later_turn_from_its_history(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -29,7 +34,7 @@ def test_one_engine_serves_each_later_turn_from_its_history(
     assert cell["prefix_cache_queries"] == cell["prompt_tokens_sent"]
     # One engine of 4 rows holds both histories: its hits are (about) all the ideal.
     assert cell["ideal_share"] > 0.3
-    assert 0.8 <= cell["hit_of_ideal"] <= 1.0, cell  # once seen at 0.10 under make test: say all
+    assert 0.8 <= cell["hit_of_ideal"] <= 1.0, cell  # on a failure, say the whole cell
     assert cell["requests_per_engine"] == [4.0]
     assert cell["load_samples"] > 0 and cell["slots"] == [4]
     assert cell["max_running_over_slots"] <= 0
