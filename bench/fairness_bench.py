@@ -25,7 +25,13 @@ reference on a real model: its steps are shorter, so at the same load its queue 
 Each answer's queue wait is the gateway's own ``x-slotserve-queue-wait-ms``; slot use is the
 engine's ``/load`` (1 - slots_free / slots_total: slots held by a request) sampled every 20 ms.
 
+``--preempt on`` (the pool's ``preemptForShare``, issue 26): a request of B while B holds fewer
+slots than its share may preempt one of A's running answers; each run then also reports the
+engine's tenant preemptions (A answers preempted) and the computed tokens they lost (recomputed).
+``--phases`` runs a subset of the four runs (``share flood`` is what the target compares).
+
     .venv/bin/python bench/fairness_bench.py [--seconds 60] [--slots 4] [--new-tokens 64]
+    .venv/bin/python bench/fairness_bench.py --preempt off --phases share flood
     .venv/bin/python bench/fairness_bench.py --engine double [--service-s 0.2]
 """
 
@@ -61,6 +67,19 @@ QUEUE_WAIT_HEADER = "x-slotserve-queue-wait-ms"
 # Keys: A and B as tenants of their own, and both in one tenant (the first-come baseline).
 SHARE = "B at its share, A at its share"  # the reference: what B's share promises it
 FLOOD = "flood, tenants"
+PHASES = {
+    "share": SHARE,
+    "alone": "B alone, whole pool",
+    "flood": FLOOD,
+    "one": "flood, one tenant",
+}
+# The engine's counters read around each run (``engine/http/metrics.py``).
+COUNTERS = {
+    "tenant_preemptions": "slotserve_tenant_preemptions_total",
+    "tenant_recomputed_tokens": "slotserve_tenant_recomputed_tokens_total",
+    "kv_preemptions": "vllm:num_preemptions_total",
+    "generation_tokens": "vllm:generation_tokens_total",
+}
 KEYS = {"fair": ("sk-a", "sk-b"), "one tenant": ("sk-shared-a", "sk-shared-b")}
 PROMPT = "Write a short story about a lighthouse keeper and the sea."
 
@@ -106,7 +125,7 @@ class Procs:
         argv = [str(SLOTSERVE), "engine", "--model", model, "--served-model-name", name]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--max-batch-size", str(slots)]
         argv += ["--num-threads", str(args.num_threads), "--max-model-len", "256"]
-        argv += ["--log-level", "WARNING"]
+        argv += ["--log-level", "WARNING", *args.engine_arg]
         log = args.out.with_suffix(f".engine-{name}.log")
         server = ServerProcess(argv, dict(os.environ), log)
         self.servers.append(server)
@@ -255,12 +274,15 @@ async def run_phase(
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as s:
+        before = await engine_counters(s, engine)
         started = time.monotonic()
         floods = [flood_client(s) for _ in range(load.clients_a)]
         await asyncio.gather(sample_load(s), arrivals_b(s), *floods)
         # Rates over the window requests were sent in: the run's end waits for A's backlog.
         elapsed = min(time.monotonic(), stop_at) - started
+        after = await engine_counters(s, engine)
     out: dict[str, Any] = {"slots_busy": statistics.fmean(busy) if busy else float("nan")}
+    out["engine"] = {name: after[name] - before[name] for name in COUNTERS}
     out["load_average"] = list(os.getloadavg())
     for tenant, run in runs.items():
         if tenant == "a" and not load.clients_a:
@@ -273,6 +295,18 @@ async def run_phase(
             "errors": run.errors,
         }
     return out
+
+
+async def engine_counters(s: aiohttp.ClientSession, engine: str) -> dict[str, float]:
+    """The engine's counters now (0 for one it does not export, e.g. the double)."""
+    async with s.get(f"{engine}/metrics") as r:
+        text = await r.text() if r.status == 200 else ""
+    values = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        for name, metric in COUNTERS.items():
+            if line.startswith(metric):
+                values[name] += float(line.rsplit(" ", 1)[1])
+    return values
 
 
 def arrival_times(rate_per_s: float, seconds: float, rng: random.Random) -> list[float]:
@@ -299,24 +333,27 @@ def run_backend(
     rate_b = args.load_b * capacity_per_s * slots_b / args.slots
     fair = dict(zip(("a", "b"), KEYS["fair"], strict=True))
     shared = dict(zip(("a", "b"), KEYS["one tenant"], strict=True))
-    phases = {
+    every = {
         SHARE: (fair, Load("m", rate_b, slots_a)),
         "B alone, whole pool": (fair, Load("m", rate_b)),
         FLOOD: (fair, Load("m", rate_b, args.flood * slots_a)),
         "flood, one tenant": (shared, Load("m", rate_b, args.flood * slots_a)),
     }
+    phases = {PHASES[p]: every[PHASES[p]] for p in args.phases}
     result: dict[str, dict[str, Any]] = {}
     for phase, (keys, load) in phases.items():
         print(f"  {name}: {phase} ({load}) for {args.seconds:.0f} s", flush=True)
         result[phase] = asyncio.run(run_phase(gateways, engine, keys, load, args))
         row = result[phase]
-        print(f"    B p50 {row['b']['wait_p50_ms']:.0f} ms, busy {100 * row['slots_busy']:.1f}%")
+        print(f"    B p50 {row['b']['wait_p50_ms']:.0f} ms, busy {100 * row['slots_busy']:.1f}%, "
+              f"engine {row['engine']}")  # fmt: skip
         time.sleep(1.5)  # the last answers settle before the next run
     return result
 
 
 def print_table(results: dict[str, dict], capacity_per_s: float, gap_ms: float) -> None:
     header = ["B p50 ms", "B p99 ms", "A p50 ms", "A p99 ms", "B req/s", "A req/s", "busy %"]
+    header += ["preempt", "recomp"]
     print(f"\n{'backend / run':<42}" + "".join(f"{h:>10}" for h in header))
     for backend, phases in results.items():
         for phase, row in phases.items():
@@ -329,6 +366,8 @@ def print_table(results: dict[str, dict], capacity_per_s: float, gap_ms: float) 
                 b["answered_per_s"],
                 a.get("answered_per_s", 0.0),
                 100 * row["slots_busy"],
+                row["engine"]["tenant_preemptions"],
+                row["engine"]["tenant_recomputed_tokens"],
             ]
             print(f"{backend + ' / ' + phase:<42}" + "".join(f"{v:>10.1f}" for v in values))
     print(
@@ -341,6 +380,8 @@ def wait_ratios(results: dict[str, dict]) -> dict[str, dict[str, float]]:
     """B's p50 and p99 waits under the flood over its waits on its share (A at its share)."""
     out = {}
     for backend, phases in results.items():
+        if SHARE not in phases or FLOOD not in phases:
+            continue
         share, flood = phases[SHARE]["b"], phases[FLOOD]["b"]
         out[backend] = {
             q: flood[f"wait_{q}_ms"] / share[f"wait_{q}_ms"]
@@ -369,6 +410,8 @@ def capacities(gateway: str, engine: str, args: argparse.Namespace) -> dict[str,
     it warms the engine too); slots / service_s on the double."""
     if args.engine == "double":
         return {"m": {"answers_per_s": args.slots / args.service_s}}
+    if args.capacity_per_s:  # given: runs compared at the same offered load
+        return {"m": {"answers_per_s": args.capacity_per_s, "given": True}}
     measured: dict[str, Any] = {}
     clients = 2 * args.slots
     for label, url in (("m direct", engine), ("m", gateway)):
@@ -389,6 +432,8 @@ def main() -> int:
     parser.add_argument("--num-threads", type=int, default=1, help="real: each engine's")
     parser.add_argument("--new-tokens", type=int, default=64, help="real: mean per answer")
     parser.add_argument("--capacity-seconds", type=float, default=30.0, help="real: measured")
+    parser.add_argument("--capacity-per-s", type=float, default=0.0,
+                        help="real: take this capacity instead of measuring it")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=60.0, help="per run")
     parser.add_argument("--slots", type=int, default=4, help="the pool engine's slots")
     parser.add_argument("--service-s", type=float, default=0.2, help="double: each answer's")
@@ -398,6 +443,11 @@ def main() -> int:
     parser.add_argument("--weight-b", type=int, default=1)
     parser.add_argument("--backends", nargs="+", choices=("memory", "redis"),
                         default=["memory", "redis"])  # fmt: skip
+    parser.add_argument("--preempt", choices=("on", "off"), default="on",
+                        help="the pool's preemptForShare")  # fmt: skip
+    parser.add_argument("--phases", nargs="+", choices=tuple(PHASES), default=list(PHASES))
+    parser.add_argument("--engine-arg", action="append", default=[],
+                        help="real: an extra engine flag (repeat)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "fairness_bench.json")
     args = parser.parse_args()
     procs = Procs()
@@ -407,7 +457,8 @@ def main() -> int:
         redis.start()
         try:
             engine = start_engine(procs, Path(tmp), args)
-            pools = [{"model": "m", "endpoints": [engine], "admission": {"maxQueueSize": 1000}}]
+            admission = {"maxQueueSize": 1000, "preemptForShare": args.preempt == "on"}
+            pools = [{"model": "m", "endpoints": [engine], "admission": admission}]
             pool_file = Path(tmp) / "pools.yaml"
             pool_file.write_text(yaml.safe_dump({"pools": pools}))
             keys = Path(tmp) / "keys"
