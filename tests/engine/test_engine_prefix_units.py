@@ -44,12 +44,16 @@ def test_common_prefix_len_matches_a_plain_scan(seed):
 
 
 def test_a_freed_row_is_reused_in_place_and_the_last_token_is_always_computed():
-    kv = KVCacheManager(num_slots=4, num_tokens_total=4000, enable_prefix_caching=True)
+    kv = KVCacheManager(num_slots=2, num_tokens_total=4000, enable_prefix_caching=True)
     first = seq("a", [*SYSTEM, 1, 2, 3])
     assert kv.allocate(first) == ()
     assert (first.slot, first.num_computed_tokens) == (0, 0)
     finish_prefill(first)
     kv.free(first)
+    filler = seq("f", [5, 6, 7])
+    kv.allocate(filler)
+    finish_prefill(filler)
+    kv.free(filler)  # no row is empty now
 
     second = seq("b", [*SYSTEM, 9, 9])
     assert kv.allocate(second) == ()
@@ -59,8 +63,26 @@ def test_a_freed_row_is_reused_in_place_and_the_last_token_is_always_computed():
     same = seq("c", list(SYSTEM))
     kv.allocate(same)
     assert same.num_computed_tokens == len(SYSTEM) - 1  # the last token gives the logits
-    assert kv.num_prefix_query_tokens == 103 + 102 + 100
+    assert kv.num_prefix_query_tokens == 103 + 3 + 102 + 100
     assert kv.num_prefix_hit_tokens == 100 + 99
+
+
+def test_while_an_empty_row_is_free_a_shared_prefix_is_copied_not_cut():
+    """Two conversations with one system prompt, one after the other on a fresh engine: the
+    second takes an empty row (a copy of the prompt) and leaves the first's history whole."""
+    kv = KVCacheManager(num_slots=4, num_tokens_total=4000, enable_prefix_caching=True)
+    first = seq("a", [*SYSTEM, 1, 2, 3])
+    kv.allocate(first)
+    finish_prefill(first)
+    kv.free(first)
+    second = seq("b", [*SYSTEM, 9, 9])
+    assert kv.allocate(second) == (SlotCopy(src_slot=0, dst_slot=1, num_tokens=len(SYSTEM)),)
+    assert (second.slot, second.num_computed_tokens) == (1, len(SYSTEM))
+    finish_prefill(second)
+    kv.free(second)
+    again = seq("a2", [*SYSTEM, 1, 2, 3, 4])  # the first conversation's next turn
+    assert kv.allocate(again) == ()
+    assert (again.slot, again.num_computed_tokens) == (0, len(SYSTEM) + 3)
 
 
 def test_a_running_rows_prefix_is_copied_into_a_free_slot():
@@ -127,17 +149,20 @@ def test_scheduler_prefills_only_the_rest_and_forgets_failed_rows():
         ("b", 100, 1),
         ("c", 100, 2),
     ]
-    assert plan.copies == [SlotCopy(0, 1, 100)]  # "c" copies "b"'s reused row
+    # "b" copies the shared prompt into the empty row ("a"'s history stays whole while a row is
+    # empty), then "c" reuses "a"'s row in place (no row is empty any more).
+    assert plan.copies == [SlotCopy(0, 1, 100)]
+    assert [c.seq.slot for c in plan.chunks] == [1, 0]
     # "b" fails (say NaN logits): its row is forgotten, "c"'s stays.
     error = SequenceError("non_finite_logits", "NaN")
     scheduler.postprocess(plan, [error, 6], 0.0)
     assert kv.prefix_cache is not None
-    assert kv.prefix_cache.row_tokens(0) == []
+    assert kv.prefix_cache.row_tokens(1) == []
     scheduler.add(seq("d", [*SYSTEM, 8], max_tokens=1))
     plan = scheduler.schedule(0.0)
     (chunk,) = [c for c in plan.chunks if c.seq.request_id == "d"]
-    assert (chunk.seq.slot, chunk.start) == (0, 100)
-    assert plan.copies == [SlotCopy(1, 0, 100)]
+    assert (chunk.seq.slot, chunk.start) == (1, 100)
+    assert plan.copies == [SlotCopy(0, 1, 100)]
 
 
 def test_a_preempted_sequence_resumes_from_its_own_row():

@@ -137,7 +137,7 @@ class SlotPrefixCache:
         best_free = max(free_slots, key=lambda slot: (matches[slot], -slot))
         best_any = max(matches, key=lambda slot: (matches[slot], slot in free_slots, -slot))
         free_len, any_len = matches[best_free], matches[best_any]
-        if free_len >= MIN_REUSE_TOKENS and not self._would_cut(best_free, free_len):
+        if free_len >= MIN_REUSE_TOKENS and not self._would_cut(best_free, free_len, free_slots):
             dst = best_free
         else:
             dst = min(free_slots, key=self._eviction_order)
@@ -148,14 +148,20 @@ class SlotPrefixCache:
             return SlotChoice(dst, any_len, (SlotCopy(best_any, dst, any_len),))
         return SlotChoice(dst, free_len, ())
 
-    def _would_cut(self, slot: int, match: int) -> bool:
+    def _would_cut(self, slot: int, match: int, free_slots: list[int]) -> bool:
         # With spare rows, a free row that holds more than the shared prefix (another
         # conversation's history past a common system prompt) is copied from rather than
         # overwritten, unless it is the row to evict anyway: the least recently used row goes,
         # as vLLM evicts its free blocks, and a copy costs milliseconds where the lost tail
         # would cost a prefill. With one row per slot every row is soon taken again, so the
-        # copy would save nothing: a row is reused in place, as before.
-        return self._spare_rows and len(self._free_rows[slot]) > match
+        # copy would save nothing: a row is reused in place, as before; but while an empty row
+        # is free (a fresh engine) it takes the newcomer, so a conversation whose next turn
+        # comes once another has ended still finds its history (it did not, on a busy machine
+        # where two first turns ran one after the other: the second cut the first's row for the
+        # chat template's 30-token system prompt).
+        if len(self._free_rows[slot]) <= match:
+            return False
+        return self._spare_rows or any(not self._free_rows[free] for free in free_slots)
 
     def _touch(self, slot: int) -> None:
         self._clock += 1
