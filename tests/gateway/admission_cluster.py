@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Callable
 
 import pytest
+import redis
 
 from slotserve.gateway.admission.backends.memory import InProcessBackend, InProcessHub
 from slotserve.gateway.admission.backends.redis import RedisBackend
@@ -82,3 +84,13 @@ async def cluster(request):
         yield cl
     finally:
         await cl.close()
+
+
+def waiting_count(cluster: Cluster, pool: PoolPolicy) -> Callable[[], int]:
+    """How many requests wait in the shared queue, read from the backend itself."""
+    if cluster.kind == "memory":
+        return lambda: len(cluster.hub.pool(pool.name).queue)
+    assert cluster.redis_url is not None
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    key = f"{cluster.prefix}:{{{pool.name}}}:queue"
+    return lambda: int(client.zcard(key))

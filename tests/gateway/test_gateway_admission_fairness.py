@@ -17,24 +17,13 @@ import time
 from collections.abc import Awaitable, Callable
 
 import pytest
-import redis
 
 from slotserve.gateway.admission.front import Admission, Lease
 from slotserve.gateway.admission.types import PoolPolicy
-from tests.gateway.admission_cluster import Cluster
+from tests.gateway.admission_cluster import waiting_count
 
 A_WAITING, B_WAITING = 20, 2  # A offers ten times what B does
 NUM_GRANTS = 24
-
-
-def _waiting_count(cluster: Cluster, pool: PoolPolicy) -> Callable[[], int]:
-    """How many requests wait in the shared queue, read from the backend itself."""
-    if cluster.kind == "memory":
-        return lambda: len(cluster.hub.pool(pool.name).queue)
-    assert cluster.redis_url is not None
-    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-    key = f"{cluster.prefix}:{{{pool.name}}}:queue"
-    return lambda: int(client.zcard(key))
 
 
 async def _until(check: Callable[[], bool], what: str) -> None:
@@ -82,7 +71,7 @@ async def test_a_flooding_tenant_leaves_the_other_its_weighted_share(cluster, we
         ("http://a", 2, 0.0),
     )
     replicas = [await cluster.replica() for _ in range(3)]
-    waiting = _waiting_count(cluster, pool)
+    waiting = waiting_count(cluster, pool)
     tenants = Tenants(replicas, pool, {"a": weight_a, "b": weight_b})
     # Both slots taken, then A's flood, then B at a tenth of it.
     held = [(replicas[0], await replicas[0].acquire(pool, 5, 30, tenant="a")) for _ in range(2)]
@@ -116,7 +105,7 @@ async def test_with_nothing_of_the_other_waiting_the_flooding_tenant_gets_every_
         ("http://a", 2, 0.0),
     )
     replicas = [await cluster.replica() for _ in range(3)]
-    waiting = _waiting_count(cluster, pool)
+    waiting = waiting_count(cluster, pool)
     tenants = Tenants(replicas, pool, {"a": 1, "b": 1000})
     held = [(replicas[1], await replicas[1].acquire(pool, 5, 30, tenant="b", weight=1000))]
     held.append((replicas[2], await replicas[2].acquire(pool, 5, 30, tenant="b", weight=1000)))

@@ -17,7 +17,7 @@ import redis
 
 from slotserve.gateway.admission.front import Admission, Lease
 from slotserve.gateway.admission.types import PoolPolicy
-from tests.gateway.admission_cluster import Cluster
+from tests.gateway.admission_cluster import Cluster, waiting_count
 
 ENGINE = "http://a"
 
@@ -35,15 +35,6 @@ def _held(cluster: Cluster, pool: PoolPolicy) -> Callable[[], dict[str, int]]:
     client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     key = f"{cluster.prefix}:{{{pool.name}}}:tenant_held"
     return lambda: {str(k): int(v) for k, v in client.hgetall(key).items()}
-
-
-def _waiting(cluster: Cluster, pool: PoolPolicy) -> Callable[[], int]:
-    if cluster.kind == "memory":
-        return lambda: len(cluster.hub.pool(pool.name).queue)
-    assert cluster.redis_url is not None
-    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-    key = f"{cluster.prefix}:{{{pool.name}}}:queue"
-    return lambda: int(client.zcard(key))
 
 
 async def _until(check: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
@@ -64,7 +55,7 @@ async def _fill(replica: Admission, pool: PoolPolicy, tenant: str, n: int) -> li
 async def test_an_under_share_tenant_preempts_at_once_and_never_twice_per_engine(cluster):
     pool = _pool(cluster)
     first, second, third = [await cluster.replica() for _ in range(3)]
-    waiting, held = _waiting(cluster, pool), _held(cluster, pool)
+    waiting, held = waiting_count(cluster, pool), _held(cluster, pool)
     leases_a = await _fill(first, pool, "a", 2)
     assert all(lease.preempt_tenant is None for lease in leases_a)
     # B holds nothing of its share (1 of 2 slots): granted at once, taking one of A's.
@@ -124,7 +115,7 @@ async def test_held_counts_end_with_expired_leases(cluster):
 async def test_a_pool_without_preemption_waits_for_an_answer_to_end(cluster):
     pool = _pool(cluster, preempt=False)
     replica = await cluster.replica()
-    waiting = _waiting(cluster, pool)
+    waiting = waiting_count(cluster, pool)
     leases = await _fill(replica, pool, "a", 2)
     task = _acquire(replica, pool, "b")
     await _until(lambda: waiting() == 1, "B queued")
