@@ -71,6 +71,24 @@ async def wait_for(check, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def held_or_refused(gateway: str, answer: asyncio.Task) -> bool:
+    """True once ``answer``'s request shows as held; False if it was refused as queue full."""
+    deadline = time.monotonic() + 10
+    while not answer.done():
+        if await asyncio.to_thread(queue_size, gateway) >= 1:
+            # The one held may still be the client that left, with this one about to be refused.
+            await asyncio.sleep(0.3)
+            if not answer.done():
+                return True
+            break
+        assert time.monotonic() < deadline, "neither held nor refused"
+        await asyncio.sleep(0.05)
+    async with answer.result() as response:
+        body = await response.json()
+    assert (response.status, body["error"]["code"]) == (429, "queue_full"), body
+    return False
+
+
 def gateway_at_zero(spawn, tmp_path, request, backend: str, *extra: str, **admission):
     """A gateway whose pool's only endpoint is a free port: nothing is up there yet."""
     port = free_port()
@@ -139,10 +157,19 @@ async def test_a_client_that_leaves_while_held_frees_its_place(spawn, tmp_path, 
     gateway, port, _ = gateway_at_zero(spawn, tmp_path, request, backend, maxQueueSize=1)
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         await write_and_close(gateway.url, PAYLOAD)
-        await asyncio.sleep(0.5)
-        # The only place is free again: the next request is held, not refused as queue full.
-        answer = asyncio.create_task(session.post(f"{gateway.url}/v1/completions", json=PAYLOAD))
-        await wait_for(lambda: asyncio.to_thread(queue_size, gateway.url), 10, "held")
+        # The only place frees once the gateway sees the close (how soon depends on the machine's
+        # load): until then a request is refused as queue full; after, it is held. A place the
+        # close never freed would refuse every try until the deadline.
+        deadline = time.monotonic() + 10
+        while True:
+            answer = asyncio.create_task(
+                session.post(f"{gateway.url}/v1/completions", json=PAYLOAD)
+            )
+            held = await held_or_refused(gateway.url, answer)
+            if held:
+                break
+            assert time.monotonic() < deadline, "the place of the client that left never freed"
+            await asyncio.sleep(0.1)
         assert not answer.done()
         await asyncio.to_thread(start_double, spawn, port)
         response = await asyncio.wait_for(answer, 15)
