@@ -16,6 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.engine_forkserver import ForkedProcess, start_engine
 from tests.support import free_port, wait_until
 
 SLOTSERVE = Path(sys.executable).with_name("slotserve")
@@ -37,16 +38,15 @@ class EngineProcess:
             "--num-threads", "1",
             *flags,
         ]  # fmt: skip
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, wait_ready: bool = True, timeout: float = 120) -> EngineProcess:
-        log = self.log_path.open("wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = start_engine(self.argv, self.log_path, env)
         if wait_ready:
             self.wait_ready(timeout)
         return self

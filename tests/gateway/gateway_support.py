@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import yaml
 
+from tests.engine_forkserver import ForkedProcess, start_engine
 from tests.support import free_port, http_ok, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,7 @@ SLOTSERVE = ROOT / ".venv" / "bin" / "slotserve"
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen[bytes] | ForkedProcess
     url: str
     log: Path
 
@@ -68,8 +69,7 @@ class Spawner:
     ) -> ProcT:
         log = self.tmp_path / f"{name}-{port}.log"
         full_env = {**os.environ, **(env or {})}
-        with log.open("wb") as out:
-            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+        popen = start_engine(argv, log, full_env)  # runs anything that is not an engine as is
         proc = cls(name, popen, f"http://127.0.0.1:{port}", log)
         self.procs.append(proc)
         return proc
