@@ -95,6 +95,22 @@ def test_no_preemption_while_a_slot_is_free_or_a_batch_runs_to_its_end():
     assert step(static).tenant_preempted == []
 
 
+def test_every_waiting_preemptor_is_placed_at_one_step():
+    scheduler = scheduler_of(slots=4)
+    running = [seq_of(f"a{i}", "a") for i in range(4)]
+    for seq in running:
+        scheduler.add(seq)
+    step(scheduler)
+    b1, b2 = seq_of("b1", "b", victim="a"), seq_of("b2", "b", victim="a")
+    scheduler.add(b1)
+    scheduler.add(b2)
+    plan = step(scheduler)
+    assert plan.tenant_preempted == [running[3], running[2]]  # the newest first
+    assert b1 in plan.admitted and b2 in plan.admitted
+    assert list(scheduler.waiting) == [running[2], running[3]]  # they resume first
+    assert scheduler.num_tenant_preemptions == 2
+
+
 @pytest.fixture(scope="module")
 def sharp_model_dir(tmp_path_factory, smollm2_dir):
     return build_sharp_tiny_model(tmp_path_factory.getbasetemp() / "sharp-tiny", smollm2_dir)

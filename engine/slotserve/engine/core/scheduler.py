@@ -55,7 +55,7 @@ from slotserve.contracts.pool_spec import (
 from slotserve.engine.core.kv_cache import KVCacheManager
 from slotserve.engine.core.prefix_cache import SlotCopy
 from slotserve.engine.core.sequence import FinishReason, Sequence, SequenceError, SequenceStatus
-from slotserve.engine.core.tenant_preempt import first_preemptor, pick_victim
+from slotserve.engine.core.tenant_preempt import is_preemptor, pick_victim
 
 
 @dataclass(slots=True)
@@ -320,21 +320,25 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _preempt_for_tenant(self, plan: StepPlan) -> None:
-        """A preemptor waiting while every slot runs takes the newest running sequence's slot
-        (``tenant_preempt.pick_victim``); it goes first, the victim right behind it, so the
-        victim resumes at the next free slot. One per step: the gateway sends at most one
-        preemptor per engine at a time."""
-        preemptor = first_preemptor(self.waiting)
-        if preemptor is None or self.kv_cache.num_free_slots > 0:
-            return
-        victim = pick_victim(self.running, preemptor)
-        if victim is None:
-            return  # only its own tenant runs here: it waits like anyone
-        self.num_tenant_recomputed_tokens += victim.num_computed_tokens
-        self._preempt(victim, for_tenant=True)
-        plan.tenant_preempted.append(victim)
-        self.waiting.remove(preemptor)
-        self.waiting.appendleft(preemptor)
+        """While every slot runs, each waiting preemptor takes a running sequence's slot
+        (``tenant_preempt.pick_victim``); the preemptors go first, in their order, their victims
+        right behind them, so a victim resumes at the next free slot. The gateway sends an engine
+        at most half its slots of preemptors at a time (``preempt_share.max_outstanding``); all
+        that wait here are placed at this step."""
+        if self.kv_cache.num_free_slots > 0:
+            return  # a slot frees for the queue's front: nobody needs to be preempted
+        placed = []
+        for preemptor in [seq for seq in self.waiting if is_preemptor(seq)]:
+            victim = pick_victim(self.running, preemptor)
+            if victim is None:
+                continue  # only its own tenant runs here: it waits like anyone
+            self.num_tenant_recomputed_tokens += victim.num_computed_tokens
+            self._preempt(victim, for_tenant=True)
+            plan.tenant_preempted.append(victim)
+            placed.append(preemptor)
+        for preemptor in reversed(placed):
+            self.waiting.remove(preemptor)
+            self.waiting.appendleft(preemptor)
 
     def _apply_aborts(self, now: float) -> list[Sequence]:
         if not self._pending_aborts:

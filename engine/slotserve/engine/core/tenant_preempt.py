@@ -1,9 +1,10 @@
 """Tenant preemption (issue 26): a request the gateway sent over an engine's slots takes a slot.
 
-The gateway grants a request of a tenant under its weighted share of the pool a slot on an
-engine that is full, marked with the tenant that holds more than its share there
-(``x-slotserve-preempt``, ``SamplingParams.preempt_tenant``). The engine makes room at the next
-step by preempting one running sequence, as vLLM's scheduler preempts by recompute when its KV
+The gateway grants a request of a tenant under its weighted share of the pool (or of a light
+tenant at it) a slot on an engine that is full, marked with the tenant to take it from
+(``x-slotserve-preempt``, ``SamplingParams.preempt_tenant``); at most half the engine's slots of
+such requests at a time. The engine makes room at the next step by preempting one running
+sequence per waiting preemptor, as vLLM's scheduler preempts by recompute when its KV
 blocks run out: the victim loses its KV (its row may survive in the prefix cache, so its
 recompute is then a copy) and goes back to the front of the waiting queue, so it resumes first
 when a slot frees. Its tokens, generator and penalty counts stay on the sequence, so its answer
@@ -14,7 +15,6 @@ Pure functions over sequences; the scheduler calls them (no torch).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 from slotserve.engine.core.params import SamplingParams
@@ -33,11 +33,6 @@ def is_preemptor(seq: Sequence) -> bool:
     """A sequence that may take a running one's slot: it carries a victim tenant and has never
     run (a preemptor itself preempted for KV later waits like anyone)."""
     return seq.params.preempt_tenant is not None and seq.first_scheduled_time is None
-
-
-def first_preemptor(waiting: Iterable[Sequence]) -> Sequence | None:
-    """The oldest waiting sequence that may preempt, if any."""
-    return next((seq for seq in waiting if is_preemptor(seq)), None)
 
 
 def pick_victim(running: Seq[Sequence], preemptor: Sequence) -> Sequence | None:
