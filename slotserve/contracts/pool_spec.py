@@ -155,8 +155,9 @@ class AdmissionSpec(WireModel):
     preempt_for_share: bool = Field(
         True,
         description="A request of a tenant holding fewer slots than its weighted share of the "
-        "pool may preempt a running answer of a tenant holding more, when no slot is free (at "
-        "most one outstanding per engine; the answer resumes, recomputed). Never fires with "
+        "pool may preempt a running answer of a tenant holding more, when no slot is free, and "
+        "a light tenant at its share may borrow one slot of a backlogged one (at most half an "
+        "engine's slots outstanding on it; the answer resumes, recomputed). Never fires with "
         "one tenant.",
     )
 

@@ -24,7 +24,7 @@ from slotserve.contracts.redis_keys import Keys
 from slotserve.gateway.admission.backends.memory import InProcessBackend, InProcessHub
 from slotserve.gateway.admission.backends.redis import RedisBackend
 from slotserve.gateway.admission.lua.scripts import SCRIPTS
-from slotserve.gateway.admission.preempt_share import split_grant
+from slotserve.gateway.admission.preempt_share import max_outstanding, split_grant
 from slotserve.gateway.admission.types import REFUSED, AdmissionError, PoolPolicy
 from slotserve.gateway.pools.routing import EndpointOffer
 
@@ -289,16 +289,16 @@ class Twin:
         for endpoint, slots in leases.values():
             weights[endpoint] += slots
         assert got["inflight"] == dict(weights), "in-flight differs from the leases"
-        # A preempting grant (``preempt_share.py``) may take an engine one over its slots, and
-        # only from exactly its slots: never two outstanding.
+        # Preempting grants (``preempt_share.py``) may take an engine over its slots, by at most
+        # ``max_outstanding(slots)`` (half its slots, at least one) and only from its slots.
         slots_of = {offer.url: offer.slots_total for offer in offers}
         inflight = got["inflight"]
         assert isinstance(inflight, dict)
-        extra = 1 if pool.preempt_for_share else 0
         for endpoint, used in inflight.items():
             if used > before.get(endpoint, 0):
-                limit = slots_of.get(endpoint, 0) + extra
-                assert used <= limit, f"{endpoint} over its slots: {used}"
+                slots = slots_of.get(endpoint, 0)
+                extra = max_outstanding(slots) if pool.preempt_for_share and slots else 0
+                assert used <= slots + extra, f"{endpoint} over its slots: {used}"
         # The tenants' held slots are the sum of their leases' (a lease restored without a
         # tenant counts for nobody).
         lease_tenants = got["lease_tenants"]

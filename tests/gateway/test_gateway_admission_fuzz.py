@@ -313,3 +313,61 @@ def test_a_flood_with_preemption_matches_the_oracle(fuzz_redis):
         pool = PoolPolicy("m", max_queue_size=8, queue_timeout_s=60.0, preempt_for_share=preempt)
         made = asyncio.run(run_example(fuzz_redis.url, pool, [(2, 0.0), (2, 0.5)], steps))
         assert made >= at_least if preempt else made == 0
+
+
+def _release(k: int) -> tuple:
+    """Release the k-th delivered request (k % 4 != 0), or the k-th issued (k % 4 == 0)."""
+    return ("release", 0, k)
+
+
+def test_a_light_tenant_borrows_one_slot_that_the_flood_never_takes_back(fuzz_redis):
+    """One engine of 4 slots: B holds its 2, A its 2 with 4 more waiting (backlogged). B's next
+    request borrows one of A's slots; A, back under its share as its answer ends, does not take
+    it back (B is over by one slot only); both backends alike, exactly one preemption."""
+    steps = [
+        _enqueue(0, "b"),
+        _enqueue(0, "b"),
+        *[_enqueue(0, "a") for _ in range(6)],  # r0002-r0003 run, r0004-r0007 wait
+        _release(2),  # r0002 ends: r0004 runs (an ordinary grant)
+        _enqueue(1, "b"),  # r0009: B at its share, light; A backlogged: borrows
+        _release(3),  # r0003 ends: A under its share, but B only one over: nobody preempted
+        _release(6),  # r0000 (B) ends: a free slot for A's next, an ordinary grant
+        ("tick", 2),
+    ]
+    for preempt, expected in ((True, 1), (False, 0)):
+        pool = PoolPolicy("m", max_queue_size=8, queue_timeout_s=60.0, preempt_for_share=preempt)
+        assert asyncio.run(run_example(fuzz_redis.url, pool, [(4, 0.0)], steps)) == expected
+
+
+def test_an_engine_has_at_most_half_its_slots_of_preemptions_outstanding(fuzz_redis):
+    """One engine of 4 slots, A on all of them with a backlog: B and C preempt at once (two
+    outstanding), D waits until one of A's answers ends, then preempts too."""
+    steps = [
+        *[_enqueue(0, "a") for _ in range(8)],  # r0000-r0003 run, r0004-r0007 wait
+        ("release", 0, 8),  # r0000 ends: r0004 runs
+        _release(1),  # r0001 ends: r0005 runs, V moves past B's, C's and D's start
+        _enqueue(1, "b", 3),  # preempts A: one outstanding
+        _enqueue(1, "c", 3),  # preempts A: two outstanding, the most for 4 slots
+        _enqueue(2, "d", 3),  # under its share, but the engine has its two: waits
+        _release(2),  # r0002 (A) ends: one outstanding, so D preempts
+        ("tick", 2),
+    ]
+    for preempt, expected in ((True, 3), (False, 0)):
+        pool = PoolPolicy("m", max_queue_size=8, queue_timeout_s=60.0, preempt_for_share=preempt)
+        assert asyncio.run(run_example(fuzz_redis.url, pool, [(4, 0.0)], steps)) == expected
+
+
+def test_a_request_behind_the_flooders_head_still_preempts(fuzz_redis):
+    """B's second request ties with A's head in fair order and goes behind it (request ids
+    decide); A's head may not preempt, so the one behind it does (``PREEMPT_SCAN``)."""
+    steps = [
+        *[_enqueue(0, "a") for _ in range(8)],  # r0000-r0003 run, r0004-r0007 wait
+        ("release", 0, 8),  # r0000 ends: r0004 (tag 0) runs
+        _release(1),  # r0001 ends: r0005 (tag 1 unit) runs; A's head r0006 is at 2 units
+        _enqueue(1, "b"),  # r0010 starts at 1 unit: the head, it preempts A
+        _enqueue(1, "b"),  # r0011 starts at 2 units, behind r0006: preempts from there
+        ("tick", 2),
+    ]
+    for preempt, expected in ((True, 2), (False, 0)):
+        pool = PoolPolicy("m", max_queue_size=8, queue_timeout_s=60.0, preempt_for_share=preempt)
+        assert asyncio.run(run_example(fuzz_redis.url, pool, [(4, 0.0)], steps)) == expected

@@ -2,9 +2,10 @@
 
 Both backends (in-process, and a real redis-server with several replicas): a request of a tenant
 holding fewer slots than its weighted share of the pool is granted at once on a full engine as a
-preempting grant naming the tenant over its share, exactly when the rule says; never two
-outstanding on one engine; the held-slot counts follow the leases and return to nothing when
-they end, by release or by expiry; and a pool that turns it off waits as before.
+preempting grant naming the tenant over its share, exactly when the rule says; at most half an
+engine's slots (at least one) outstanding on it; a light tenant at its share borrows one slot of
+a backlogged one, which does not take it back; the held-slot counts follow the leases and return
+to nothing when they end, by release or by expiry; and a pool that turns it off waits as before.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ async def test_an_under_share_tenant_preempts_at_once_and_never_twice_per_engine
     lease_b = await asyncio.wait_for(second.acquire(pool, 5, 30, tenant="b"), 5)
     assert (lease_b.endpoint, lease_b.preempt_tenant) == (ENGINE, "a")
     assert held() == {"a": 2, "b": 1}
-    # C is under its share too (2/3 of a slot among three tenants), but the engine already has
-    # its one outstanding preemption: C waits.
+    # C is under its share too (2/3 of a slot among three tenants), but the engine of 2 slots
+    # already has its one outstanding preemption: C waits.
     task_c = _acquire(third, pool, "c")
     await _until(lambda: waiting() == 1, "C queued")
     assert not task_c.done()
@@ -125,3 +126,63 @@ async def test_a_pool_without_preemption_waits_for_an_answer_to_end(cluster):
     assert lease.preempt_tenant is None
     for held_lease in [*leases, lease]:
         await replica.release(held_lease)
+
+
+async def test_an_engine_has_at_most_half_its_slots_of_preemptions_outstanding(cluster):
+    pool = _pool(cluster, slots=4)
+    replica = await cluster.replica()
+    waiting, held = waiting_count(cluster, pool), _held(cluster, pool)
+    leases_a = await _fill(replica, pool, "a", 4)
+    # B and C hold nothing of their shares: both preempt A at once (two outstanding, 4 / 2).
+    lease_b = await asyncio.wait_for(replica.acquire(pool, 5, 30, tenant="b"), 5)
+    lease_c = await asyncio.wait_for(replica.acquire(pool, 5, 30, tenant="c"), 5)
+    assert (lease_b.preempt_tenant, lease_c.preempt_tenant) == ("a", "a")
+    # D is under its share too, but the engine has its two outstanding: D waits.
+    task_d = _acquire(replica, pool, "d")
+    await _until(lambda: waiting() == 1, "D queued")
+    await asyncio.sleep(0.2)
+    assert not task_d.done()
+    # One of A's answers ends: one outstanding again, and A is still over its share.
+    await replica.release(leases_a.pop())
+    lease_d = await asyncio.wait_for(task_d, 5)
+    assert lease_d.preempt_tenant == "a"
+    assert held() == {"a": 3, "b": 1, "c": 1, "d": 1}
+    for lease in [*leases_a, lease_b, lease_c, lease_d]:
+        await replica.release(lease)
+    await _until(lambda: held() == {}, "every held count back to nothing")
+
+
+async def test_a_light_tenant_borrows_one_slot_and_the_flood_never_takes_it_back(cluster):
+    pool = _pool(cluster, slots=4)
+    replica = await cluster.replica()
+    waiting, held = waiting_count(cluster, pool), _held(cluster, pool)
+    leases_b = await _fill(replica, pool, "b", 2)
+    leases_a = await _fill(replica, pool, "a", 2)
+    # A floods: four more wait (more than its share of 2 and one: A is backlogged).
+    flood = [_acquire(replica, pool, "a") for _ in range(4)]
+    await _until(lambda: waiting() == 4, "A's flood queued")
+    await replica.release(leases_a.pop(0))  # an answer of A ends: A's next takes its slot
+    await _until(lambda: sum(task.done() for task in flood) == 1, "A's next granted")
+    leases_a += [task.result() for task in flood if task.done()]
+    flood = [task for task in flood if not task.done()]
+    assert held() == {"a": 2, "b": 2}
+    # B at its share with nothing else waiting (light) borrows one of the flooder's slots.
+    borrowed = await asyncio.wait_for(replica.acquire(pool, 5, 30, tenant="b"), 5)
+    assert borrowed.preempt_tenant == "a"
+    assert held() == {"a": 2, "b": 3}
+    # An answer of A ends: A is under its share, but B is over by one slot only, so A waits
+    # (no preemption back and forth) ...
+    await replica.release(leases_a.pop(0))
+    await asyncio.sleep(0.3)
+    assert not any(task.done() for task in flood)
+    assert held() == {"a": 1, "b": 3}
+    # ... until an answer ends: then an ordinary grant.
+    await replica.release(leases_b.pop())
+    await _until(lambda: sum(task.done() for task in flood) == 1, "A's next granted")
+    leases_a += [task.result() for task in flood if task.done()]
+    assert all(lease.preempt_tenant is None for lease in leases_a)
+    for task in flood:
+        task.cancel()
+    for lease in [*leases_a, *leases_b, borrowed]:
+        await replica.release(lease)
+    await _until(lambda: held() == {}, "every held count back to nothing")

@@ -8,15 +8,22 @@ awaits in the middle, so every step is atomic just like a Lua script.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
 
 from slotserve.gateway.admission.backends.memory_pool import Entry, PoolState, StepBudget
-from slotserve.gateway.admission.preempt_share import PREEMPT_MARK, pick_preemption
+from slotserve.gateway.admission.preempt_share import (
+    PREEMPT_MARK,
+    PREEMPT_SCAN,
+    Preemption,
+    pick_preemption,
+)
 from slotserve.gateway.admission.tenants import DEFAULT_TENANT
 from slotserve.gateway.admission.types import (
     DEFAULT_AGING_US,
+    DEMOTION_OFFSET_US,
     MAX_LEASE_SLOTS,
     REFUSED,
     CancelOutcome,
@@ -95,6 +102,7 @@ class InProcessHub:
             preemption = None
             if not ranked and policy.preempt_for_share and entry.slots == 1 and entry.tenant:
                 # No free slot: a tenant under its share may take one (``preempt_share.py``).
+                fair = state.fair.get(entry.level)
                 preemption = pick_preemption(
                     offers,
                     state.inflight,
@@ -102,7 +110,13 @@ class InProcessHub:
                     state.tenant_held_at,
                     state.weights,
                     entry.tenant,
+                    fair.fields if fair is not None else {},
                 )
+            if not ranked and preemption is None and policy.preempt_for_share:
+                # The head may not preempt: one behind it may (``preempt_share.py``).
+                behind = self.preemptor_behind(state, offers, entry, now_us, alive)
+                if behind is not None:
+                    request_id, entry, tag, preemption = behind
             if not ranked and preemption is None:
                 break
             if tag is not None:
@@ -124,6 +138,45 @@ class InProcessHub:
             )
         state.hold_freed_places(policy.max_queue_size)
         return DispatchResult(len(state.queue), state.num_dispatched, 0)
+
+    def preemptor_behind(
+        self,
+        state: PoolState,
+        offers: Sequence[EndpointOffer],
+        head: Entry,
+        now_us: int,
+        alive: Callable[[str], bool],
+    ) -> tuple[str, Entry, int, Preemption] | None:
+        """The first of the head's level's first ``PREEMPT_SCAN`` entries in fair order whose
+        tenant may preempt (each tenant judged by its first live one-slot entry there), with its
+        tag and grant (``lua/prelude.py``'s ``preemptor_behind``)."""
+        fair = state.fair.get(head.level)
+        if fair is None:
+            return None
+        tried = {head.tenant}
+        for tag, request_id in heapq.nsmallest(
+            PREEMPT_SCAN, ((tag, rid) for rid, tag in fair.tags.items())
+        ):
+            entry = state.entries.get(request_id)
+            if entry is None or entry.tenant in tried or entry.slots != 1 or entry.tenant is None:
+                continue
+            if tag >= DEMOTION_OFFSET_US or state.delays.get(request_id, now_us + 1) <= now_us:
+                continue  # demoted, or due to be: it waits behind everyone
+            if entry.deadline_us <= now_us or not alive(entry.replica):
+                continue  # the head's sweep drops it in its turn
+            tried.add(entry.tenant)
+            preemption = pick_preemption(
+                offers,
+                state.inflight,
+                state.tenant_held,
+                state.tenant_held_at,
+                state.weights,
+                entry.tenant,
+                fair.fields,
+            )
+            if preemption is not None:
+                return request_id, entry, tag, preemption
+        return None
 
     def routed_url(
         self,

@@ -350,7 +350,16 @@ local function dispatch(now)
       local tenant, victim = redis.call('HGET', K_ENTRY_TENANTS, rid) or nil, nil
       if not ep and PREEMPT == 1 and slots == 1 and tenant then
         -- No free slot: a tenant under its share may take one (preempt.py).
-        ep, victim = pick_preemption(tenant)
+        ep, victim = pick_preemption(tenant, level)
+      end
+      if not ep and PREEMPT == 1 and level then
+        -- The head may not preempt: one behind it may (preempt.py).
+        local b_rid, b_replica, b_tag, b_ep, b_victim, b_tenant =
+          preemptor_behind(tenant, level, now)
+        if b_rid then
+          rid, replica, tag, slots = b_rid, b_replica, b_tag, 1
+          ep, victim, tenant = b_ep, b_victim, b_tenant
+        end
       end
       if not ep then return 0 end
       if level then fair_served(level, tag) end
