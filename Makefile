@@ -3,9 +3,11 @@
 # Each creates .venv and installs pinned packages on first use; later runs reuse them.
 
 # Test workers: most tests wait on processes (engines, Redis, HTTP), so more workers than
-# cores shortens the run; override with `make test TEST_WORKERS=1` to run serially. Tests marked
-# `serial` (latency bounds, CPU hogs) then run alone, so the others' load cannot fail them.
-TEST_WORKERS ?= 4
+# cores shortens the run (a fresh clone on 2 cores: 4 workers ~540 s for the parallel part, 6
+# workers 427 s, with engines forked from tests/engine_forkserver.py); override with
+# `make test TEST_WORKERS=1` to run serially. Tests marked `serial` (latency bounds, CPU hogs)
+# then run alone, so the others' load cannot fail them.
+TEST_WORKERS ?= 6
 # The serial tests' two sessions side by side; one after the other with TEST_WORKERS=1.
 SERIAL_JOBS := $(if $(filter 1,$(TEST_WORKERS)),1,2)
 # The files that hold serial tests: collecting only them spares each of the serial run's three
