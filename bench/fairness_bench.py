@@ -26,8 +26,9 @@ Each answer's queue wait is the gateway's own ``x-slotserve-queue-wait-ms``; slo
 engine's ``/load`` (1 - slots_free / slots_total: slots held by a request) sampled every 20 ms.
 
 ``--preempt on`` (the pool's ``preemptForShare``, issue 26): a request of B while B holds fewer
-slots than its share may preempt one of A's running answers; each run then also reports the
-engine's tenant preemptions (A answers preempted) and the computed tokens they lost (recomputed).
+slots than its share, or (B light, A backlogged) as many, may preempt one of A's running answers
+(docs/gateway.md, "Preemption for a tenant under its share"); each run then also reports the
+engine's tenant preemptions (answers preempted) and the computed tokens they lost (recomputed).
 ``--phases`` runs a subset of the four runs (``share flood`` is what the target compares).
 
     .venv/bin/python bench/fairness_bench.py [--seconds 60] [--slots 4] [--new-tokens 64]
