@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from slotserve.gateway.admission.backends.memory_pool import Entry, PoolState, StepBudget
 from slotserve.gateway.admission.preempt_share import (
@@ -46,6 +46,14 @@ from slotserve.gateway.pools.routing import (
     sendable_route,
     sound_offers,
 )
+
+
+def preemption_for(
+    state: PoolState, offers: Sequence[EndpointOffer], tenant: str, fields: Mapping[str, int]
+) -> Preemption | None:
+    """``pick_preemption`` over the pool's held counts and weights."""
+    held, held_at = state.tenant_held, state.tenant_held_at
+    return pick_preemption(offers, state.inflight, held, held_at, state.weights, tenant, fields)
 
 
 def _monotonic_us() -> int:
@@ -103,15 +111,8 @@ class InProcessHub:
             if not ranked and policy.preempt_for_share and entry.slots == 1 and entry.tenant:
                 # No free slot: a tenant under its share may take one (``preempt_share.py``).
                 fair = state.fair.get(entry.level)
-                preemption = pick_preemption(
-                    offers,
-                    state.inflight,
-                    state.tenant_held,
-                    state.tenant_held_at,
-                    state.weights,
-                    entry.tenant,
-                    fair.fields if fair is not None else {},
-                )
+                fields = fair.fields if fair is not None else {}
+                preemption = preemption_for(state, offers, entry.tenant, fields)
             if not ranked and preemption is None and policy.preempt_for_share:
                 # The head may not preempt: one behind it may (``preempt_share.py``).
                 behind = self.preemptor_behind(state, offers, entry, now_us, alive)
@@ -165,15 +166,7 @@ class InProcessHub:
             if entry.deadline_us <= now_us or not alive(entry.replica):
                 continue  # the head's sweep drops it in its turn
             tried.add(entry.tenant)
-            preemption = pick_preemption(
-                offers,
-                state.inflight,
-                state.tenant_held,
-                state.tenant_held_at,
-                state.weights,
-                entry.tenant,
-                fair.fields,
-            )
+            preemption = preemption_for(state, offers, entry.tenant, fair.fields)
             if preemption is not None:
                 return request_id, entry, tag, preemption
         return None
