@@ -159,14 +159,23 @@ def _admission_worker(
     from slotserve.gateway.pools.routing import EndpointOffer
 
     # routed: every request carries a route as a 4-turn chat does (8 prefix keys, one engine's
-    # match, a session), so the dispatch reads and records the prefix index (issue 29).
+    # match, a session, the pool's default wait for a full engine), so the dispatch reads and
+    # records the prefix index (issue 29).
     route = None
     if routed:
+        from slotserve.contracts.pool_spec import RoutingSpec
         from slotserve.contracts.prefix_keys import chat_chain
 
         messages = [{"role": "user", "content": f"turn {i}"} for i in range(8)]
         keys = chat_chain(messages, "bench").keys
-        route = routing.Route(keys=keys, depths=(("http://e1", 6),), session="ab" * 16)
+        spec = RoutingSpec()
+        route = routing.Route(
+            keys=keys,
+            depths=(("http://e1", 6),),
+            session="ab" * 16,
+            wait_ms=spec.cache_wait_milliseconds,
+            look_ahead=spec.look_ahead,
+        )
 
     async def run() -> int:
         backend = RedisBackend(redis_url, f"bench-{os.getpid()}", prefix=prefix)
