@@ -33,6 +33,8 @@ from tests.gateway.test_gateway_prefix_routing_http import chat, polled
 
 A, B, C = "http://a", "http://b", "http://c"
 POOL = PoolPolicy("m", max_queue_size=256, queue_timeout_s=10)
+# Without preemption for a tenant under its share, which would let a new tenant in at once.
+NO_PREEMPT = PoolPolicy("m", max_queue_size=256, queue_timeout_s=10, preempt_for_share=False)
 
 
 def history(name: str) -> tuple[str, ...]:
@@ -111,6 +113,36 @@ async def test_nobody_passes_beyond_the_window_nor_from_another_level(cluster):
     assert (await asyncio.wait_for(head, 5)).endpoint == A
     assert (await asyncio.wait_for(beyond, 5)).endpoint == B
     assert not also_a.done() and not other_level.done()
+
+
+async def test_requests_pass_a_waiting_head_in_their_tenants_fair_order(cluster):
+    cluster.serve(NO_PREEMPT, (A, 1, 0.0), (B, 1, 0.0))
+    replica = await cluster.replica()
+    order: list[str] = []
+
+    async def one(name: str, tenant: str, route: Route | None = None) -> Lease:
+        lease = await asyncio.wait_for(
+            replica.acquire(NO_PREEMPT, 5, 10.0, tenant=tenant, route=route), 10
+        )
+        order.append(name)
+        return lease
+
+    on_a, on_b = await one("fill", "default"), await one("fill", "default")
+    order.clear()
+    head = asyncio.create_task(one("head", "flood", held_on(A)))
+    await settle()
+    floods = [asyncio.create_task(one(f"flood{i}", "flood")) for i in range(3)]
+    await settle()
+    other = asyncio.create_task(one("other", "quiet"))  # last to arrive, first in fair order
+    await settle()
+    await replica.release(on_b)  # B frees while the head waits for A: "quiet" passes first
+    passed = await asyncio.wait_for(other, 5)
+    assert order == ["other"] and passed.endpoint == B
+    await replica.release(passed)
+    await asyncio.wait_for(floods[0], 5)  # then the flood, in its own order
+    assert order == ["other", "flood0"] and not head.done()
+    await replica.release(on_a)
+    assert (await asyncio.wait_for(head, 5)).endpoint == A
 
 
 async def test_requests_behind_go_to_their_own_engines_and_none_is_overfilled(cluster):
