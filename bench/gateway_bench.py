@@ -9,7 +9,9 @@ no generation, answers at once), one real redis-server, gateway processes.
 2. Admission throughput, two ways:
    - admission only: acquire + release against Redis (no HTTP), per replica process and with
      3 replica processes at once, and per replica with every request routed by prefix and
-     session (``_routed``: the dispatch reads and records the prefix index);
+     session (``_routed``: the dispatch reads and records the prefix index), and with requests
+     queued for 16 slots, each routed to one engine's prefix (``_queued``: heads wait for their
+     engines and others pass them);
    - end to end over HTTP: requests through 1 and 3 gateway replicas to the fast double.
 
     .venv/bin/python bench/gateway_bench.py [--requests 400] [--seconds 4] [--out PATH.json]
@@ -150,7 +152,13 @@ async def http_throughput(urls: list[str], seconds: float, concurrency: int) -> 
 
 
 def _admission_worker(
-    redis_url: str, prefix: str, seconds: float, concurrency: int, queue, routed: bool = False
+    redis_url: str,
+    prefix: str,
+    seconds: float,
+    concurrency: int,
+    queue,
+    routed: bool = False,
+    queued: bool = False,
 ) -> None:
     from slotserve.gateway.admission.backends.redis import RedisBackend
     from slotserve.gateway.admission.front import Admission
@@ -159,38 +167,71 @@ def _admission_worker(
     from slotserve.gateway.pools.routing import EndpointOffer
 
     # routed: every request carries a route as a 4-turn chat does (8 prefix keys, one engine's
-    # match, a session), so the dispatch reads and records the prefix index (issue 29).
+    # match, a session, the pool's default wait for a full engine), so the dispatch reads and
+    # records the prefix index (issue 29).
     route = None
     if routed:
+        from slotserve.contracts.pool_spec import RoutingSpec
         from slotserve.contracts.prefix_keys import chat_chain
 
         messages = [{"role": "user", "content": f"turn {i}"} for i in range(8)]
         keys = chat_chain(messages, "bench").keys
-        route = routing.Route(keys=keys, depths=(("http://e1", 6),), session="ab" * 16)
+        spec = RoutingSpec()
+        route = routing.Route(
+            keys=keys,
+            depths=(("http://e1", 6),),
+            session="ab" * 16,
+            wait_ms=spec.cache_wait_milliseconds,
+            look_ahead=spec.look_ahead,
+        )
+
+    # queued: 4 engines of 4 slots, each request held 2 ms and routed to one engine's prefix
+    # (worker i to engine i % 4), so requests queue, heads wait for their engines and others pass
+    # them (docs/gateway.md, waiting for the engine that holds the prefix).
+    routes = [route] * concurrency
+    if queued:
+        from slotserve.contracts.pool_spec import RoutingSpec
+        from slotserve.contracts.prefix_keys import chat_chain
+
+        spec = RoutingSpec()
+        routes = []
+        for i in range(concurrency):
+            turns = [{"role": "user", "content": f"c{i} t{t}"} for t in range(8)]
+            routes.append(
+                routing.Route(
+                    keys=chat_chain(turns, "bench").keys,
+                    depths=((f"http://e{i % 4}", 6),),
+                    wait_ms=spec.cache_wait_milliseconds,
+                    look_ahead=spec.look_ahead,
+                )
+            )
 
     async def run() -> int:
         backend = RedisBackend(redis_url, f"bench-{os.getpid()}", prefix=prefix)
         pool = PoolPolicy("m", max_queue_size=100_000, queue_timeout_s=30)
-        offers = [EndpointOffer(f"http://e{i}", 64, 0.0) for i in range(4)]
+        slots = 4 if queued else 64
+        offers = [EndpointOffer(f"http://e{i}", slots, 0.0) for i in range(4)]
         admission = Admission(backend, lambda _: offers, lambda: [pool])
         await admission.start()
         done = 0
         errors: list[str] = []
         stop_at = time.monotonic() + seconds
 
-        async def worker() -> None:
+        async def worker(index: int) -> None:
             nonlocal done
             while time.monotonic() < stop_at:
                 try:
-                    lease = await admission.acquire(pool, 5, 30, route=route)
+                    lease = await admission.acquire(pool, 5, 30, route=routes[index])
                 except Exception as exc:  # counted, not fatal: the run reports it
                     errors.append(repr(exc)[:120])
                     await asyncio.sleep(0.05)
                     continue
+                if queued:
+                    await asyncio.sleep(0.002)
                 await admission.release(lease)
                 done += 1
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
         await admission.close()
         if errors:
             print(f"admission worker: {len(errors)} errors, first: {errors[0]}", flush=True)
@@ -200,12 +241,17 @@ def _admission_worker(
 
 
 def admission_throughput(
-    redis_url: str, num_procs: int, seconds: float, concurrency: int, routed: bool = False
+    redis_url: str,
+    num_procs: int,
+    seconds: float,
+    concurrency: int,
+    routed: bool = False,
+    queued: bool = False,
 ) -> float:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     prefix = f"bench{time.monotonic_ns()}"
-    args = (redis_url, prefix, seconds, concurrency, queue, routed)
+    args = (redis_url, prefix, seconds, concurrency, queue, routed, queued)
     procs = [ctx.Process(target=_admission_worker, args=args) for _ in range(num_procs)]
     for p in procs:
         p.start()
@@ -278,6 +324,9 @@ def main() -> int:
                 ),
                 "admission_only_1_replica_routed": admission_throughput(
                     redis.url, 1, args.seconds, args.concurrency, routed=True
+                ),
+                "admission_only_1_replica_queued": admission_throughput(
+                    redis.url, 1, args.seconds, args.concurrency, queued=True
                 ),
                 "http_direct_engine": asyncio.run(
                     http_throughput([engine], args.seconds, args.concurrency)

@@ -8,7 +8,9 @@ serving SmolLM2 (``--slots`` 4 each, the prefix cache on as by default, ``--num-
 three engines share two cores) and ``--gateways`` (2) gateway replicas on that Redis, one pool
 file listing the engines. Clients send streamed chat completions, alternating between the
 gateways. Each routing is a pool file: ``load`` sets ``routing: {prefixAware: false,
-sessionHeader: "", sessionFromUser: false}``, ``prefix`` sets ``routing: {prefixAware: true}``;
+sessionHeader: "", sessionFromUser: false}``, ``prefix`` sets ``routing: {prefixAware: true}``
+(a request whose engine is full waits for it a while, docs/gateway.md), ``nowait`` the same with
+``cacheWaitMilliseconds: 0`` (routed among the engines with room at once, as before that wait);
 where the installed gateway has no ``routing`` field (``PoolConfig``), only ``load`` runs and
 the output says so. Every (workload, routing) cell starts cold: engines and gateways restarted,
 Redis flushed. The routings alternate their order across ``--repeats``.
@@ -65,6 +67,8 @@ from slotserve.models.resolve import resolve_model
 
 ROUTINGS: dict[str, dict[str, Any]] = {
     "load": {"prefixAware": False, "sessionHeader": "", "sessionFromUser": False},
+    # Prefix routing without waiting for a full engine that holds the prefix (before the wait).
+    "nowait": {"prefixAware": True, "cacheWaitMilliseconds": 0},
     "prefix": {"prefixAware": True},
 }
 WORKLOADS = ("chat", "chat-wide", "system")
@@ -202,12 +206,13 @@ def print_table(workload: str, cells: dict[str, list[dict[str, Any]]]) -> None:
     repeats = max(len(c) for c in cells.values())
     print(f"\n{workload} (median of {repeats} repeat(s))")
     header = f"{'':<40}" + "".join(f"{r:>10}" for r in routings)
-    print(header + (f"{'prefix/load':>13}" if len(routings) == 2 else ""))
+    ratios = [f"{routings[-1]}/{r}" for r in routings[:-1]]  # the last against each other
+    print(header + "".join(f"{r:>15}" for r in ratios))
     for label, key, fmt in ROWS:
         values = [median_of(cells[r], key) for r in routings]
         text = "".join(f"{fmt.format(v):>10}" for v in values)
-        if len(values) == 2 and values[0] and key not in ("num_errors", "max_running_over_slots"):
-            text += f"{values[1] / values[0]:>13.2f}"
+        if key not in ("num_errors", "max_running_over_slots"):
+            text += "".join(f"{values[-1] / v:>15.2f}" if v else f"{'':>15}" for v in values[:-1])
         print(f"{label:<40}{text}")
     for name, value, met in target_checks(workload, cells):
         print(f"target: {name:<52}{value:>8.3f}  {'met' if met else 'MISSED'}")
@@ -245,7 +250,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--out", type=Path, default=Path("results/prefix_routing"), help="folder for results")
-    add("--routings", default="load,prefix", help="comma-separated: load, prefix")
+    add("--routings", default="load,prefix", help="comma-separated: " + ", ".join(ROUTINGS))
     add("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
     add("--repeats", type=int, default=1, help="each cell's runs (routings' order alternates)")
     add("--quick", action="store_true", help="smoke run: 2 conversations x 2 turns, 8 requests")

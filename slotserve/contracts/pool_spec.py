@@ -182,7 +182,8 @@ class RoutingSpec(WireModel):
 
     # The rule: the engine whose rows hold the longest prefix of the request, then the engine
     # that served its session last, then the least loaded; a preferred engine only while it is
-    # within balance_threshold of the least loaded one.
+    # within balance_threshold of the least loaded one. A request whose engine is full waits
+    # for it up to cache_wait_milliseconds while up to look_ahead requests behind it pass.
 
     prefix_aware: bool = Field(
         True,
@@ -206,4 +207,20 @@ class RoutingSpec(WireModel):
         description="An engine preferred for its cache or session takes the request only while "
         "the share of its slots in flight exceeds the least loaded engine's by at most this "
         "(0: only among the least loaded; 1: whenever it has a free slot).",
+    )
+    cache_wait_milliseconds: int = Field(
+        2000,
+        ge=0,
+        le=60_000,
+        description="How long a request may wait for the full engine holding its prefix while "
+        "another has room (within balanceThreshold once a slot frees there), counted from the "
+        "first time it did; requests behind it (lookAhead) are dispatched past it meanwhile. "
+        "0: never waits (routed among the engines with room).",
+    )
+    look_ahead: int = Field(
+        8,
+        ge=1,
+        le=32,
+        description="While the head of the queue waits for its engine, how many requests "
+        "behind it (same priority level, in fair order) may be dispatched past it.",
     )

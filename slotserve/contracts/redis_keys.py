@@ -24,6 +24,7 @@ replica leaves nothing behind for long:
 | ``P:{pool}:fair:{level}`` | HASH | ``=v`` -> virtual time V, tenant -> finish tag (6) | STATE |
 | ``P:{pool}:fairq:{level}`` | ZSET | the level's waiting ids; score = fair start tag (6) | STATE |
 | ``P:{pool}:routes`` | HASH | waiting request id -> its route (8) | STATE |
+| ``P:{pool}:route_waits`` | HASH | waiting id -> since when it waits for its engine (8) | STATE |
 | ``P:{pool}:routed:{key}`` | STRING | endpoint a request with prefix ``key`` went to (8) | 5 s |
 | ``P:{pool}:session:{id}`` | STRING | endpoint that served session ``id`` last (8) | 10 min |
 | ``P:{pool}:entry_tenants`` | HASH | waiting request id -> its tenant (9) | STATE |
@@ -59,6 +60,8 @@ refilled (absent is full), the in-flight set until no replica refreshed it for i
 route is the request's prefix keys (``contracts.prefix_keys``), the keys each engine reported
 matching, its session's hash and its balance threshold; written when a request waits, read
 when it is granted. Granting a routed request records its first and deepest keys and its session.
+A request that waits for the full engine holding its prefix (``admission/lua/cache_wait.py``)
+has the time it first did so in ``route_waits``, until it is granted or dropped.
 (9) preemption for a tenant under its share (the gateway's ``admission/lua/preempt.py`` and
 ``admission/preempt_share.py``): kept with the leases, at grant, release and expiry.
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every
@@ -93,6 +96,8 @@ POOL_KEY_NAMES = (
     "tenant_held",
     "tenant_held_at",
     "tenant_weights",
+    # Prefix-aware routing: since when a waiting request waits for its engine.
+    "route_waits",
 )
 
 TENANT_KEY_NAMES = ("rpm", "tpm", "inflight")
@@ -105,7 +110,7 @@ class Keys:
     prefix: str = "slotserve"
 
     def pool(self, pool_name: str) -> list[str]:
-        """The pool's keys in the order the Lua scripts expect them (KEYS[1..19])."""
+        """The pool's keys in the order the Lua scripts expect them (KEYS[1..20])."""
         return [self.pool_key(pool_name, name) for name in POOL_KEY_NAMES]
 
     def pool_key(self, pool_name: str, name: str) -> str:

@@ -213,6 +213,7 @@ class Twin:
             },
             "entry_tenants": self.sync.hgetall(key("entry_tenants")),
             "preempting": int(stats.get("preempting", 0)),
+            "route_waits": {k: int(v) for k, v in self.sync.hgetall(key("route_waits")).items()},
         }
 
     def redis_fair(self, pool: PoolPolicy) -> dict[int, tuple[dict[str, int], list]]:
@@ -257,6 +258,11 @@ class Twin:
                 rid: e.tenant for rid, e in state.entries.items() if e.tenant is not None
             },
             "preempting": state.num_preempting,
+            "route_waits": {
+                rid: e.waiting_since_us
+                for rid, e in state.entries.items()
+                if e.waiting_since_us is not None
+            },
         }
 
     def check(self, pool: PoolPolicy, offers: list[EndpointOffer], before: dict[str, int]) -> None:

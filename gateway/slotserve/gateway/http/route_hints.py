@@ -64,4 +64,6 @@ def route_of(
         depths=monitor.prefix_depths(model, keys),
         session=session,
         balance_permille=round(routing.balance_threshold * 1000),
+        wait_ms=routing.cache_wait_milliseconds if routing.prefix_aware else 0,
+        look_ahead=routing.look_ahead,
     )

@@ -97,6 +97,10 @@ SESSION_HEX = 32  # a session key reaches Redis as this many hex digits of its h
 # more; a session's engine is remembered between a conversation's turns.
 ROUTED_TTL_MS = 5_000
 SESSION_TTL_MS = 600_000
+# Waiting for the engine that holds a request's prefix (``waits_for_engine``): at most this long
+# (``RoutingSpec.cache_wait_milliseconds``), while at most this many behind it pass it.
+MAX_CACHE_WAIT_MS = 60_000
+MAX_LOOK_AHEAD = 32
 RouteOutcome = Literal["prefix", "session", "load"]
 _HEX = re.compile(r"[0-9a-f]*")
 
@@ -105,28 +109,46 @@ _HEX = re.compile(r"[0-9a-f]*")
 class Route:
     """What may prefer one engine for a request: its prefix keys, how many of them each
     engine's rows hold (its /load), its session, and how far from the least loaded engine a
-    preferred one may be (``balance_permille``: per mille of slots in flight)."""
+    preferred one may be (``balance_permille``: per mille of slots in flight); how long it may
+    wait for a full engine holding its prefix (``wait_ms``, 0: never), and how many requests
+    behind it are looked at meanwhile (``look_ahead``, 0: none, so it never waits)."""
 
     keys: tuple[str, ...] = ()
     depths: tuple[tuple[str, int], ...] = ()
     session: str = ""
     balance_permille: int = 500
+    wait_ms: int = 0
+    look_ahead: int = 0
 
     def encode(self) -> str:
         """The text the Redis scripts read (``lua/routes.py``): balance, session, url/depth
-        pairs, keys; fields apart by \\x1e, items by \\x1f."""
+        pairs, keys, wait, look-ahead; fields apart by \\x1e, items by \\x1f."""
         pairs = ROUTE_ITEM.join(f"{url}{ROUTE_ITEM}{depth}" for url, depth in self.depths)
         return ROUTE_SEPARATOR.join(
-            (str(self.balance_permille), self.session, pairs, ROUTE_ITEM.join(self.keys))
+            (
+                str(self.balance_permille),
+                self.session,
+                pairs,
+                ROUTE_ITEM.join(self.keys),
+                str(self.wait_ms),
+                str(self.look_ahead),
+            )
         )
+
+    @property
+    def may_wait(self) -> bool:
+        """Whether it may wait for the engine holding its prefix (``waits_for_engine``)."""
+        return self.wait_ms > 0 and self.look_ahead > 0
 
 
 def sendable_route(route: Route | None) -> Route | None:
     """``route`` as both backends apply it: what the Lua reads of its text
     (``lua/routes.py``'s ``decode_route``): keys of 16 hex digits (the first 32), depths 1..32
-    (the first 16 engines), no separator in a URL; None when its balance or session cannot be
-    read, or its text is longer than ``MAX_ROUTE_CHARS`` bytes."""
+    (the first 16 engines), no separator in a URL; None when its balance, session, wait or
+    look-ahead cannot be read, or its text is longer than ``MAX_ROUTE_CHARS`` bytes."""
     if route is None or not 0 <= route.balance_permille <= 1000:
+        return None
+    if not 0 <= route.wait_ms <= MAX_CACHE_WAIT_MS or not 0 <= route.look_ahead <= MAX_LOOK_AHEAD:
         return None
     if len(route.session) > SESSION_HEX or not _HEX.fullmatch(route.session):
         return None
@@ -136,7 +158,14 @@ def sendable_route(route: Route | None) -> Route | None:
         for url, depth in route.depths[:MAX_ROUTE_DEPTHS]
         if 1 <= depth <= MAX_PREFIX_KEYS and ROUTE_ITEM not in url and ROUTE_SEPARATOR not in url
     )
-    clean = Route(keys[:MAX_PREFIX_KEYS], depths, route.session, route.balance_permille)
+    clean = Route(
+        keys[:MAX_PREFIX_KEYS],
+        depths,
+        route.session,
+        route.balance_permille,
+        route.wait_ms,
+        route.look_ahead,
+    )
     if len(clean.encode().encode()) > MAX_ROUTE_CHARS:
         return None
     return clean
@@ -192,3 +221,38 @@ def pick_endpoint(
         if session_url and offer.url == session_url and balanced(offer):
             return offer, "session", 0
     return least, "load", 0
+
+
+def waits_for_engine(
+    offers: Sequence[EndpointOffer],
+    inflight: Mapping[str, int],
+    route: Route,
+    depths: Mapping[str, int],
+    session_url: str,
+    need: int,
+    least: EndpointOffer,
+) -> bool:
+    """Whether a request would rather wait than go where there is room: the engines holding its
+    deepest match among all ``offers`` (none matched: its session's engine) are all full, and
+    one of them would be within the route's balance of ``least`` (the least loaded engine with
+    room) once ``need`` slots free there. The caller bounds the wait (``Route.wait_ms``) and lets
+    the requests behind it pass meanwhile (``lua/cache_wait.py``)."""
+    deepest = max((depths.get(offer.url, 0) for offer in offers), default=0)
+    if deepest > 0:
+        holders = [offer for offer in offers if depths.get(offer.url, 0) == deepest]
+    else:
+        holders = [offer for offer in offers if session_url and offer.url == session_url]
+    if any(inflight.get(offer.url, 0) + need <= offer.slots_total for offer in holders):
+        return False
+    least_used = inflight.get(least.url, 0)
+    return any(
+        need <= offer.slots_total
+        and within_balance(
+            offer.slots_total - need,
+            offer.slots_total,
+            least_used,
+            least.slots_total,
+            route.balance_permille,
+        )
+        for offer in holders
+    )

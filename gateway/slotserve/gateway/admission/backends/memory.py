@@ -45,6 +45,7 @@ from slotserve.gateway.pools.routing import (
     rank_endpoints,
     sendable_route,
     sound_offers,
+    waits_for_engine,
 )
 
 
@@ -105,8 +106,16 @@ class InProcessHub:
                 state.num_refused += 1
                 self.deliver(policy.name, entry.replica, request_id, REFUSED)
                 continue
-            # The head waits for all its slots, and those behind it wait for the head (FIFO).
+            # The head waits for all its slots, and those behind it wait for the head (FIFO); a
+            # head that waits for the engine holding its prefix lets one behind it pass.
             ranked = rank_endpoints(offers, state.inflight, need=entry.slots)
+            if ranked and self.waits(state, offers, ranked, entry, entry.slots, now_us):
+                assert entry.route is not None
+                if not self.pass_head(
+                    policy, state, offers, entry.level, request_id, entry.route, alive, now_us
+                ):
+                    break
+                continue
             preemption = None
             if not ranked and policy.preempt_for_share and entry.slots == 1 and entry.tenant:
                 # No free slot: a tenant under its share may take one (``preempt_share.py``).
@@ -170,6 +179,81 @@ class InProcessHub:
             if preemption is not None:
                 return request_id, entry, tag, preemption
         return None
+
+    def waits(
+        self,
+        state: PoolState,
+        offers: Sequence[EndpointOffer],
+        ranked: Sequence[EndpointOffer],
+        entry: Entry | None,
+        need: int,
+        now_us: int,
+        route: Route | None = None,
+    ) -> bool:
+        """Whether a request waits for the full engine holding its prefix (``lua/routes.py``'s
+        ``pick_routed``): ``routing.waits_for_engine``, from the first step that found it so,
+        for at most its route's ``wait_ms``. ``entry`` None: the enqueue's fast path asks for
+        ``route``, and a request that would wait queues instead."""
+        route = entry.route if entry is not None else route
+        if route is None or not route.may_wait:
+            return False
+        depths = state.routes.depths(route, now_us)
+        session_url = state.routes.session_url(route, now_us)
+        if not waits_for_engine(
+            offers, state.inflight, route, depths, session_url, need, ranked[0]
+        ):
+            return False
+        if entry is None:
+            return True
+        if entry.waiting_since_us is None:
+            entry.waiting_since_us = now_us
+        return now_us - entry.waiting_since_us < route.wait_ms * 1000
+
+    def pass_head(
+        self,
+        policy: PoolPolicy,
+        state: PoolState,
+        offers: Sequence[EndpointOffer],
+        level: int,
+        head_id: str,
+        route: Route,
+        alive: Callable[[str], bool],
+        now_us: int,
+    ) -> bool:
+        """Grants the first of the ``route.look_ahead`` entries behind a waiting head, in its
+        level's fair order, that an engine with room takes now (``lua/cache_wait.py``)."""
+        window = [
+            item for item in state.fair_window(level, route.look_ahead + 1) if item[0] != head_id
+        ][: route.look_ahead]
+        most = most_slots(offers)
+        for request_id, tag in window:
+            entry = state.entries.get(request_id)
+            due = state.delays.get(request_id, now_us + 1) <= now_us
+            if (
+                entry is None
+                or entry.deadline_us <= now_us
+                or not alive(entry.replica)
+                or due
+                or entry.slots > most
+            ):
+                continue
+            ranked = rank_endpoints(offers, state.inflight, need=entry.slots)
+            if not ranked or self.waits(state, offers, ranked, entry, entry.slots, now_us):
+                continue
+            state.fair[level].served(tag)
+            state._drop(request_id)
+            url = self.routed_url(state, ranked, entry.route, now_us)
+            self.grant(
+                policy.name,
+                request_id,
+                entry.replica,
+                entry.slots,
+                url,
+                now_us,
+                tenant=entry.tenant,
+            )
+            return True
+        return False
 
     def routed_url(
         self,
@@ -270,9 +354,10 @@ class InProcessBackend:
         if offers and slots > most_slots(offers):
             raise NoEngineFitsError.of(pool.name, slots, most_slots(offers))
         # Nobody waits and a slot is free: the lease at once (``lua/scripts.py``).
+        # A request that would wait for its engine queues instead.
         if not state.queue:
             ranked = rank_endpoints(offers, state.inflight, need=slots)
-            if ranked:
+            if ranked and not self.hub.waits(state, offers, ranked, None, slots, now, route):
                 url = self.hub.routed_url(state, ranked, route, now)
                 self.hub.grant(
                     pool.name, request_id, self.replica_id, slots, url, now, tenant=tenant

@@ -48,6 +48,8 @@ class Entry:
     slots: int = 1  # slots its lease will hold: one per choice (``n``)
     route: Route | None = None  # what may prefer an engine for it (prefix-aware routing)
     tenant: str | None = None  # whose slots its lease will hold (``preempt_share.py``)
+    # Since when it waits for the full engine holding its prefix (``P:{pool}:route_waits``).
+    waiting_since_us: int | None = None
 
 
 @dataclass
@@ -154,6 +156,14 @@ class PoolState:
             self._drop(request_id)
             budget.num_drops -= 1
         return None
+
+    def fair_window(self, level: int, size: int) -> list[tuple[str, int]]:
+        """The first ``size`` entries of ``level`` in fair order, with their start tags (the
+        Lua's ``ZRANGE fairq 0 size-1``; O(waiting) here)."""
+        fair = self.fair.get(level)
+        if fair is None:
+            return []
+        return heapq.nsmallest(size, fair.tags.items(), key=lambda item: (item[1], item[0]))
 
     def _drop(self, request_id: str) -> None:
         self.queue.pop(request_id, None)

@@ -21,6 +21,7 @@ from slotserve.contracts.redis_keys import (
     lua_key,
     lua_key_locals,
 )
+from slotserve.gateway.admission.lua.cache_wait import CACHE_WAIT
 from slotserve.gateway.admission.lua.epoch import EPOCH
 from slotserve.gateway.admission.lua.fair import FAIR
 from slotserve.gateway.admission.lua.preempt import PREEMPT
@@ -168,6 +169,7 @@ local function drop(rid)
   redis.call('ZREM', K_DEADLINES, rid)
   redis.call('ZREM', K_DELAYS, rid)
   redis.call('HDEL', K_ROUTES, rid)
+  redis.call('HDEL', K_ROUTE_WAITS, rid)
   redis.call('HDEL', K_ENTRY_TENANTS, rid)
   if info then
     redis.call('HDEL', K_ENTRIES, rid)
@@ -189,6 +191,7 @@ local function drop_many(rids)
   redis.call('ZREM', K_DELAYS, unpack(rids))
   redis.call('HDEL', K_ENTRIES, unpack(rids))
   redis.call('HDEL', K_ROUTES, unpack(rids))
+  redis.call('HDEL', K_ROUTE_WAITS, unpack(rids))
   redis.call('HDEL', K_ENTRY_TENANTS, unpack(rids))
   local by_replica, by_level = {}, {}
   for i = 1, #rids do
@@ -328,6 +331,7 @@ end
 """
     + PREEMPT
     + SLOTS
+    + CACHE_WAIT
     + r"""
 -- Every policy alike: the engine forms its batches (static, dynamic) from what arrives.
 local refusals_left = SWEEP_BATCH
@@ -345,25 +349,34 @@ local function dispatch(now)
       refusals_left = refusals_left - 1
       refuse(rid, replica)
     else
-      -- The head waits for all its slots, and those behind it wait for the head (FIFO).
-      local ep = best_endpoint(slots, decode_route(redis.call('HGET', K_ROUTES, rid)))
-      local tenant, victim = redis.call('HGET', K_ENTRY_TENANTS, rid) or nil, nil
-      if not ep and PREEMPT == 1 and slots == 1 and tenant then
-        -- No free slot: a tenant under its share may take one (preempt.py).
-        ep, victim = pick_preemption(tenant, level)
-      end
-      if not ep and PREEMPT == 1 and level then
-        -- The head may not preempt: one behind it may (preempt.py).
-        local b_rid, b_replica, b_tag, b_ep, b_victim, b_tenant =
-          preemptor_behind(tenant, level, now)
-        if b_rid then
-          rid, replica, tag, slots = b_rid, b_replica, b_tag, 1
-          ep, victim, tenant = b_ep, b_victim, b_tenant
+      -- The head waits for all its slots, and those behind it wait for the head (FIFO); a
+      -- head that waits for the engine holding its prefix lets one behind it pass
+      -- (cache_wait.py).
+      local route = decode_route(redis.call('HGET', K_ROUTES, rid))
+      local ep, waits = best_endpoint(slots, route, rid, now)
+      if waits then
+        if not pass_head(level, rid, route.look_ahead, now) then return 0 end
+      else
+        local tenant, victim = redis.call('HGET', K_ENTRY_TENANTS, rid) or nil, nil
+        local routed = ep and route
+        if not ep and PREEMPT == 1 and slots == 1 and tenant then
+          -- No free slot: a tenant under its share may take one (preempt.py).
+          ep, victim = pick_preemption(tenant, level)
         end
+        if not ep and PREEMPT == 1 and level then
+          -- The head may not preempt: one behind it may (preempt.py).
+          local b_rid, b_replica, b_tag, b_ep, b_victim, b_tenant =
+            preemptor_behind(tenant, level, now)
+          if b_rid then
+            rid, replica, tag, slots = b_rid, b_replica, b_tag, 1
+            ep, victim, tenant = b_ep, b_victim, b_tenant
+          end
+        end
+        if not ep then return 0 end
+        if level then fair_served(level, tag) end
+        grant(rid, replica, ep.url, slots, now, true, tenant, victim)
+        if routed then route_granted(route, ep.url) end
       end
-      if not ep then return 0 end
-      if level then fair_served(level, tag) end
-      grant(rid, replica, ep.url, slots, now, true, tenant, victim)
     end
   end
 end
@@ -373,7 +386,8 @@ local function touch()
   if HELD ~= nil then redis.call('HSET', K_STATS, 'held', int(HELD)) end
   if redis.call('ZCARD', K_QUEUE) == 0 then
     -- Nothing waits: whatever drift the counts of waiting requests had ends here.
-    redis.call('DEL', K_ENTRIES, K_LEVELS, K_DEADLINES, K_DELAYS, K_ROUTES, K_ENTRY_TENANTS)
+    redis.call('DEL', K_ENTRIES, K_LEVELS, K_DEADLINES, K_DELAYS, K_ROUTES, K_ROUTE_WAITS,
+      K_ENTRY_TENANTS)
     fair_clear_all()
   end
   for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], STATE_TTL_MS) end

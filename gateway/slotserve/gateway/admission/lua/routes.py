@@ -8,7 +8,12 @@ the engines' matches are joined by the recent routings (``P:{pool}:routed:{key}`
 keys routed to an engine in the last ``ROUTED_TTL_MS`` counts its depth there), the deepest
 within the balance wins, else its session's engine (``P:{pool}:session:{id}``) within the
 balance, else the least loaded; then its first and deepest keys and its session are recorded
-for the engine chosen.
+for the engine chosen (``route_granted``, by the step that grants).
+
+A route that may wait (``Route.may_wait``) and whose engines holding its deepest match are all
+full waits for them (``routing.waits_for_engine``), from the first step that found it so (kept in
+``P:{pool}:route_waits``) for at most its ``wait_ms``; ``cache_wait.py`` lets the requests behind
+it pass meanwhile.
 
 A route that does not read is no route (never an error): a route only prefers among the engines
 that have room, so no value in it can put a request on a full engine. The in-process twin is
@@ -20,6 +25,8 @@ from __future__ import annotations
 from slotserve.contracts.prefix_keys import MAX_PREFIX_KEYS
 from slotserve.contracts.redis_keys import Keys, lua_expr, lua_key
 from slotserve.gateway.pools.routing import (
+    MAX_CACHE_WAIT_MS,
+    MAX_LOOK_AHEAD,
     MAX_ROUTE_CHARS,
     MAX_ROUTE_DEPTHS,
     ROUTED_TTL_MS,
@@ -34,6 +41,7 @@ ROUTES = (
 local ROUTED_TTL_MS, SESSION_TTL_MS = {ROUTED_TTL_MS}, {SESSION_TTL_MS}
 local MAX_ROUTE_CHARS, MAX_ROUTE_DEPTHS = {MAX_ROUTE_CHARS}, {MAX_ROUTE_DEPTHS}
 local MAX_PREFIX_KEYS, SESSION_HEX = {MAX_PREFIX_KEYS}, {SESSION_HEX}
+local MAX_CACHE_WAIT_MS, MAX_LOOK_AHEAD = {MAX_CACHE_WAIT_MS}, {MAX_LOOK_AHEAD}
 """
     + r"""
 local function routed_key(key)
@@ -55,17 +63,25 @@ local function split_items(text)
   return out
 end
 
--- routing.Route.encode's text as a table (nil: none, or it does not read).
+-- routing.Route.encode's text as a table (nil: none, or it does not read). Four fields (an
+-- older gateway's): it never waits.
 local function decode_route(text)
   if type(text) ~= 'string' or text == '' or #text > MAX_ROUTE_CHARS then return nil end
   local fields = {}
   for field in string.gmatch(text .. '\30', '([^\30]*)\30') do fields[#fields + 1] = field end
-  if #fields ~= 4 then return nil end
+  if #fields ~= 4 and #fields ~= 6 then return nil end
   local balance = int_value(fields[1], nil)
   if not balance or balance < 0 or balance > 1000 then return nil end
   local session = fields[2]
   if #session > SESSION_HEX or not string.match(session, '^[0-9a-f]*$') then return nil end
-  local route = {balance = balance, session = session, depths = {}, keys = {}}
+  local wait_ms, look_ahead = 0, 0
+  if #fields == 6 then
+    wait_ms, look_ahead = int_value(fields[5], nil), int_value(fields[6], nil)
+    if not wait_ms or wait_ms < 0 or wait_ms > MAX_CACHE_WAIT_MS then return nil end
+    if not look_ahead or look_ahead < 0 or look_ahead > MAX_LOOK_AHEAD then return nil end
+  end
+  local route = {balance = balance, session = session, depths = {}, keys = {},
+                 wait_ms = wait_ms, look_ahead = look_ahead}
   local items = split_items(fields[3])
   for i = 1, math.min(#items, 2 * MAX_ROUTE_DEPTHS) - 1, 2 do
     local depth = int_value(items[i + 1], nil)
@@ -106,14 +122,55 @@ local function route_granted(route, url)
   end
 end
 
+-- routing.waits_for_engine: the engines (`all`, every sound offer) holding the deepest match
+-- (none: the session's engine, `session()`) are all full, and one would be within the balance
+-- of `least` once `need` slots freed there.
+local function waits_for_engine(all, least, route, depths, session, need)
+  local deepest = 0
+  for _, c in ipairs(all) do deepest = math.max(deepest, depths[c.url] or 0) end
+  local session_url = deepest == 0 and session() or nil
+  local waits = false
+  for _, c in ipairs(all) do
+    local holds = (deepest > 0 and (depths[c.url] or 0) == deepest)
+      or (deepest == 0 and session_url and c.url == session_url)
+    if holds then
+      if c.used + need <= c.slots then return false end
+      if need <= c.slots and ((c.slots - need) * least.slots - least.used * c.slots) * 1000
+          <= route.balance * c.slots * least.slots then
+        waits = true
+      end
+    end
+  end
+  return waits
+end
+
 -- routing.pick_endpoint among the endpoints with room (`eligible`, `least` the least loaded;
--- `better` orders them as rank_endpoints does); records the route for the one chosen.
-local function pick_routed(least, eligible, route, better)
+-- `better` orders them as rank_endpoints does; `all`: every sound offer). Returns it, or nil
+-- and true while the request waits for its engine (`rid` nil: the enqueue's fast path asks,
+-- and a request that would wait queues instead).
+local function pick_routed(least, eligible, all, route, better, need, rid, now)
+  local session_url = nil
+  local function session()
+    if session_url == nil then
+      session_url = route.session ~= '' and redis.call('GET', session_key(route.session)) or false
+    end
+    return session_url
+  end
+  local depths = route_depths(route)
+  if route.wait_ms > 0 and route.look_ahead > 0
+      and waits_for_engine(all, least, route, depths, session, need) then
+    if rid == nil then return nil, true end
+    local since = int_value(redis.call('HGET', K_ROUTE_WAITS, rid), nil)
+    if since == nil then
+      since = now
+      redis.call('HSET', K_ROUTE_WAITS, rid, int(now))
+    end
+    if now - since < route.wait_ms * 1000 then return nil, true end
+  end
   local function balanced(c)
     return (c.used * least.slots - least.used * c.slots) * 1000
       <= route.balance * c.slots * least.slots
   end
-  local depths = route_depths(route)
   local pick, depth = nil, 0
   for _, c in ipairs(eligible) do
     local d = depths[c.url] or 0
@@ -122,14 +179,12 @@ local function pick_routed(least, eligible, route, better)
     end
   end
   if not pick and route.session ~= '' then
-    local url = redis.call('GET', session_key(route.session))
+    local url = session()
     for _, c in ipairs(eligible) do
       if url and c.url == url and balanced(c) then pick = c end
     end
   end
-  pick = pick or least
-  route_granted(route, pick.url)
-  return pick
+  return pick or least, false
 end
 """
 )

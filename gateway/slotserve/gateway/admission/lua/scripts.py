@@ -101,9 +101,11 @@ end
 -- Fast path: nobody waits and a slot is free: the lease at once, no queue entry to write.
 if redis.call('ZCARD', K_QUEUE) == 0 then
   EPOCH_ID, READY_AT = check_epoch(now)
-  local ep = now >= READY_AT and best_endpoint(slots, route)
+  -- A request that would wait for its engine (routes.py) queues instead.
+  local ep = now >= READY_AT and best_endpoint(slots, route, nil, now)
   if ep then
     grant(rid, CALLER, ep.url, slots, now, false, tenant)
+    if route then route_granted(route, ep.url) end
     touch()
     return result('ok', 0)
   end

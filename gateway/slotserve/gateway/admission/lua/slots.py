@@ -29,24 +29,27 @@ local function lease_slots(rid)
 end
 
 -- routing.rank_endpoints: room for `need` slots, lowest held share, then engine load, then URL;
--- with a route, routing.pick_endpoint among those (``routes.py``).
+-- with a route, routing.pick_endpoint among those (``routes.py``). Returns nil and true while
+-- the request waits for the full engine holding its prefix (``routes.py``'s ``pick_routed``;
+-- `rid` the waiting request, nil at the enqueue's fast path).
 local function better(a, b)
   return a.ratio < b.ratio or (a.ratio == b.ratio and (a.load < b.load
     or (a.load == b.load and a.url < b.url)))
 end
 
-local function best_endpoint(need, route)
-  local best, eligible = nil, {}
+local function best_endpoint(need, route, rid, now)
+  local best, eligible, all = nil, {}, {}
   for _, o in ipairs(OFFERS) do
     local used = tonumber(redis.call('HGET', K_INFLIGHT, o.url) or '0')
+    local c = {url = o.url, load = o.load, ratio = used / o.slots, used = used, slots = o.slots}
+    all[#all + 1] = c
     if used + need <= o.slots then
-      local c = {url = o.url, load = o.load, ratio = used / o.slots, used = used, slots = o.slots}
       eligible[#eligible + 1] = c
       if best == nil or better(c, best) then best = c end
     end
   end
-  if best == nil or route == nil then return best end
-  return pick_routed(best, eligible, route, better)
+  if best == nil or route == nil then return best, false end
+  return pick_routed(best, eligible, all, route, better, need, rid, now)
 end
 
 local function release_lease(rid)
