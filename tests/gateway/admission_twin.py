@@ -26,7 +26,7 @@ from slotserve.gateway.admission.backends.redis import RedisBackend
 from slotserve.gateway.admission.lua.scripts import SCRIPTS
 from slotserve.gateway.admission.preempt_share import max_outstanding, split_grant
 from slotserve.gateway.admission.types import REFUSED, AdmissionError, PoolPolicy
-from slotserve.gateway.pools.routing import EndpointOffer
+from slotserve.gateway.pools.routing import ROUTED_TTL_MS, SESSION_TTL_MS, EndpointOffer
 
 REAL_CLOCK = """local function now_us()
   local t = redis.call('TIME')
@@ -78,7 +78,18 @@ class Side:
 
 
 class Twin:
-    def __init__(self, url: str, prefix: str, num_replicas: int, lease_ttl_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        num_replicas: int,
+        lease_ttl_s: float,
+        routed_ttl_ms: int | None = None,
+    ) -> None:
+        # Redis expires routed keys on its own clock, the scripts and the hub read the fake one:
+        # a run longer in real time than the keys' TTL would see Redis drop keys the hub still
+        # holds. ``routed_ttl_ms`` replaces the TTL on the Redis side (the test sets the hub's).
+        self.routed_ttl_ms = routed_ttl_ms
         self.url = url
         self.keys = Keys(prefix)
         self.prefix = prefix
@@ -96,6 +107,11 @@ class Twin:
         self.sync.set(f"{self.prefix}:fuzz-now", self.now_us)
         self.sync.hset(self.keys.epoch(), mapping={"id": EPOCH, "created": 0, "ready": 0})
         scripts = fake_clock_scripts()
+        if self.routed_ttl_ms is not None:
+            ttls = f"local ROUTED_TTL_MS, SESSION_TTL_MS = {ROUTED_TTL_MS}, {SESSION_TTL_MS}"
+            longer = f"local ROUTED_TTL_MS, SESSION_TTL_MS = {self.routed_ttl_ms}, {SESSION_TTL_MS}"
+            assert all(ttls in source for source in scripts.values() if "ROUTED_TTL_MS" in source)
+            scripts = {key: source.replace(ttls, longer) for key, source in scripts.items()}
         for name in self.names:
             backend = RedisBackend(self.url, name, prefix=self.prefix, lease_ttl_s=self.lease_ttl_s)
             backend.scripts = {

@@ -13,6 +13,7 @@ import aiohttp
 
 from slotserve.contracts.pool_spec import RoutingSpec
 from slotserve.contracts.prefix_keys import chat_chain
+from slotserve.gateway.admission.backends import memory_routes
 from slotserve.gateway.admission.backends.redis import RedisBackend
 from slotserve.gateway.admission.front import Admission, Lease
 from slotserve.gateway.admission.lua.args import EnqueueArgs
@@ -251,8 +252,13 @@ async def test_a_wait_that_does_not_read_routes_by_load(redis_server):
 # -- both backends step by step ----------------------------------------------------------------
 
 
-async def test_the_scripts_wait_and_pass_as_the_in_process_twin(redis_server):
-    twin = Twin(redis_server.url, "cwtwin", num_replicas=2, lease_ttl_s=30.0)
+async def test_the_scripts_wait_and_pass_as_the_in_process_twin(redis_server, monkeypatch):
+    # Routed keys outlive the run on both sides (Redis's TTL runs on the real clock, the hub's
+    # on the fake one; a slow run diverged at a key Redis had dropped after 5 real seconds).
+    monkeypatch.setattr(memory_routes, "ROUTED_TTL_MS", 3_600_000)
+    twin = Twin(
+        redis_server.url, "cwtwin", num_replicas=2, lease_ttl_s=30.0, routed_ttl_ms=3_600_000
+    )
     await twin.start()
     offers = [EndpointOffer(A, 2, 0.0), EndpointOffer(B, 2, 0.1), EndpointOffer(C, 1, 0.2)]
     rng = random.Random(29)
