@@ -8,22 +8,22 @@ awaits in the middle, so every step is atomic just like a Lua script.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from slotserve.gateway.admission.backends.memory_pool import Entry, PoolState, StepBudget
+from slotserve.gateway.admission.backends.memory_steps import (
+    cache_waits,
+    preemption_for,
+    preemptor_behind,
+)
 from slotserve.gateway.admission.preempt_share import (
     PREEMPT_MARK,
-    PREEMPT_SCAN,
-    Preemption,
-    pick_preemption,
 )
 from slotserve.gateway.admission.tenants import DEFAULT_TENANT
 from slotserve.gateway.admission.types import (
     DEFAULT_AGING_US,
-    DEMOTION_OFFSET_US,
     MAX_LEASE_SLOTS,
     REFUSED,
     CancelOutcome,
@@ -45,16 +45,7 @@ from slotserve.gateway.pools.routing import (
     rank_endpoints,
     sendable_route,
     sound_offers,
-    waits_for_engine,
 )
-
-
-def preemption_for(
-    state: PoolState, offers: Sequence[EndpointOffer], tenant: str, fields: Mapping[str, int]
-) -> Preemption | None:
-    """``pick_preemption`` over the pool's held counts and weights."""
-    held, held_at = state.tenant_held, state.tenant_held_at
-    return pick_preemption(offers, state.inflight, held, held_at, state.weights, tenant, fields)
 
 
 def _monotonic_us() -> int:
@@ -109,7 +100,7 @@ class InProcessHub:
             # The head waits for all its slots, and those behind it wait for the head (FIFO); a
             # head that waits for the engine holding its prefix lets one behind it pass.
             ranked = rank_endpoints(offers, state.inflight, need=entry.slots)
-            if ranked and self.waits(state, offers, ranked, entry, entry.slots, now_us):
+            if ranked and cache_waits(state, offers, ranked, entry, entry.slots, now_us):
                 assert entry.route is not None
                 if not self.pass_head(
                     policy, state, offers, entry.level, request_id, entry.route, alive, now_us
@@ -124,7 +115,7 @@ class InProcessHub:
                 preemption = preemption_for(state, offers, entry.tenant, fields)
             if not ranked and preemption is None and policy.preempt_for_share:
                 # The head may not preempt: one behind it may (``preempt_share.py``).
-                behind = self.preemptor_behind(state, offers, entry, now_us, alive)
+                behind = preemptor_behind(state, offers, entry, now_us, alive)
                 if behind is not None:
                     request_id, entry, tag, preemption = behind
             if not ranked and preemption is None:
@@ -148,66 +139,6 @@ class InProcessHub:
             )
         state.hold_freed_places(policy.max_queue_size)
         return DispatchResult(len(state.queue), state.num_dispatched, 0)
-
-    def preemptor_behind(
-        self,
-        state: PoolState,
-        offers: Sequence[EndpointOffer],
-        head: Entry,
-        now_us: int,
-        alive: Callable[[str], bool],
-    ) -> tuple[str, Entry, int, Preemption] | None:
-        """The first of the head's level's first ``PREEMPT_SCAN`` entries in fair order whose
-        tenant may preempt (each tenant judged by its first live one-slot entry there), with its
-        tag and grant (``lua/prelude.py``'s ``preemptor_behind``)."""
-        fair = state.fair.get(head.level)
-        if fair is None:
-            return None
-        tried = {head.tenant}
-        for tag, request_id in heapq.nsmallest(
-            PREEMPT_SCAN, ((tag, rid) for rid, tag in fair.tags.items())
-        ):
-            entry = state.entries.get(request_id)
-            if entry is None or entry.tenant in tried or entry.slots != 1 or entry.tenant is None:
-                continue
-            if tag >= DEMOTION_OFFSET_US or state.delays.get(request_id, now_us + 1) <= now_us:
-                continue  # demoted, or due to be: it waits behind everyone
-            if entry.deadline_us <= now_us or not alive(entry.replica):
-                continue  # the head's sweep drops it in its turn
-            tried.add(entry.tenant)
-            preemption = preemption_for(state, offers, entry.tenant, fair.fields)
-            if preemption is not None:
-                return request_id, entry, tag, preemption
-        return None
-
-    def waits(
-        self,
-        state: PoolState,
-        offers: Sequence[EndpointOffer],
-        ranked: Sequence[EndpointOffer],
-        entry: Entry | None,
-        need: int,
-        now_us: int,
-        route: Route | None = None,
-    ) -> bool:
-        """Whether a request waits for the full engine holding its prefix (``lua/routes.py``'s
-        ``pick_routed``): ``routing.waits_for_engine``, from the first step that found it so,
-        for at most its route's ``wait_ms``. ``entry`` None: the enqueue's fast path asks for
-        ``route``, and a request that would wait queues instead."""
-        route = entry.route if entry is not None else route
-        if route is None or not route.may_wait:
-            return False
-        depths = state.routes.depths(route, now_us)
-        session_url = state.routes.session_url(route, now_us)
-        if not waits_for_engine(
-            offers, state.inflight, route, depths, session_url, need, ranked[0]
-        ):
-            return False
-        if entry is None:
-            return True
-        if entry.waiting_since_us is None:
-            entry.waiting_since_us = now_us
-        return now_us - entry.waiting_since_us < route.wait_ms * 1000
 
     def pass_head(
         self,
@@ -238,7 +169,7 @@ class InProcessHub:
             ):
                 continue
             ranked = rank_endpoints(offers, state.inflight, need=entry.slots)
-            if not ranked or self.waits(state, offers, ranked, entry, entry.slots, now_us):
+            if not ranked or cache_waits(state, offers, ranked, entry, entry.slots, now_us):
                 continue
             state.fair[level].served(tag)
             state._drop(request_id)
@@ -357,7 +288,7 @@ class InProcessBackend:
         # A request that would wait for its engine queues instead.
         if not state.queue:
             ranked = rank_endpoints(offers, state.inflight, need=slots)
-            if ranked and not self.hub.waits(state, offers, ranked, None, slots, now, route):
+            if ranked and not cache_waits(state, offers, ranked, None, slots, now, route):
                 url = self.hub.routed_url(state, ranked, route, now)
                 self.hub.grant(
                     pool.name, request_id, self.replica_id, slots, url, now, tenant=tenant

@@ -107,9 +107,9 @@ local function pick_preemption(tenant, level)
   return best, best_victim
 end
 
--- InProcessHub.preemptor_behind: when the head may not preempt, the first of its level's first
--- PREEMPT_SCAN entries in fair order whose tenant may (each tenant judged by its first live
--- one-slot entry there): rid, replica, tag, offer, victim, tenant; or nil.
+-- The twin of backends/memory_steps.preemptor_behind: when the head may not preempt, the first
+-- of its level's first PREEMPT_SCAN entries in fair order whose tenant may (each tenant judged
+-- by its first live one-slot entry there): rid, replica, tag, offer, victim, tenant; or nil.
 local function preemptor_behind(head_tenant, level, now)
   local tried = {}
   if head_tenant then tried[head_tenant] = true end
