@@ -16,7 +16,6 @@ from slotserve.contracts.prefix_keys import chat_chain
 from slotserve.gateway.admission.backends import memory_routes
 from slotserve.gateway.admission.backends.redis import RedisBackend
 from slotserve.gateway.admission.front import Admission, Lease
-from slotserve.gateway.admission.lua.args import EnqueueArgs
 from slotserve.gateway.admission.lua.replies import dispatch_grants
 from slotserve.gateway.admission.preempt_share import split_grant
 from slotserve.gateway.admission.types import PoolPolicy
@@ -30,6 +29,7 @@ from slotserve.gateway.pools.routing import (
 )
 from tests.gateway.admission_twin import Twin
 from tests.gateway.gateway_support import pool, write_pools
+from tests.gateway.test_gateway_prefix_routing import raw_enqueue
 from tests.gateway.test_gateway_prefix_routing_http import chat, polled
 
 A, B, C = "http://a", "http://b", "http://c"
@@ -197,26 +197,6 @@ def test_the_pool_settings_reach_the_route_and_are_bounded():
     assert sendable_route(Route(wait_ms=MAX_CACHE_WAIT_MS + 1)) is None
     assert sendable_route(Route(look_ahead=MAX_LOOK_AHEAD + 1)) is None
     assert sendable_route(held_on(A)) == held_on(A)
-
-
-def raw_enqueue(request_id: str, route: str) -> EnqueueArgs:
-    return EnqueueArgs(
-        request_id=request_id,
-        priority=5,
-        timeout_us=1_000_000,
-        max_queue_size=8,
-        only_if_absent=False,
-        drain_gap_us=1000,
-        queue_timeout_us=1_000_000,
-        aging_us=0,
-        level_max_queue_size=8,
-        demote_after_us=0,
-        slots=1,
-        tenant="default",
-        weight=1,
-        deadline_gap_us=0,
-        route=route,
-    )
 
 
 async def test_a_wait_that_does_not_read_routes_by_load(redis_server):
