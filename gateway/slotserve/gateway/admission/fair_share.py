@@ -53,6 +53,23 @@ class FairLevel:
         tag, request_id = self.heap[0]
         return request_id, tag
 
+    def first(self, size: int) -> list[tuple[str, int]]:
+        """The first ``size`` live entries in fair order, (request id, start tag) by (tag, id):
+        the Lua's ``ZRANGE fairq 0 size-1``. Walks the heap best-first from its root, so it
+        costs the entries it passes (stale ones included), not the level's."""
+        out: list[tuple[str, int]] = []
+        seen: set[str] = set()  # a request re-tagged alike is in the heap twice
+        frontier = [(self.heap[0], 0)] if self.heap else []
+        while frontier and len(out) < size:
+            (tag, request_id), index = heapq.heappop(frontier)
+            if self.tags.get(request_id) == tag and request_id not in seen:
+                seen.add(request_id)
+                out.append((request_id, tag))
+            for child in (2 * index + 1, 2 * index + 2):
+                if child < len(self.heap):
+                    heapq.heappush(frontier, (self.heap[child], child))
+        return out
+
     def remove(self, request_id: str) -> None:
         self.tags.pop(request_id, None)
 

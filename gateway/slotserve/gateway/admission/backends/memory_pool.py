@@ -159,11 +159,9 @@ class PoolState:
 
     def fair_window(self, level: int, size: int) -> list[tuple[str, int]]:
         """The first ``size`` entries of ``level`` in fair order, with their start tags (the
-        Lua's ``ZRANGE fairq 0 size-1``; O(waiting) here)."""
+        Lua's ``ZRANGE fairq 0 size-1``)."""
         fair = self.fair.get(level)
-        if fair is None:
-            return []
-        return heapq.nsmallest(size, fair.tags.items(), key=lambda item: (item[1], item[0]))
+        return fair.first(size) if fair is not None else []
 
     def _drop(self, request_id: str) -> None:
         self.queue.pop(request_id, None)

@@ -4,7 +4,6 @@ waiting for the full engine that holds its prefix (``lua/routes.py``'s ``pick_ro
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Mapping, Sequence
 
 from slotserve.gateway.admission.backends.memory_pool import Entry, PoolState
@@ -35,9 +34,7 @@ def preemptor_behind(
     if fair is None:
         return None
     tried = {head.tenant}
-    for tag, request_id in heapq.nsmallest(
-        PREEMPT_SCAN, ((tag, rid) for rid, tag in fair.tags.items())
-    ):
+    for request_id, tag in fair.first(PREEMPT_SCAN):
         entry = state.entries.get(request_id)
         if entry is None or entry.tenant in tried or entry.slots != 1 or entry.tenant is None:
             continue
