@@ -120,23 +120,11 @@ class InProcessHub:
                     request_id, entry, tag, preemption = behind
             if not ranked and preemption is None:
                 break
-            if tag is not None:
-                state.fair[entry.level].served(tag)
-            state._drop(request_id)
             if preemption is not None:
                 url, victim = preemption.offer.url, preemption.victim
             else:
                 url, victim = self.routed_url(state, ranked, entry.route, now_us), None
-            self.grant(
-                policy.name,
-                request_id,
-                entry.replica,
-                entry.slots,
-                url,
-                now_us,
-                tenant=entry.tenant,
-                victim=victim,
-            )
+            self.grant_entry(policy, state, request_id, entry, tag, url, now_us, victim)
         state.hold_freed_places(policy.max_queue_size)
         return DispatchResult(len(state.queue), state.num_dispatched, 0)
 
@@ -171,18 +159,8 @@ class InProcessHub:
             ranked = rank_endpoints(offers, state.inflight, need=entry.slots)
             if not ranked or cache_waits(state, offers, ranked, entry, entry.slots, now_us):
                 continue
-            state.fair[level].served(tag)
-            state._drop(request_id)
             url = self.routed_url(state, ranked, entry.route, now_us)
-            self.grant(
-                policy.name,
-                request_id,
-                entry.replica,
-                entry.slots,
-                url,
-                now_us,
-                tenant=entry.tenant,
-            )
+            self.grant_entry(policy, state, request_id, entry, tag, url, now_us)
             return True
         return False
 
@@ -202,6 +180,33 @@ class InProcessHub:
         offer, _, _ = pick_endpoint(ranked, state.inflight, route, depths, session_url)
         state.routes.granted(route, offer.url, now_us)
         return offer.url
+
+    def grant_entry(
+        self,
+        policy: PoolPolicy,
+        state: PoolState,
+        request_id: str,
+        entry: Entry,
+        tag: int | None,
+        url: str,
+        now_us: int,
+        victim: str | None = None,
+    ) -> None:
+        """A waiting entry granted: its start tag served (``tag`` None: no fair order), its
+        entry dropped, its lease on ``url``."""
+        if tag is not None:
+            state.fair[entry.level].served(tag)
+        state._drop(request_id)
+        self.grant(
+            policy.name,
+            request_id,
+            entry.replica,
+            entry.slots,
+            url,
+            now_us,
+            tenant=entry.tenant,
+            victim=victim,
+        )
 
     def grant(
         self,
