@@ -145,6 +145,9 @@ async def test_a_lone_request_in_a_dynamic_pool_waits_one_queue_delay_not_two(
     async with httpx.AsyncClient(timeout=30) as client:
         for gateway in gateways:
             await _ttft(client, gateway.url)  # first-call costs out of the measurement
-            ttfts = [await _ttft(client, gateway.url) for _ in range(2)]
-            # At least the engine's gathering, and well short of paying the delay twice.
-            assert all(0.95 * DELAY_S <= t < 1.6 * DELAY_S for t in ttfts), (gateway.url, ttfts)
+            ttfts = [await _ttft(client, gateway.url) for _ in range(3)]
+            # Every call pays at least the engine's gathering. A busy machine only adds to a
+            # call, while paying the delay twice would put every call past 2x: the quickest
+            # call says which happened.
+            assert min(ttfts) >= 0.95 * DELAY_S, (gateway.url, ttfts)
+            assert min(ttfts) < 1.6 * DELAY_S, (gateway.url, ttfts)
