@@ -11,11 +11,13 @@ import pytest
 from slotserve.settings import CommonSettings
 from tests.support import RedisServer
 
-# The engine's default prefill is bf16 on CPUs with bf16 units (--prefill-dtype auto), which
-# moves logits by ~1e-2 against transformers' fp32: the suite's many "same tokens as HF"
-# checks ask for fp32 prefill, here and in every engine process a test starts (the variable
-# is inherited). tests/engine/test_engine_bf16_prefill.py tests bf16 and auto explicitly.
+# The engine's default prefill and decode products are bf16 on CPUs with bf16 units
+# (--prefill-dtype / --decode-dtype auto), which moves logits by ~1e-2 against transformers'
+# fp32: the suite's many "same tokens as HF" checks ask for fp32, here and in every engine
+# process a test starts (the variables are inherited). tests/engine/test_engine_bf16_prefill.py
+# and test_engine_bf16_decode.py test bf16 and auto explicitly.
 os.environ.setdefault("SLOTSERVE_ENGINE_PREFILL_DTYPE", "float32")
+os.environ.setdefault("SLOTSERVE_ENGINE_DECODE_DTYPE", "float32")
 
 
 # The files holding the suite's longest tests (each over ~15 s in CI's --durations), handed

@@ -74,8 +74,16 @@ class EngineSettings(BaseSettings):
         description="CPU prefill products (chunks wider than the native kernels take): auto "
         "(bfloat16 on CPUs with AMX-BF16 or AVX512_BF16 and native fp32 layers, else float32), "
         "float32, or bfloat16 (bf16 weight copies, activations rounded to bf16, fp32 "
-        "accumulation; refused with a warning where the CPU would emulate it). Decode steps "
-        "and requests scoring their prompt (prompt logprobs) stay float32.",
+        "accumulation; refused with a warning where the CPU would emulate it). Requests scoring "
+        "their prompt (prompt logprobs) stay float32; decode_dtype sets the decode products.",
+    )
+    decode_dtype: PrefillDType = Field(
+        "auto",
+        description="CPU decode products (rows the native kernels take: decode rows, small "
+        "chunks) and the output projection: auto (bfloat16 on CPUs with AVX512_BF16 and native "
+        "fp32 layers, else float32), float32, or bfloat16 (bf16 weight copies multiplied by "
+        "VDPBF16PS, rows rounded to bf16, fp32 accumulation; refused with a warning where the "
+        "CPU lacks AVX512_BF16). Requests scoring their prompt (prompt logprobs) stay float32.",
     )
     overlap_steps: OverlapSteps = Field(
         "auto",

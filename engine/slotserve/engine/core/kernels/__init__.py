@@ -50,8 +50,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The C code's instruction-set levels (ISA_C, ISA_AVX2, ISA_AVX512 in kernels.h), by name.
-ISAS = ("plain_c", "avx2_fma", "avx512")
+# The C code's instruction-set levels (ISA_C, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 in
+# kernels.h), by name.
+ISAS = ("plain_c", "avx2_fma", "avx512", "avx512_bf16")
 
 
 class Scratch(ctypes.Structure):
@@ -113,8 +114,9 @@ class NativeKernels:
 
     @property
     def isa(self) -> str:
-        """The instruction set the kernels run: ``avx512`` (the fp32 panel products 512 bits
-        wide, the rest AVX2/FMA), ``avx2_fma`` or ``plain_c``."""
+        """The instruction set the kernels run: ``avx512_bf16`` (bf16 weights multiplied by
+        VDPBF16PS, and what ``avx512`` runs), ``avx512`` (the fp32 panel products 512 bits wide,
+        the rest AVX2/FMA), ``avx2_fma`` or ``plain_c``."""
         return ISAS[self._lib.slotserve_kernel_isa()]
 
     @property
@@ -145,6 +147,25 @@ class NativeKernels:
         m, k, out = self._begin(x, weight.shape[0])
         self._run(
             self._lib.slotserve_gemm_f32,
+            x.data_ptr(),
+            m,
+            k,
+            weight.data_ptr(),
+            weight.shape[0],
+            out.data_ptr(),
+            _threads(),
+        )
+        return out
+
+    def gemm_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` on bf16 weights: x rounded to bf16, products accumulated in fp32."""
+        if weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+            raise ValueError("gemm_bf16 takes a contiguous bfloat16 weight")
+        m, k, out = self._begin(x, weight.shape[0])
+        if weight.dim() != 2 or weight.shape[1] != k:
+            raise ValueError(f"gemm_bf16: weight {tuple(weight.shape)} does not take rows of {k}")
+        self._run(
+            self._lib.slotserve_gemm_bf16,
             x.data_ptr(),
             m,
             k,
@@ -400,6 +421,7 @@ def load_kernels(home: Path) -> NativeKernels:
         built.origin,
         built.seconds,
         {
+            "avx512_bf16": "AVX512_BF16 bf16 products, AVX-512 fp32 panels, AVX2/FMA elsewhere",
             "avx512": "AVX-512 fp32 panels, AVX2/FMA elsewhere",
             "avx2_fma": "AVX2/FMA",
             "plain_c": "plain C (no AVX2/FMA on this CPU)",

@@ -14,7 +14,7 @@ static int supported_isa(void) {
 #if defined(__x86_64__)
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        return ISA_AVX512;
+        return __builtin_cpu_supports("avx512bf16") ? ISA_AVX512_BF16 : ISA_AVX512;
 #endif
     return ISA_AVX2;
 #else

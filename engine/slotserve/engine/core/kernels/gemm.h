@@ -34,11 +34,21 @@ int gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n, float
                    struct scratch *s);
 #endif
 
+/* bf16_avx512.c: y = x . W^T on bf16 weights with VDPBF16PS (k % 32 == 0; AVX512_BF16 only).
+ * From BF16_WIDE_ROWS rows, BF16_GROUP_PANELS panels at a time against blocks of
+ * BF16_BLOCK_ROWS rows (as products.c's wide products). */
+#define BF16_WIDE_ROWS 64
+#define BF16_GROUP_PANELS 16
+#define BF16_BLOCK_ROWS 16
+int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                     int threads, struct scratch *s);
+
 #pragma GCC visibility pop
 
 /* Bytes of one output channel's weights (and scales, minimums). */
 static inline int64_t channel_bytes(enum kind kind, int64_t k) {
     if (kind == F32) return 4 * k;
+    if (kind == BF16) return 2 * k;
     if (kind == Q8) return k + 4 * (k / GROUP);
     return k / 2 + 8 * (k / GROUP);
 }
@@ -48,8 +58,9 @@ static inline void prefetch_span(const void *start, int64_t bytes);
 /* The weights (and scales, minimums) of channels [c, c + count). */
 static inline void prefetch_channels(struct weights w, int64_t c, int64_t count, int64_t k) {
     const int64_t groups = k / GROUP;
-    if (w.kind == F32) {
-        prefetch_span((const float *)w.data + c * k, 4 * k * count);
+    if (w.kind == F32 || w.kind == BF16) {
+        prefetch_span((const char *)w.data + c * channel_bytes(w.kind, k),
+                      channel_bytes(w.kind, k) * count);
         return;
     }
     if (w.kind == Q8)

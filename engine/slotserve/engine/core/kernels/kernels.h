@@ -11,17 +11,18 @@
 #include <stdint.h>
 
 /* Raised whenever a prototype below changes: a library of another ABI is never loaded. */
-#define SLOTSERVE_KERNEL_ABI 8
+#define SLOTSERVE_KERNEL_ABI 9
 /* Quantized weights per scale (and minimum) along K, both quantized formats. */
 #define SLOTSERVE_KERNEL_GROUP 32
 
 /* Weight formats (native_decode.py's KINDS, slotserve_dequantize's `kind`). */
-enum kind { F32 = 0, Q8 = 1, Q4 = 2 };
+enum kind { F32 = 0, Q8 = 1, Q4 = 2, BF16 = 3 };
 
 /* Instruction sets, narrowest first (kernels/__init__.py's ISAS): what slotserve_kernel_isa()
  * returns (nonzero: the AVX2/FMA code of every kernel runs; ISA_AVX512: the fp32 panel products
- * run 512 bits wide too). */
-enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+ * run 512 bits wide too; ISA_AVX512_BF16: bf16 weights multiply with VDPBF16PS, below it they
+ * are widened to fp32 first). */
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
 
 /* A caller's workspace (one per runner, owned by Python): buffers are carved from it front to
  * back and given back in reverse, so a step allocates nothing. When it is too small (the first
@@ -67,6 +68,10 @@ int slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int
                        int threads, struct scratch *s);
 int slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float *scale,
                       int64_t n, float *y, int threads, struct scratch *s);
+/* bf16 weights [N,K] (k a multiple of 32): the rows of x are rounded to bf16 and the products
+ * accumulated in fp32, on every instruction set (bf16_avx512.c where the CPU has AVX512_BF16). */
+int slotserve_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                        float *y, int threads, struct scratch *s);
 int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
                       const float *minimum, int64_t n, float *y, int threads, struct scratch *s);
 

@@ -60,6 +60,7 @@ SOURCES = (
     HERE / "quantized_rows.c",
     HERE / "quantize.c",
     HERE / "qgemm_avx512.c",
+    HERE / "bf16_avx512.c",
     HERE / "attention.c",
     HERE / "llama_step.c",
 )
@@ -83,7 +84,7 @@ def header_define(name: str, header: Path = HEADER) -> int:
 
 
 # The instruction sets the library has code for (besides plain C), part of its key.
-TARGETS = ("avx2,fma", "avx512f,avx512bw,avx512vl,avx512dq")
+TARGETS = ("avx2,fma", "avx512f,avx512bw,avx512vl,avx512dq", "avx512bf16")
 PREBUILT = HERE / "prebuilt"
 COMPILER_NAMES = ("gcc", "cc")
 COMPILER_FOLDERS = (Path("/usr/local/bin"), Path("/usr/bin"), Path("/bin"))

@@ -52,6 +52,27 @@ static void unpack_q4_c(const uint8_t *q, const float *scale, const float *minim
     }
 }
 
+/* bf16 widened to fp32 (the reference the VDPBF16PS products are tested against). */
+static void unpack_bf16_c(const uint16_t *w, int64_t k, int64_t rows, float *out) {
+    for (int64_t j = 0; j < rows * k; j++) {
+        const uint32_t bits = (uint32_t)w[j] << 16;
+        memcpy(out + j, &bits, sizeof(float));
+    }
+}
+
+/* f rounded to the nearest bf16 (ties to even), as a float: what VCVTNE2PS2BF16 and torch's
+ * .to(bfloat16) give; a NaN stays a NaN. */
+static float round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7f800000u) == 0x7f800000u)
+        bits = (bits & 0xffff0000u) | ((bits & 0xffffu) ? 0x00400000u : 0u);
+    else
+        bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* ---- AVX2 + FMA --------------------------------------------------------------------------- */
 
 #if HAVE_AVX2_CODE
@@ -261,6 +282,10 @@ static void unpack_q4_avx2(const uint8_t *q, const float *scale, const float *mi
 static const float *panel_weights(struct weights w, int64_t n0, int64_t rows, int64_t k, int avx2,
                                   float *buffer) {
     if (w.kind == F32) return (const float *)w.data + n0 * k;
+    if (w.kind == BF16) {
+        unpack_bf16_c((const uint16_t *)w.data + n0 * k, k, rows, buffer);
+        return buffer;
+    }
     const int64_t groups = k / GROUP;
     if (w.kind == Q8) {
         const int8_t *q = (const int8_t *)w.data + n0 * k;
@@ -346,15 +371,42 @@ static int gemm_wide(const float *x, int64_t m, int64_t k, struct weights w, int
     return 0;
 }
 
+static int gemm_panels(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
+                       int threads, struct scratch *s);
+
+/* bf16 weights: VDPBF16PS where the CPU has it; elsewhere (and as the tests' reference) x is
+ * rounded to bf16 and the weights widened to fp32, the same products summed in another order. */
+static int gemm_bf16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
+                     int threads, struct scratch *s) {
+    if (slotserve_kernel_isa() >= ISA_AVX512_BF16 && k % 32 == 0)
+        return gemm_bf16_avx512(x, m, k, (const uint16_t *)w.data, n, y, threads, s);
+    const size_t mark = scratch_mark(s);
+    void *owned;
+    float *rounded = scratch_take(s, sizeof(float) * (size_t)(m * k), &owned);
+    if (rounded == NULL) return -1;
+    for (int64_t j = 0; j < m * k; j++) rounded[j] = round_bf16(x[j]);
+    const int status = gemm_panels(rounded, m, k, w, n, y, threads, s);
+    free(owned);
+    scratch_release(s, mark);
+    return status;
+}
+
 int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights w, int64_t n,
                            float *y, int threads, struct scratch *s) {
+    if (w.kind == BF16) return gemm_bf16(x, m, k, w, n, y, threads, s);
+    return gemm_panels(x, m, k, w, n, y, threads, s);
+}
+
+static int gemm_panels(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
+                       int threads, struct scratch *s) {
     const int avx2 = slotserve_kernel_isa() && k % 8 == 0;
     /* 512-bit panels from 2 rows up: one row is bound by the memory either way. */
     const int avx512 = slotserve_kernel_isa() >= ISA_AVX512 && k % 16 == 0 && m >= 2;
     const int64_t panels = (n + PANEL - 1) / PANEL;
     const int64_t panels_ahead = (channels_ahead(w.kind, k) + PANEL - 1) / PANEL;
 #if HAVE_AVX2_CODE
-    if (avx2 && m == 1 && w.kind != F32) return gemv_quantized(x, k, w, n, y, threads, s);
+    if (avx2 && m == 1 && (w.kind == Q8 || w.kind == Q4))
+        return gemv_quantized(x, k, w, n, y, threads, s);
 #endif
     if (avx2 && m >= WIDE_ROWS) return gemm_wide(x, m, k, w, n, y, threads, s, avx512);
     /* A quantized panel is unpacked into a buffer of each thread's own: PANEL * k floats (a
@@ -405,6 +457,12 @@ int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights 
 int slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y,
                        int threads, struct scratch *s) {
     struct weights weights = {F32, w, NULL, NULL};
+    return slotserve_gemm_weights(x, m, k, weights, n, y, threads, s);
+}
+
+int slotserve_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                        float *y, int threads, struct scratch *s) {
+    struct weights weights = {BF16, w, NULL, NULL};
     return slotserve_gemm_weights(x, m, k, weights, n, y, threads, s);
 }
 

@@ -36,6 +36,7 @@ from slotserve.engine.core.model.native_linear import (
     fp32_native_layers,
     install_native_fp32,
     measure_native_rows,
+    native_rows_rule,
     streamed_native_weights,
 )
 from slotserve.engine.core.model.native_rows_watch import NativeRowsWatch
@@ -63,13 +64,17 @@ def set_up_linears(
     calibration: CalibrationCache | None,
     native_step: bool = False,
     native_for_prefill: bool = False,
+    decode_bf16: bool = False,
 ) -> LinearLayers:
     """Replace ``model``'s linear layers as decided here (in place); see the module doc.
     ``native_step``: decode steps will run as one native call where the layers are native, so
     native products are taken up to :data:`NATIVE_STEP_MARGIN` of aten's time.
     ``native_for_prefill``: the layers become native even where aten wins every decode size
     (native up to 0 rows: each product is aten's F.linear, as the stock layer's), so that the
-    native step, with its bf16 prefill products, exists for prefill chunks."""
+    native step, with its bf16 prefill products, exists for prefill chunks.
+    ``decode_bf16``: decode products will run on the native bf16 kernels (bf16_decode.py),
+    which beat aten's fp32 products structurally: native up to the CPU-feature rule's row
+    count, nothing measured."""
     if quantization == "int8" or quantization == "int4":
         if native is None:
             raise UnsupportedSettingError(
@@ -92,6 +97,12 @@ def set_up_linears(
     if native is not None and linear_backend in ("auto", "native"):
         if linear_backend == "native":
             native_rows = num_slots
+        elif decode_bf16:
+            rule = native_rows_rule(native, num_slots, native_step)
+            native_rows = int(rule.choice)
+            calibrations.append(
+                CalibrationRecord("native_rows", rule.choice, "rule", 0.0, {"bf16_decode": 1.0})
+            )
         else:
             margin = NATIVE_STEP_MARGIN if native_step else NATIVE_MARGIN
             native_rows, rows_record, question = choose_native_rows(

@@ -265,6 +265,7 @@ def build_runner(
         quantization=settings.quantization,
         decode_step=decode_step,
         prefill_dtype=settings.prefill_dtype,
+        decode_dtype=settings.decode_dtype,
     )
     runner = ModelRunner(
         prepared,

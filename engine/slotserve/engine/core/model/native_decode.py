@@ -41,7 +41,7 @@ from slotserve.engine.core.model.native_rows_watch import STEP_OBSERVER
 logger = logging.getLogger(__name__)
 
 PRODUCTS = 4  # q/k/v, o, gate/up, down: the order of struct step_layer's arrays
-KINDS = {"float32": 0, "int8": 1, "int4": 2}  # enum kind in kernels.h
+KINDS = {"float32": 0, "int8": 1, "int4": 2, "bfloat16": 3}  # enum kind in kernels.h
 # Decoder layers and norms whose forward is exactly Llama's (transformers 5.x; Qwen2 adds a
 # q/k/v bias, which the native layers carry; sliding windows are refused by the runner).
 LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
@@ -209,6 +209,9 @@ class NativeDecodeStep:
             layers=layers,
         )
         self._layers = layers  # the struct points into it
+        # The same layers on the bf16 weights (use_bf16_decode), for steps with the gate's
+        # decode on; None: every step multiplies the layers' own weights.
+        self._layers_bf16: Any = None
         self.struct.wide_rows = NEVER
         # bf16 prefill products (use_bf16_products): the layers' bf16 weights, the gate that
         # turns them off for a step, the callback the C code calls and what it raised.
@@ -237,6 +240,27 @@ class NativeDecodeStep:
         self._wide = WideProduct(self._wide_product)  # kept: the struct holds only its address
         self.struct.wide = self._wide
         self.bf16_products = True
+        return True
+
+    def use_bf16_decode(self, gate: Bf16Gate) -> bool:
+        """Multiply the products the step computes itself (decode rows, chunks below the wide
+        products' rows) on the layers' bf16 weights with the native bf16 kernels
+        (``bf16_decode.py``), while ``gate.decode`` is on. False if a layer has no bf16
+        weights."""
+        if any(linear.weight_bf16 is None for linear in self._linears):
+            return False
+        layers = (StepLayer * len(self._layers))()
+        for index, entry in enumerate(self._layers):
+            # A copy: the norms, caches and biases are fp32's.
+            ctypes.memmove(ctypes.byref(layers[index]), ctypes.byref(entry), ctypes.sizeof(entry))
+            for slot in range(PRODUCTS):
+                weight = self._linears[index * PRODUCTS + slot].weight_bf16
+                assert weight is not None
+                layers[index].kind[slot] = KINDS["bfloat16"]
+                layers[index].data[slot] = weight.data_ptr()
+                layers[index].scale[slot] = layers[index].minimum[slot] = None
+        self._layers_bf16 = layers
+        self._gate = gate
         return True
 
     def _wide_product(self, layer: int, which: int, x: int, m: int, k: int, y: int, n: int) -> int:
@@ -296,6 +320,8 @@ class NativeDecodeStep:
         if self._gate is not None:
             bf16 = self.bf16_products and self._gate.on
             self.struct.wide_rows = self.max_rows + 1 if bf16 else NEVER
+            narrow_bf16 = self._layers_bf16 is not None and self._gate.decode
+            self.struct.layers = self._layers_bf16 if narrow_bf16 else self._layers
         ids = torch.tensor(token_ids)
         positions_t = torch.tensor(positions)
         hidden = self.embed(ids).contiguous()  # a fresh tensor: the step overwrites it

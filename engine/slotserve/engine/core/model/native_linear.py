@@ -55,10 +55,11 @@ CALIBRATION_ROUNDS = 5
 
 @dataclass
 class Bf16Gate:
-    """Shared by the layers of one model that hold bf16 prefill weights: whether this step
-    uses them (the runner turns it off for steps that score prompts, which stay fp32)."""
+    """Shared by the layers of one model that hold bf16 weights: which of their products use
+    them in this step (the runner sets both per step; steps that score prompts stay fp32)."""
 
-    on: bool = True
+    on: bool = True  # products wider than the native kernels take (bf16_prefill.py)
+    decode: bool = False  # products the native kernels take (bf16_decode.py)
 
 
 class NativeLinear(nn.Module):
@@ -81,8 +82,9 @@ class NativeLinear(nn.Module):
         # is already contiguous fp32 is shared, not copied (a tied output layer stays one
         # tensor with the embedding).
         self.weight_fp32: torch.Tensor | None = None
-        # Products of more rows than the native kernels take run on this bf16 copy when set
-        # (bf16_prefill.py: prefill chunks on CPUs with bf16 units).
+        # bf16 copy of the weight when set: products of more rows than the native kernels take
+        # run on it through oneDNN (bf16_prefill.py), and the narrower ones through the native
+        # bf16 kernels (bf16_decode.py), each while the gate says so.
         self.weight_bf16: torch.Tensor | None = None
         self.bf16_gate = Bf16Gate(on=False)
         self.q = self.scale = self.minimum = torch.empty(0)
@@ -120,6 +122,10 @@ class NativeLinear(nn.Module):
                 out.add_(self.bias)
         elif rows.shape[0] > self.max_native_rows:
             out = F.linear(rows, self.dense_weight(), self.bias)
+        elif self.weight_bf16 is not None and self.bf16_gate.decode:
+            out = self.kernels.gemm_bf16(rows, self.weight_bf16)
+            if self.bias is not None:
+                out.add_(self.bias)
         else:
             if self.weight_fp32 is not None:
                 out = self.kernels.gemm_f32(rows, self.weight_fp32)
@@ -135,7 +141,7 @@ class NativeLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, {self.format}, "
             f"native up to {self.max_native_rows} rows"
-            + (", bf16 beyond" if self.weight_bf16 is not None else "")
+            + (", bf16 weights" if self.weight_bf16 is not None else "")
         )
 
 

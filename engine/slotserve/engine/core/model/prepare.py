@@ -18,6 +18,7 @@ from slotserve.contracts.engine_argv import Quantization
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.kernels import NativeKernels
 from slotserve.engine.core.model.attention import register_slot_attention
+from slotserve.engine.core.model.bf16_decode import install_bf16_decode, wants_bf16_decode
 from slotserve.engine.core.model.bf16_prefill import (
     Bf16Gate,
     bf16_units,
@@ -49,8 +50,11 @@ class PreparedModel:
     decode_step: DecodeStep
     # Runners build the native step over their KV rows where the model's layers allow it.
     native_decode: bool
-    # Shared by the bf16 prefill weights: on for steps with a prefill chunk (the runner's).
+    # Shared by the layers' bf16 weights (the runner sets it per step); None: no bf16 weights.
     bf16_gate: Bf16Gate | None
+    # Which products run in bf16 (with the gate on): prefill chunks', decode rows'.
+    bf16_prefill: bool = False
+    bf16_decode: bool = False
 
     @property
     def static(self) -> bool:
@@ -65,10 +69,14 @@ class PreparedModel:
             return None
         step = native_step(self.model, self.kernels, k_cache, v_cache)
         gate = self.bf16_gate
+        if step is None or gate is None:
+            return step
         # bf16 prefill products: in the native step (its wide products call back into torch's
-        # bf16 GEMM), else in the layers' torch path; decode-sized products stay fp32.
-        if step is not None and gate is not None and not step.use_bf16_products(gate):
+        # bf16 GEMM), else in the layers' torch path.
+        if self.bf16_prefill and not step.use_bf16_products(gate):
             step.prefill = False
+        if self.bf16_decode:
+            step.use_bf16_decode(gate)
         return step
 
 
@@ -83,6 +91,7 @@ def prepare_model(
     native_decode: bool = True,
     decode_step: DecodeStep = "classic",
     prefill_dtype: PrefillDType = "float32",
+    decode_dtype: PrefillDType = "float32",
 ) -> PreparedModel:
     """Set up ``model``'s layers in place for runners of up to ``max_rows`` slots.
 
@@ -99,6 +108,7 @@ def prepare_model(
         kernels, native_decode, linear_backend = None, False, "aten"
     # The CPU's bf16 units, read once: they decide whether prefill multiplies in bf16.
     units = bf16_units() if prefill_dtype != "float32" else []
+    decode_bf16 = wants_bf16_decode(decode_dtype, quantization, kernels)
     eligible = step_eligible(model)
     layers = set_up_linears(
         model,
@@ -111,7 +121,10 @@ def prepare_model(
         native_for_prefill=native_decode
         and eligible
         and wants_bf16_prefill(prefill_dtype, quantization, units),
+        decode_bf16=decode_bf16,
     )
+    prefill_gate = install_bf16_prefill(model, prefill_dtype, units)
+    decode_gate = install_bf16_decode(model, layers.logits, prefill_gate) if decode_bf16 else None
     return PreparedModel(
         model=model,
         logits=layers.logits,
@@ -119,5 +132,7 @@ def prepare_model(
         calibrations=layers.calibrations,
         decode_step=decode_step,
         native_decode=native_decode,
-        bf16_gate=install_bf16_prefill(model, prefill_dtype, units),
+        bf16_gate=decode_gate or prefill_gate,
+        bf16_prefill=prefill_gate is not None,
+        bf16_decode=decode_gate is not None,
     )

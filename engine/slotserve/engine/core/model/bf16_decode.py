@@ -1,0 +1,87 @@
+"""Decode products in bfloat16 (``--decode-dtype``, ``auto`` by default: bfloat16 wherever the
+native kernels run AVX512_BF16 and the layers are native fp32): every product the native
+kernels take (decode rows, small chunks) and the output projection run on bf16 copies of the
+weights, multiplied by VDPBF16PS with fp32 accumulation (``kernels/bf16_avx512.c``).
+
+Why: at 8-32 concurrent requests a CPU engine spends about half its time in decode steps, and
+a decode step streams every weight and multiplies it by every row. bf16 halves the bytes and
+one VDPBF16PS does twice the multiply-adds of an fp32 FMA: measured on a 2-core EPYC Zen 4,
+SmolLM2's gate/up products of 30 layers took 3.5 / 3.5 / 12.6 ms at 1 / 8 / 32 rows in bf16
+against 7.1 / 8.7 / 22.5 ms native fp32 and 7.8 / 9.0 / 14.7 ms through oneDNN in bf16. Where
+the CPU lacks the instruction the kernels would widen bf16 to fp32 (slower than fp32 itself),
+so ``auto`` stays fp32 there and an explicit ``bfloat16`` warns once and stays fp32.
+
+What it costs: a bf16 copy of the decoder's weights (shared with bf16 prefill when both are
+on) and of the output projection, and the rows rounded to bf16 before each product, as bf16
+prefill does; its quality against fp32 is measured by ``bench/quant_quality.py`` (docs/engine.md
+has the figures). Steps that score a prompt (prompt logprobs) run in fp32: the runner turns the
+shared :class:`Bf16Gate`'s ``decode`` off for them.
+
+Up to how many rows the native kernels take is not measured against aten here, as fp32's is
+(``native_linear.measure_native_rows``): bf16 products beat aten's fp32 ones structurally (half
+the bytes, twice the multiply-adds), so the CPU-feature rule sets it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from slotserve.engine.core.kernels import NativeKernels
+from slotserve.engine.core.model.bf16_prefill import decoder_linears
+from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear
+from slotserve.engine.settings import PrefillDType
+
+logger = logging.getLogger(__name__)
+
+ISA = "avx512_bf16"  # the kernels' instruction set that multiplies bf16 natively
+
+
+def wants_bf16_decode(
+    decode_dtype: PrefillDType, quantization: str, kernels: NativeKernels | None
+) -> bool:
+    """Whether decode products run in bf16: asked for (or auto), fp32 weights, and native
+    kernels running AVX512_BF16. Only an explicit ``bfloat16`` that cannot run warns."""
+    if decode_dtype == "float32":
+        return False
+    if quantization == "none" and kernels is not None and kernels.isa == ISA:
+        return True
+    if decode_dtype == "bfloat16":
+        logger.warning(
+            "decode_dtype bfloat16 needs the native kernels on a CPU with AVX512_BF16 and "
+            "fp32 weights (quantization none; this CPU's kernels: %s): decode runs in the "
+            "layers' own precision",
+            "none" if kernels is None else kernels.isa,
+        )
+    return False
+
+
+def install_bf16_decode(
+    model: Any, logits: Callable[[torch.Tensor], torch.Tensor], gate: Bf16Gate | None
+) -> Bf16Gate | None:
+    """Give the decoder's fp32 native layers (and the output projection, when native) their
+    bf16 weights, sharing ``gate`` (a new one if None); returns the gate, or None when no layer
+    is native fp32 (the kernels are then not in use)."""
+    layers = [layer for layer in decoder_linears(model) if layer.weight_fp32 is not None]
+    if not layers:
+        logger.info("decode products in float32: the decoder's layers are not native fp32")
+        return None
+    if isinstance(logits, NativeLinear) and logits.weight_fp32 is not None:
+        layers.append(logits)
+    gate = gate or Bf16Gate(on=False)
+    nbytes = 0
+    for layer in layers:
+        assert layer.weight_fp32 is not None
+        if layer.weight_bf16 is None:
+            layer.weight_bf16 = layer.weight_fp32.to(torch.bfloat16)
+            nbytes += layer.weight_bf16.numel() * 2
+        layer.bf16_gate = gate
+    logger.info(
+        "decode products in bfloat16 (VDPBF16PS): %d layers, %.0f MB of bf16 weights added",
+        len(layers),
+        nbytes / 1e6,
+    )
+    return gate
