@@ -2,15 +2,15 @@
 
     .venv/bin/python -m bench.prefill_paths [--prompt-tokens 170 1000] [--rounds 3]
 
-A prefill chunk can run four ways: in the native C step (fused small ops) with its own fp32
-products (the default where the model's layers allow it) or with bf16 GEMMs through torch's
-oneDNN (``--prefill-dtype bfloat16``, on CPUs with bf16 units), or through the transformers
-modules with fp32 or bf16 products. Which is fastest depends on the CPU (AMX, AVX512_BF16,
-L2 size) and on the prompt length, so this measures all four on one engine, switching the
-path between runs and rotating their order each round: a slow moment of a shared machine
-costs every path alike. Each run prefills 8 distinct prompts of the given length (1 new
-token, no prefix cache). Prints prompt tokens/s (median over rounds) and the ratio to the
-native fp32 step; ``--out`` writes JSON.
+A prefill chunk can run several ways: in the native C step (fused small ops) with its own fp32
+products, with bf16 products on the native kernels' packed weights (VDPBF16PS, where the
+kernels run AVX512_BF16) or with bf16 GEMMs through torch's oneDNN (called back from the
+step), or through the transformers modules with fp32 or either kind of bf16 products. Which is
+fastest depends on the CPU (AMX, AVX512_BF16, L2 size) and on the prompt length, so this
+measures them all on one engine, switching the path between runs and rotating their order each
+round: a slow moment of a shared machine costs every path alike. Each run prefills 8 distinct
+prompts of the given length (1 new token, no prefix cache). Prints prompt tokens/s (median over
+rounds) and the ratio to the native fp32 step; ``--out`` writes JSON.
 """
 
 from __future__ import annotations
@@ -31,37 +31,54 @@ from pathlib import Path
 import torch
 
 from slotserve.engine.core.engine import LLMEngine
-from slotserve.engine.core.model.bf16_prefill import bf16_units
+from slotserve.engine.core.kernels import pack_bf16
+from slotserve.engine.core.model.bf16_decode import ISA
+from slotserve.engine.core.model.bf16_prefill import bf16_units, decoder_linears
 from slotserve.engine.core.model.native_linear import NativeLinear
 from slotserve.engine.core.model.runner import ModelRunner
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.settings import EngineSettings
 from slotserve.models.resolve import resolve_model
 
-PATHS = ("native fp32", "native bf16", "modules fp32", "modules bf16")
+PATHS = (
+    "native fp32", "native bf16 packed", "native bf16 onednn",
+    "modules fp32", "modules bf16 packed", "modules bf16 onednn",
+)  # fmt: skip
 NUM_PROMPTS = 8
 
 
-def bf16_layers(engine: LLMEngine) -> dict[NativeLinear, torch.Tensor]:
-    """The layers holding bf16 prefill weights, and those weights."""
-    runner = engine.runner
-    assert isinstance(runner, ModelRunner)
-    weights = {}
-    for layer in runner.model.get_decoder().modules():
-        if isinstance(layer, NativeLinear) and layer.weight_bf16 is not None:
-            weights[layer] = layer.weight_bf16
-    return weights
-
-
-def set_path(engine: LLMEngine, path: str, weights: dict[NativeLinear, torch.Tensor]) -> None:
+def both_routes(engine: LLMEngine) -> dict[NativeLinear, torch.Tensor]:
+    """Give every bf16 decoder layer both copies (plain for oneDNN, packed where the kernels
+    run AVX512_BF16) and the native step both routes; returns the layers' plain copies."""
     runner = engine.runner
     assert isinstance(runner, ModelRunner) and runner.native_step is not None
+    assert runner.bf16_gate is not None
+    packed = runner.native_step.kernels.isa == ISA
+    plain = {}
+    for layer in decoder_linears(runner.model):
+        if layer.weight_fp32 is None or layer.bf16_gate is not runner.bf16_gate:
+            continue
+        if layer.weight_bf16 is None:
+            layer.weight_bf16 = layer.weight_fp32.to(torch.bfloat16)
+        if packed and layer.weight_packed is None:
+            layer.weight_packed = pack_bf16(layer.weight_fp32)
+        plain[layer] = layer.weight_bf16
+    runner.native_step.use_bf16_products(runner.bf16_gate)
+    if packed:
+        runner.native_step.use_packed_bf16(runner.bf16_gate)
+    return plain
+
+
+def set_path(engine: LLMEngine, path: str, plain: dict[NativeLinear, torch.Tensor]) -> None:
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner) and runner.native_step is not None
+    runner.prefill_bf16 = "bf16" in path  # the runner turns the layers' gate on from it
     runner.native_step.prefill = path.startswith("native")
-    # The runner turns the layers' bf16 gate on for every step that scores nothing, so the fp32
-    # runs take their bf16 weights away instead (the native step's callback holds its own).
-    for layer, weight in weights.items():
-        layer.weight_bf16 = weight if path == "modules bf16" else None
-    runner.native_step.bf16_products = path == "native bf16"
+    # oneDNN: the step's callback for its wide products, the layers' plain copies for theirs;
+    # packed: neither, so every product takes the packed weights.
+    runner.native_step.bf16_products = path.endswith("onednn")
+    for layer, weight in plain.items():
+        layer.weight_bf16 = weight if path.endswith("onednn") else None
 
 
 def prefill_rate(engine: LLMEngine, prompts: list[list[int]], tag: str) -> float:
@@ -96,20 +113,22 @@ def main(argv: list[str] | None = None) -> int:
         enable_prefix_caching=False,
     )
     engine = LLMEngine.load(settings)
-    weights = bf16_layers(engine)
-    if not weights:
+    runner = engine.runner
+    if not (isinstance(runner, ModelRunner) and runner.native_step and runner.bf16_gate):
         print("the model's layers are not native (see the engine's log): nothing to compare")
         return 2
+    weights = both_routes(engine)
+    paths = [p for p in PATHS if "packed" not in p or runner.native_step.kernels.isa == ISA]
     rng = random.Random(0)
     load = os.getloadavg()
     results: dict[int, dict[str, float]] = {}
     for length in args.prompt_tokens:
-        rates: dict[str, list[float]] = {path: [] for path in PATHS}
+        rates: dict[str, list[float]] = {path: [] for path in paths}
         for round_ in range(args.rounds):
-            order = PATHS[round_ % len(PATHS) :] + PATHS[: round_ % len(PATHS)]
+            order = paths[round_ % len(paths) :] + paths[: round_ % len(paths)]
             for path in order:
                 set_path(engine, path, weights)
-                vocab = engine.runner.shape.vocab_size
+                vocab = runner.shape.vocab_size
                 prompts = [
                     [rng.randrange(100, vocab) for _ in range(length)] for _ in range(NUM_PROMPTS)
                 ]

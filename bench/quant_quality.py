@@ -39,7 +39,9 @@ from bench.lib.quality import (
     QualityResult,
     compare,
     effective_window,
+    engine_score,
     load_bf16_prefill,
+    load_engine,
     load_quantized,
     score,
     text_token_ids,
@@ -83,6 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         help="bfloat16: also score bf16 prefill products (--prefill-step tokens a call)",
     )
     parser.add_argument("--prefill-step", type=int, default=256, help="tokens a call, bf16")
+    parser.add_argument(
+        "--engine",
+        nargs="*",
+        choices=["float32", "bfloat16"],
+        default=[],
+        help="also score a slotserve engine with these product dtypes (prefill and decode), "
+        "--step and --prefill-step tokens a step: the engine's own kernels, bf16 ones included",
+    )
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--step", type=int, default=STEP, help="tokens per forward call")
@@ -113,6 +123,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"  bf16-prefill: {args.prefill_step} tokens a call, loaded in {seconds:.1f} s")
         del candidate
+    for dtype in args.engine:
+        for label, step in (("", args.step), ("-prefill", args.prefill_step)):
+            reference_scores = (
+                ref_scores if step == args.step else score(reference, token_ids, window, step)
+            )
+            engine, seconds = load_engine(str(source), dtype, window, step)
+            mode = f"engine-{'bf16' if dtype == 'bfloat16' else 'fp32'}{label}"
+            rows[mode] = compare(reference_scores, engine_score(engine, token_ids, window, step))
+            print(f"  {mode}: {step} tokens a step, loaded in {seconds:.1f} s")
+            del engine
     Console(width=120).print(quality_table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"model": args.model, "text": str(args.text), "quality": rows}

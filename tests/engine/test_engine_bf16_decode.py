@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from slotserve.engine.core.kernels import ISAS, NativeKernels, load_kernels
+from slotserve.engine.core.kernels import ISAS, NativeKernels, load_kernels, pack_bf16
 from slotserve.engine.core.model import bf16_decode
 from slotserve.engine.core.model.bf16_prefill import decoder_linears
 from slotserve.engine.core.model.native_linear import NativeLinear
@@ -41,29 +41,42 @@ def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.bfloat16).double() @ weight.double().T).float()
 
 
+def test_packing_lays_each_column_pair_of_16_channels_side_by_side():
+    weight = torch.arange(20 * 6, dtype=torch.float32).view(20, 6)  # exact in bf16
+    packed = pack_bf16(weight)
+    assert packed.shape == (2, 3, 16, 2) and packed.dtype == torch.bfloat16
+    for c in range(32):
+        for j in range(6):
+            expected = weight[c, j] if c < 20 else 0.0  # the last block padded with zeros
+            assert packed[c // 16, j // 2, c % 16, j % 2] == expected
+    with pytest.raises(ValueError, match="even K"):
+        pack_bf16(torch.zeros(4, 5))
+
+
 @pytest.mark.parametrize(
     "m,k,n",
     [(1, 576, 96), (3, 576, 64), (4, 1536, 40), (5, 64, 9), (17, 96, 130), (64, 128, 68),
-     (100, 64, 33), (2, 40, 6)],
+     (100, 64, 33), (2, 40, 6), (300, 34, 50), (9, 2, 16)],
 )  # fmt: skip
 def test_bf16_products_match_the_reference_on_every_instruction_set(kernels, m, k, n):
     torch.manual_seed(m * 1000 + n)
     x = torch.randn(m, k)
     weight = torch.randn(n, k).to(torch.bfloat16)
+    packed = pack_bf16(weight)
     expected = reference(x, weight)
     scale = expected.abs().max().item()
     try:
         for isa in kernels.supported_isas:
             assert kernels.set_isa(isa) == isa
-            got = kernels.gemm_bf16(x, weight)
+            got = kernels.gemm_bf16(x, packed, n)
             # Exact products, fp32 sums in another order: a few ulps of the largest output.
-            assert (got - expected).abs().max().item() <= 2e-6 * scale * (k / 64) ** 0.5, isa
+            assert (got - expected).abs().max().item() <= 2e-6 * scale * max(1, k / 64) ** 0.5
     finally:
         kernels.set_isa(ISAS[-1])
 
 
 def test_bf16_products_round_rows_to_nearest_even_and_keep_nan_and_inf(kernels):
-    weight = torch.ones(4, 32, dtype=torch.bfloat16)
+    packed = pack_bf16(torch.ones(4, 32))
     # 1 + 2^-8 is a tie between two bf16 values: nearest even rounds it down to 1.
     x = torch.zeros(3, 32)
     x[0, 0] = 1.0 + 2.0**-8
@@ -72,7 +85,7 @@ def test_bf16_products_round_rows_to_nearest_even_and_keep_nan_and_inf(kernels):
     try:
         for isa in kernels.supported_isas:
             kernels.set_isa(isa)
-            out = kernels.gemm_bf16(x, weight)
+            out = kernels.gemm_bf16(x, packed, 4)
             assert torch.equal(out[0], torch.ones(4)), isa
             assert torch.isinf(out[1]).all() and torch.isnan(out[2]).all(), isa
     finally:
@@ -81,24 +94,27 @@ def test_bf16_products_round_rows_to_nearest_even_and_keep_nan_and_inf(kernels):
 
 def test_bf16_products_refuse_weights_they_cannot_read(kernels):
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="bfloat16"):
-        kernels.gemm_bf16(x, torch.randn(8, 64))
-    with pytest.raises(ValueError, match="does not take rows of 64"):
-        kernels.gemm_bf16(x, torch.randn(8, 32).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="contiguous"):
-        kernels.gemm_bf16(x, torch.randn(64, 8).to(torch.bfloat16).T)
+    packed = pack_bf16(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="packed bf16 weights"):
+        kernels.gemm_bf16(x, packed.float(), 8)
+    with pytest.raises(ValueError, match="packed bf16 weights"):
+        kernels.gemm_bf16(x, pack_bf16(torch.randn(8, 32)), 8)  # rows of 64, weights of 32
+    with pytest.raises(ValueError, match="packed bf16 weights"):
+        kernels.gemm_bf16(x, packed, 17)  # 17 channels need two blocks
+    with pytest.raises(ValueError, match="packed bf16 weights"):
+        kernels.gemm_bf16(x, packed.transpose(0, 1), 8)
 
 
-@pytest.mark.parametrize("m", [1, 32, 80])
+@pytest.mark.parametrize("m", [1, 32, 300])
 def test_bf16_products_allocate_nothing_once_the_workspace_has_grown(kernels, m):
-    weight = torch.randn(96, 576).to(torch.bfloat16)
+    packed = pack_bf16(torch.randn(96, 576))
     x = torch.randn(m, 576)
-    first = kernels.gemm_bf16(x, weight)
+    first = kernels.gemm_bf16(x, packed, 96)
     before = kernels.fallback_allocations()
     for _ in range(10):
-        kernels.gemm_bf16(x, weight)
+        kernels.gemm_bf16(x, packed, 96)
     assert kernels.fallback_allocations() == before
-    torch.testing.assert_close(kernels.gemm_bf16(x, weight), first)
+    torch.testing.assert_close(kernels.gemm_bf16(x, packed, 96), first)
 
 
 def bf16_layers(engine) -> list[NativeLinear]:
@@ -121,24 +137,25 @@ def test_decode_rows_and_logits_multiply_in_bf16_and_a_scored_prompt_stays_fp32(
     assert runner.decode_bf16 and not runner.prefill_bf16
     layers = bf16_layers(engines["bfloat16"])
     assert len(layers) == 4 * 2 + 1  # q/k/v (fused), o, gate/up, down of both layers; logits
-    assert all(layer.weight_bf16 is not None for layer in layers)
+    assert all(layer.weight_packed is not None for layer in layers)
+    assert all(layer.weight_bf16 is None for layer in layers)  # no plain copy: no oneDNN
     assert not model_runner(engines["float32"]).decode_bf16
-    assert all(layer.weight_bf16 is None for layer in bf16_layers(engines["float32"]))
+    assert all(layer.weight_packed is None for layer in bf16_layers(engines["float32"]))
     record = {r.name: r for r in runner.calibrations}["native_rows"]
     assert (record.source, record.choice) == ("rule", "3")  # nothing measured: the rule's rows
 
     # The layer's own path (a step the native step does not take) on its bf16 weight.
     layer = layers[0]
-    assert layer.weight_bf16 is not None
+    assert layer.weight_fp32 is not None
     rows = torch.randn(2, layer.in_features)
-    expected = reference(rows, layer.weight_bf16)
+    expected = reference(rows, layer.weight_fp32.to(torch.bfloat16))
     if layer.bias is not None:
         expected += layer.bias
     gate = runner.bf16_gate
     assert gate is not None and gate is layer.bf16_gate
-    gate.decode = True
+    gate.on = True
     torch.testing.assert_close(layer(rows), expected, rtol=1e-5, atol=1e-5)
-    gate.decode = False  # as in a step that scores its prompt: fp32
+    gate.on = False  # as in a step that scores its prompt: fp32
     assert layer.weight_fp32 is not None
     fp32 = (rows.double() @ layer.weight_fp32.double().T).float()
     torch.testing.assert_close(layer(rows), fp32 + (layer.bias or 0), rtol=1e-5, atol=1e-5)
@@ -208,7 +225,7 @@ def test_auto_takes_bf16_only_where_the_kernels_run_it(tiny_model_dir, kernels, 
         with caplog.at_level(logging.WARNING, logger=bf16_decode.__name__):
             engine = make_engine(tiny_model_dir, decode_dtype="bfloat16")
         assert not model_runner(engine).decode_bf16
-        assert all(layer.weight_bf16 is None for layer in bf16_layers(engine))
+        assert all(layer.weight_packed is None for layer in bf16_layers(engine))
         assert "decode_dtype bfloat16 needs the native kernels on a CPU with AVX512_BF16" in (
             caplog.text
         )

@@ -24,19 +24,33 @@ from tests.engine.engine_core_support import make_engine, model_runner
 
 @pytest.fixture
 def bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This CPU as one with AVX512_BF16, whatever it has."""
+    """This CPU as one with AVX512_BF16, whatever it has (where the kernels run it, prefill's
+    bf16 products are theirs, on packed weights; elsewhere oneDNN's)."""
     real = bf16_prefill.cpu_identity()
     flags = real["cpu_flags"] + " avx512_bf16"
     monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**real, "cpu_flags": flags})
+
+
+@pytest.fixture
+def amx_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This CPU as one with AMX: prefill's wide bf16 products go to oneDNN."""
+    real = bf16_prefill.cpu_identity()
+    flags = real["cpu_flags"] + " avx512_bf16 amx_bf16"
+    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**real, "cpu_flags": flags})
+
+
+def kernels_run_bf16() -> bool:
+    from slotserve.engine.core.kernels import load_kernels
+    from slotserve.settings import CommonSettings
+
+    return load_kernels(CommonSettings().home).isa == "avx512_bf16"
 
 
 def decoder_layers(engine) -> list[NativeLinear]:
     return bf16_prefill.decoder_linears(model_runner(engine).model)
 
 
-def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
-    tiny_model_dir, bf16_cpu
-):
+def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(tiny_model_dir, amx_cpu):
     engine = make_engine(
         tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native", max_batch_size=2
     )
@@ -53,6 +67,8 @@ def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
     layer = layers[0]
     assert layer.weight_fp32 is not None and layer.weight_bf16 is not None
     assert torch.equal(layer.weight_bf16, layer.weight_fp32.to(torch.bfloat16))
+    assert runner.bf16_gate is not None
+    runner.bf16_gate.on = True  # as the runner sets it for a prefill step
     wide = torch.randn(layer.max_native_rows + 7, layer.in_features)
     expected = F.linear(wide.to(torch.bfloat16), layer.weight_bf16).float()
     if layer.bias is not None:
@@ -80,9 +96,52 @@ def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
     assert runner.bf16_gate is not None and not runner.bf16_gate.on
 
 
-def test_native_and_module_bf16_prefill_agree(tiny_model_dir, bf16_cpu):
+def test_without_amx_prefill_multiplies_on_the_native_kernels_packed_weights(
+    tiny_model_dir, monkeypatch
+):
+    """AVX512_BF16 without AMX (a Zen 4): every product of a prefill step runs on the packed
+    bf16 weights in the native step, no oneDNN callback and no plain copy; decode-only steps
+    (decode_dtype float32 here) and a scored prompt stay fp32."""
+    if not kernels_run_bf16():
+        pytest.skip("the kernels do not run AVX512_BF16 on this CPU")
+    if "amx_bf16" in bf16_prefill.bf16_units():
+        pytest.skip("this CPU has AMX: oneDNN's route")
+    engine = make_engine(
+        tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native", max_batch_size=2
+    )
+    runner = model_runner(engine)
+    step = runner.native_step
+    assert runner.prefill_bf16 and step is not None and step.prefill and not step.bf16_products
+    layers = decoder_layers(engine)
+    assert all(layer.weight_packed is not None and layer.weight_bf16 is None for layer in layers)
+    gate = runner.bf16_gate
+    assert gate is not None
+    seen = []
+    real_call = step.kernels.llama_step
+
+    def spy(struct, *args):
+        seen.append(gate.on)
+        return real_call(struct, *args)
+
+    monkeypatch.setattr(step.kernels, "llama_step", spy)  # the kernels object is shared
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.generate([[(i * 31 + 7) % 4000 + 50 for i in range(40)]], params)
+    assert seen == [True, False, False]  # the prefill step in bf16, the two decode steps not
+    seen.clear()
+    engine.generate([[5, 6, 7, 8]], params.model_copy(update={"prompt_logprobs": 1}))
+    assert seen and not seen[0]  # a scored prompt: fp32
+
+
+@pytest.mark.parametrize("route", ["onednn", "packed"])
+def test_native_and_module_bf16_prefill_agree(tiny_model_dir, monkeypatch, route):
     """The native step with bf16 products and the layers' torch path with them compute the
-    same step (up to fp32 rounding order around the products)."""
+    same step (up to fp32 rounding order around the products), on either route: oneDNN's
+    GEMMs (an AMX CPU) or the native kernels on packed weights (AVX512_BF16 without AMX)."""
+    if route == "packed" and not kernels_run_bf16():
+        pytest.skip("the kernels do not run AVX512_BF16 on this CPU")
+    real = bf16_prefill.cpu_identity()
+    flags = real["cpu_flags"] + (" avx512_bf16 amx_bf16" if route == "onednn" else "")
+    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**real, "cpu_flags": flags})
     prompts = [[(i * 13 + 5 * j) % 4000 + 50 for i in range(70 + 9 * j)] for j in range(3)]
     figures = []
     for native in (True, False):
@@ -92,19 +151,24 @@ def test_native_and_module_bf16_prefill_agree(tiny_model_dir, bf16_cpu):
         step = model_runner(engine).native_step
         assert step is not None
         step.prefill = native
+        layers = decoder_layers(engine)
+        assert all((layer.weight_packed is not None) == (route == "packed") for layer in layers)
         figures.append(first_token_logprobs(engine, prompts))
-        assert (step.wide_products > 0) == native
+        assert (step.wide_products > 0) == (native and route == "onednn")
     for ours, theirs in zip(*figures, strict=True):
         assert ours.keys() == theirs.keys()
         for token, logprob in ours.items():
             assert logprob == pytest.approx(theirs[token], abs=2e-3)
 
 
-def test_a_failing_bf16_product_fails_the_step_with_its_own_error(tiny_model_dir, bf16_cpu):
+def test_a_failing_bf16_product_fails_the_step_with_its_own_error(tiny_model_dir, amx_cpu):
     engine = make_engine(tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native")
     step = model_runner(engine).native_step
     assert step is not None
     step._bf16 = [torch.zeros(3, 5, dtype=torch.bfloat16)] * len(step._bf16)  # wrong shapes
+    gate = model_runner(engine).bf16_gate
+    assert gate is not None
+    gate.on = True  # as the runner sets it for a prefill step
     with pytest.raises(RuntimeError):
         step(list(range(100, 170)), list(range(70)), [0] * 70)
     assert step._wide_error is None  # handed over, not kept for the next step

@@ -45,6 +45,7 @@ __all__ = [
     "library_name",
     "load_kernels",
     "load_library",
+    "pack_bf16",
     "prebuild",
 ]
 
@@ -157,20 +158,28 @@ class NativeKernels:
         )
         return out
 
-    def gemm_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` on bf16 weights: x rounded to bf16, products accumulated in fp32."""
-        if weight.dtype != torch.bfloat16 or not weight.is_contiguous():
-            raise ValueError("gemm_bf16 takes a contiguous bfloat16 weight")
-        m, k, out = self._begin(x, weight.shape[0])
-        if weight.dim() != 2 or weight.shape[1] != k:
-            raise ValueError(f"gemm_bf16: weight {tuple(weight.shape)} does not take rows of {k}")
+    def gemm_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """``x @ W.T`` for the ``n`` channels of ``packed`` (:func:`pack_bf16`'s layout): x
+        rounded to bf16, products accumulated in fp32."""
+        m, k, out = self._begin(x, n)
+        blocks = -(-n // 16)
+        if (
+            packed.dtype != torch.bfloat16
+            or not packed.is_contiguous()
+            or tuple(packed.shape) != (blocks, k // 2, 16, 2)
+            or k % 2
+        ):
+            raise ValueError(
+                f"gemm_bf16 takes packed bf16 weights [{blocks}, {k // 2}, 16, 2] for {n} "
+                f"channels of {k} (pack_bf16), got {packed.dtype} {tuple(packed.shape)}"
+            )
         self._run(
             self._lib.slotserve_gemm_bf16,
             x.data_ptr(),
             m,
             k,
-            weight.data_ptr(),
-            weight.shape[0],
+            packed.data_ptr(),
+            n,
             out.data_ptr(),
             _threads(),
         )
@@ -309,10 +318,14 @@ class NativeKernels:
         slots: torch.Tensor,
         lens: torch.Tensor,
         scale: float,
+        *,
+        bf16: bool = False,
     ) -> torch.Tensor:
         """:meth:`decode_attention` with row r reading cache row ``slots[r]`` (int64 [rows]):
         what the native step runs, where the rows of a prefill chunk share one slot and row r
-        attends to positions [0, lens[r]) (its own included: causal within the chunk)."""
+        attends to positions [0, lens[r]) (its own included: causal within the chunk).
+        ``bf16``: a chunk's blocks of rows in bf16 where the CPU has AVX512_BF16, as a bf16
+        step runs them."""
         rows, kv_heads, group, d = q.shape
         if (
             slots.dtype != torch.int64
@@ -335,7 +348,7 @@ class NativeKernels:
             raise ValueError("slot_attention: tensors of the wrong shape, layout or dtype")
         out = torch.empty_like(q)
         self._run(
-            self._lib.slotserve_attend,
+            self._lib.slotserve_attend_bf16 if bf16 else self._lib.slotserve_attend,
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -391,6 +404,20 @@ class NativeKernels:
             raise ValueError("native kernels take contiguous 2-D float32 CPU rows")
         m, k = x.shape
         return m, k, torch.empty(m, n, dtype=torch.float32)
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] (K even) as :meth:`NativeKernels.gemm_bf16` reads it: rounded to bf16,
+    channels in blocks of 16 (the last padded with zeros), each block's 16 weights of a column
+    pair side by side, i.e. [ceil(N/16), K/2, 16, 2] (kernels.h)."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"packed bf16 weights need an even K, got {k}")
+    blocks = -(-n // 16)
+    w = weight.detach().to(torch.bfloat16)
+    if blocks * 16 != n:
+        w = torch.cat([w, w.new_zeros(blocks * 16 - n, k)])
+    return w.view(blocks, 16, k // 2, 2).transpose(1, 2).contiguous()
 
 
 def _weight(weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:

@@ -161,7 +161,9 @@ __attribute__((target("avx2,fma"))) static void head_avx2(const float *query, co
  * row (head_avx2), a 1,000-token chunk re-read its keys and values for every row and summed 4
  * keys per horizontal add: the largest part of a bf16 prefill step on a SmolLM2. */
 #define BLOCK_ROWS 32
-#define QUADS 4
+#define QUADS ATTENTION_QUADS
+/* bf16 blocks repack their keys and values to bf16 (attention_bf16.c): more rows share one. */
+#define BF16_BLOCK_ROWS 128
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 
@@ -249,7 +251,9 @@ static void block_avx512(const float *q, const float *keys, const float *values,
     (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work; /* never taken */
 }
 #define BLOCK_ROWS 32
-#define QUADS 4
+#define BF16_BLOCK_ROWS 128
+#define QUADS ATTENTION_QUADS
+static void softmax_avx2(float *sc, int64_t len) { (void)sc, (void)len; }
 static void head_avx2(const float *query, const float *keys, const float *values, int64_t len,
                       int64_t d, int64_t group, float scale, float *scores, float *dst) {
     head_c(query, keys, values, len, d, group, scale, scores, dst);
@@ -270,8 +274,24 @@ int slotserve_attend(const float *q, const float *k, const float *v, int64_t row
                      const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
                      int64_t max_len, const int64_t *lens, float scale, float *out, int threads,
                      struct scratch *s) {
+    return attend_rows(q, k, v, rows, slots, kv_heads, group, d, max_len, lens, scale, out, threads,
+                       s, 0);
+}
+
+int slotserve_attend_bf16(const float *q, const float *k, const float *v, int64_t rows,
+                          const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
+                          int64_t max_len, const int64_t *lens, float scale, float *out,
+                          int threads, struct scratch *s) {
+    return attend_rows(q, k, v, rows, slots, kv_heads, group, d, max_len, lens, scale, out, threads,
+                       s, 1);
+}
+
+int attend_rows(const float *q, const float *k, const float *v, int64_t rows, const int64_t *slots,
+                int64_t kv_heads, int64_t group, int64_t d, int64_t max_len, const int64_t *lens,
+                float scale, float *out, int threads, struct scratch *s, int bf16) {
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && d % 8 == 0;
     const int blocks = avx2 && slotserve_kernel_isa() >= ISA_AVX512 && d % 16 == 0;
+    bf16 = bf16 && blocks && d % 32 == 0 && slotserve_kernel_isa() >= ISA_AVX512_BF16;
     int64_t longest = 1, work = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t len = lens[r] < max_len ? lens[r] : max_len;
@@ -287,7 +307,8 @@ int slotserve_attend(const float *q, const float *k, const float *v, int64_t row
      * transposed keys and four queries' scores, (d + 4) * longest rounded up to 16. */
     size_t floats = (size_t)(group * longest);
     if (blocks) {
-        const size_t block = (size_t)((d + QUADS) * ((longest + 15) & ~(int64_t)15));
+        const size_t block = bf16 ? attention_bf16_work(d, longest)
+                                  : (size_t)((d + QUADS) * ((longest + 15) & ~(int64_t)15));
         floats = block > floats ? block : floats;
     }
     const size_t per_thread = (sizeof(float) * floats + 63) & ~(size_t)63;
@@ -303,8 +324,8 @@ int slotserve_attend(const float *q, const float *k, const float *v, int64_t row
     int64_t num_spans = 0;
     for (int64_t r = 0; r < rows;) {
         int64_t count = 1;
-        while (blocks && count < BLOCK_ROWS && r + count < rows && lens[r + count] <= max_len &&
-               same_chunk(slots, lens, r + count - 1))
+        while (blocks && count < (bf16 ? BF16_BLOCK_ROWS : BLOCK_ROWS) && r + count < rows &&
+               lens[r + count] <= max_len && same_chunk(slots, lens, r + count - 1))
             count++;
         spans[num_spans++] = (struct span){r, count};
         r += count;
@@ -319,8 +340,12 @@ int slotserve_attend(const float *q, const float *k, const float *v, int64_t row
             const int64_t slot = slots == NULL ? r : slots[r];
             if (span.count > 1) {
                 const int64_t at = (slot * kv_heads + h) * max_len * d;
-                block_avx512(q, k + at, v + at, lens, r, span.count, h, kv_heads, group, d, scale,
-                             out, scores);
+                if (bf16)
+                    attention_block_bf16(q, k + at, v + at, lens, r, span.count, h, kv_heads, group,
+                                         d, scale, out, scores, softmax_avx2);
+                else
+                    block_avx512(q, k + at, v + at, lens, r, span.count, h, kv_heads, group, d,
+                                 scale, out, scores);
                 continue;
             }
             const int64_t len = lens[r] < max_len ? lens[r] : max_len;

@@ -34,12 +34,8 @@ int gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n, float
                    struct scratch *s);
 #endif
 
-/* bf16_avx512.c: y = x . W^T on bf16 weights with VDPBF16PS (k % 32 == 0; AVX512_BF16 only).
- * From BF16_WIDE_ROWS rows, BF16_GROUP_PANELS panels at a time against blocks of
- * BF16_BLOCK_ROWS rows (as products.c's wide products). */
-#define BF16_WIDE_ROWS 64
-#define BF16_GROUP_PANELS 16
-#define BF16_BLOCK_ROWS 16
+/* bf16_avx512.c: y = x . W^T on packed bf16 weights (kernels.h) with VDPBF16PS (k even;
+ * AVX512_BF16 only). */
 int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
                      int threads, struct scratch *s);
 

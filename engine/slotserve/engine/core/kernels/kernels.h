@@ -16,7 +16,7 @@
 #define SLOTSERVE_KERNEL_GROUP 32
 
 /* Weight formats (native_decode.py's KINDS, slotserve_dequantize's `kind`). */
-enum kind { F32 = 0, Q8 = 1, Q4 = 2, BF16 = 3 };
+enum kind { F32 = 0, Q8 = 1, Q4 = 2, BF16 = 3 }; /* BF16: packed (slotserve_gemm_bf16) */
 
 /* Instruction sets, narrowest first (kernels/__init__.py's ISAS): what slotserve_kernel_isa()
  * returns (nonzero: the AVX2/FMA code of every kernel runs; ISA_AVX512: the fp32 panel products
@@ -68,8 +68,10 @@ int slotserve_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int
                        int threads, struct scratch *s);
 int slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float *scale,
                       int64_t n, float *y, int threads, struct scratch *s);
-/* bf16 weights [N,K] (k a multiple of 32): the rows of x are rounded to bf16 and the products
- * accumulated in fp32, on every instruction set (bf16_avx512.c where the CPU has AVX512_BF16). */
+/* Packed bf16 weights (k even): channels in blocks of 16 (the last padded with zeros), block b
+ * holding for each column pair p the 16 channels' weights (2p, 2p + 1) side by side, i.e.
+ * bf16[ceil(N/16), K/2, 16, 2]. The rows of x are rounded to bf16 and the products accumulated
+ * in fp32, on every instruction set (bf16_avx512.c where the CPU has AVX512_BF16). */
 int slotserve_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                         float *y, int threads, struct scratch *s);
 int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
@@ -83,6 +85,12 @@ int slotserve_attend(const float *q, const float *k, const float *v, int64_t row
                      const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
                      int64_t max_len, const int64_t *lens, float scale, float *out, int threads,
                      struct scratch *s);
+/* slotserve_attend with the blocks of a prefill chunk's rows in bf16 (queries, keys, values and
+ * probabilities rounded to bf16, sums in fp32) where the CPU has AVX512_BF16; fp32 elsewhere. */
+int slotserve_attend_bf16(const float *q, const float *k, const float *v, int64_t rows,
+                          const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
+                          int64_t max_len, const int64_t *lens, float scale, float *out,
+                          int threads, struct scratch *s);
 /* slotserve_attend with row r reading cache row r. */
 int slotserve_decode_attention(const float *q, const float *k, const float *v, int64_t rows,
                                int64_t kv_heads, int64_t group, int64_t d, int64_t max_len,

@@ -46,6 +46,8 @@ struct step_model {
     /* NULL, or the caller's product for steps of wide_rows rows and more (kernels.h). */
     slotserve_wide_product wide;
     int64_t wide_rows;
+    /* Nonzero: prefill blocks of attention in bf16 (a step whose products are bf16). */
+    int64_t bf16_attention;
 };
 
 static void rms_norm_c(const float *x, const float *weight, int64_t n, float eps, float *out) {
@@ -184,8 +186,9 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
             /* Query heads are laid out [kv_heads, group, d]: head h uses kv head h / group. */
             memcpy(query + i * nq, row, sizeof(float) * (size_t)nq);
         }
-        if (slotserve_attend(query, layer->k_cache, layer->v_cache, m, slots, model->kv_heads,
-                             group, d, model->max_len, lens, model->scale, attended, threads, s))
+        if (attend_rows(query, layer->k_cache, layer->v_cache, m, slots, model->kv_heads, group, d,
+                        model->max_len, lens, model->scale, attended, threads, s,
+                        (int)model->bf16_attention))
             goto done;
         if (product(model, l, O, attended, m, nq, hidden, narrow, threads, s)) goto done;
 #pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)

@@ -52,11 +52,16 @@ static void unpack_q4_c(const uint8_t *q, const float *scale, const float *minim
     }
 }
 
-/* bf16 widened to fp32 (the reference the VDPBF16PS products are tested against). */
-static void unpack_bf16_c(const uint16_t *w, int64_t k, int64_t rows, float *out) {
-    for (int64_t j = 0; j < rows * k; j++) {
-        const uint32_t bits = (uint32_t)w[j] << 16;
-        memcpy(out + j, &bits, sizeof(float));
+/* Channels [n0, n0 + rows) of packed bf16 weights (kernels.h) widened to fp32 rows of k: the
+ * reference the VDPBF16PS products are tested against. */
+static void unpack_bf16_c(const uint16_t *packed, int64_t n0, int64_t rows, int64_t k, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t c = n0 + r;
+        const uint16_t *block = packed + (c / 16) * 16 * k + 2 * (c % 16);
+        for (int64_t j = 0; j < k; j++) {
+            const uint32_t bits = (uint32_t)block[(j / 2) * 32 + (j % 2)] << 16;
+            memcpy(out + r * k + j, &bits, sizeof(float));
+        }
     }
 }
 
@@ -283,7 +288,7 @@ static const float *panel_weights(struct weights w, int64_t n0, int64_t rows, in
                                   float *buffer) {
     if (w.kind == F32) return (const float *)w.data + n0 * k;
     if (w.kind == BF16) {
-        unpack_bf16_c((const uint16_t *)w.data + n0 * k, k, rows, buffer);
+        unpack_bf16_c((const uint16_t *)w.data, n0, rows, k, buffer);
         return buffer;
     }
     const int64_t groups = k / GROUP;
@@ -378,7 +383,7 @@ static int gemm_panels(const float *x, int64_t m, int64_t k, struct weights w, i
  * rounded to bf16 and the weights widened to fp32, the same products summed in another order. */
 static int gemm_bf16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
                      int threads, struct scratch *s) {
-    if (slotserve_kernel_isa() >= ISA_AVX512_BF16 && k % 32 == 0)
+    if (slotserve_kernel_isa() >= ISA_AVX512_BF16)
         return gemm_bf16_avx512(x, m, k, (const uint16_t *)w.data, n, y, threads, s);
     const size_t mark = scratch_mark(s);
     void *owned;

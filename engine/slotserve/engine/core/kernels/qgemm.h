@@ -31,6 +31,22 @@ int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights 
 void dot_panel_avx512(const float *x, int64_t m, int64_t k, const float *w, float *y, int64_t n,
                       const float *next);
 
+/* attention.c: slotserve_attend, with prefill blocks in bf16 when `bf16` (and the CPU has
+ * AVX512_BF16): what a bf16 step of llama_step.c calls. */
+int attend_rows(const float *q, const float *k, const float *v, int64_t rows, const int64_t *slots,
+                int64_t kv_heads, int64_t group, int64_t d, int64_t max_len, const int64_t *lens,
+                float scale, float *out, int threads, struct scratch *s, int bf16);
+
+/* attention_bf16.c: one block of a chunk's rows for one kv head in bf16 (attention.c's
+ * block_avx512 in VDPBF16PS); `work` holds attention_bf16_work(d, the block's last length)
+ * floats, 64-byte aligned. `softmax` normalises scores[0, len) in place. */
+#define ATTENTION_QUADS 4
+size_t attention_bf16_work(int64_t d, int64_t longest);
+void attention_block_bf16(const float *q, const float *keys, const float *values,
+                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
+                          int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
+                          float *work, void (*softmax)(float *scores, int64_t len));
+
 #pragma GCC visibility pop
 
 #if defined(__x86_64__) || defined(__i386__)

@@ -33,6 +33,10 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         INT,
         [PTR, PTR, PTR, I64, PTR, I64, I64, I64, I64, PTR, F32, PTR, INT, SCRATCH],
     ),
+    "slotserve_attend_bf16": (
+        INT,
+        [PTR, PTR, PTR, I64, PTR, I64, I64, I64, I64, PTR, F32, PTR, INT, SCRATCH],
+    ),
     "slotserve_decode_attention": (
         INT,
         [PTR, PTR, PTR, I64, I64, I64, I64, I64, PTR, F32, PTR, INT, SCRATCH],

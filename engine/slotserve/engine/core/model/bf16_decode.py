@@ -11,11 +11,11 @@ against 7.1 / 8.7 / 22.5 ms native fp32 and 7.8 / 9.0 / 14.7 ms through oneDNN i
 the CPU lacks the instruction the kernels would widen bf16 to fp32 (slower than fp32 itself),
 so ``auto`` stays fp32 there and an explicit ``bfloat16`` warns once and stays fp32.
 
-What it costs: a bf16 copy of the decoder's weights (shared with bf16 prefill when both are
-on) and of the output projection, and the rows rounded to bf16 before each product, as bf16
-prefill does; its quality against fp32 is measured by ``bench/quant_quality.py`` (docs/engine.md
-has the figures). Steps that score a prompt (prompt logprobs) run in fp32: the runner turns the
-shared :class:`Bf16Gate`'s ``decode`` off for them.
+What it costs: a packed bf16 copy of the decoder's weights (shared with bf16 prefill when both
+are on, unless prefill's go to oneDNN on an AMX CPU) and of the output projection, and the rows
+rounded to bf16 before each product, as bf16 prefill does; its quality against fp32 is measured
+by ``bench/quant_quality.py`` (docs/engine.md has the figures). Steps that score a prompt
+(prompt logprobs) run in fp32: the runner turns the shared :class:`Bf16Gate` off for them.
 
 Up to how many rows the native kernels take is not measured against aten here, as fp32's is
 (``native_linear.measure_native_rows``): bf16 products beat aten's fp32 ones structurally (half
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from slotserve.engine.core.kernels import NativeKernels
+from slotserve.engine.core.kernels import NativeKernels, pack_bf16
 from slotserve.engine.core.model.bf16_prefill import decoder_linears
 from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear
 from slotserve.engine.settings import PrefillDType
@@ -63,8 +63,9 @@ def install_bf16_decode(
     model: Any, logits: Callable[[torch.Tensor], torch.Tensor], gate: Bf16Gate | None
 ) -> Bf16Gate | None:
     """Give the decoder's fp32 native layers (and the output projection, when native) their
-    bf16 weights, sharing ``gate`` (a new one if None); returns the gate, or None when no layer
-    is native fp32 (the kernels are then not in use)."""
+    packed bf16 weights (:func:`~slotserve.engine.core.kernels.pack_bf16`), sharing ``gate`` (a
+    new one if None); returns the gate, or None when no layer is native fp32 (the kernels are
+    then not in use)."""
     layers = [layer for layer in decoder_linears(model) if layer.weight_fp32 is not None]
     if not layers:
         logger.info("decode products in float32: the decoder's layers are not native fp32")
@@ -75,9 +76,9 @@ def install_bf16_decode(
     nbytes = 0
     for layer in layers:
         assert layer.weight_fp32 is not None
-        if layer.weight_bf16 is None:
-            layer.weight_bf16 = layer.weight_fp32.to(torch.bfloat16)
-            nbytes += layer.weight_bf16.numel() * 2
+        if layer.weight_packed is None:
+            layer.weight_packed = pack_bf16(layer.weight_fp32)
+            nbytes += layer.weight_packed.numel() * 2
         layer.bf16_gate = gate
     logger.info(
         "decode products in bfloat16 (VDPBF16PS): %d layers, %.0f MB of bf16 weights added",

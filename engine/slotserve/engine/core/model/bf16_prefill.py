@@ -1,8 +1,11 @@
 """Prefill products in bfloat16 (``--prefill-dtype``, ``auto`` by default: bfloat16 wherever the
-CPU has bf16 units and the layers are native fp32): the decoder's fp32 native layers
-keep a bf16 copy of their weights, and a product of more rows than the native kernels take (a
-prefill chunk) runs as one bf16 GEMM through torch (oneDNN), accumulated in fp32, its result
-back in fp32. Decode steps are unchanged: fp32 weights through the native kernels.
+CPU has bf16 units and the layers are native fp32): the decoder's fp32 native layers keep a
+bf16 copy of their weights, and a step with a prefill chunk multiplies on it, accumulating in
+fp32. On CPUs with AMX a product of more rows than the native kernels take runs as one bf16
+GEMM through torch (oneDNN, on the AMX tiles), its result back in fp32; elsewhere with
+AVX512_BF16 every product runs on the native kernels' packed bf16 weights (VDPBF16PS, fp32 out:
+``kernels/bf16_avx512.c``), which beat oneDNN's there. Decode-only steps follow
+``--decode-dtype`` (bf16_decode.py).
 
 Why: serving with prompts is prefill-bound, and a prefill chunk's products are compute-bound.
 Where the CPU has bf16 dot-product units, oneDNN's bf16 GEMM does several times the fp32 work
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 
+from slotserve.engine.core.kernels import NativeKernels, pack_bf16
 from slotserve.engine.core.model.calibration import cpu_identity
 from slotserve.engine.core.model.fusion import QKVPart
 from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear
@@ -62,13 +66,20 @@ def wants_bf16_prefill(prefill_dtype: PrefillDType, quantization: str, units: li
     return prefill_dtype != "float32" and quantization == "none" and bool(units)
 
 
+def packed_route(units: list[str], kernels: NativeKernels | None) -> bool:
+    """Whether prefill's bf16 products run on the native kernels (packed weights, VDPBF16PS)
+    rather than oneDNN: where the kernels run AVX512_BF16 and the CPU has no AMX, whose tiles
+    oneDNN uses (several times AVX512_BF16's throughput there)."""
+    return "amx_bf16" not in units and kernels is not None and kernels.isa == "avx512_bf16"
+
+
 def install_bf16_prefill(
-    model: Any, prefill_dtype: PrefillDType, units: list[str]
+    model: Any, prefill_dtype: PrefillDType, units: list[str], kernels: NativeKernels | None
 ) -> Bf16Gate | None:
     """Give the decoder's fp32 native layers their bf16 prefill weights when asked (``auto``:
-    wherever it can run) and the CPU has bf16 ``units`` (:func:`bf16_units`); returns the gate
-    they share (on: wide products in bf16), else None. Only an explicit ``bfloat16`` that cannot
-    run warns."""
+    wherever it can run) and the CPU has bf16 ``units`` (:func:`bf16_units`): packed for the
+    native kernels or plain for oneDNN (:func:`packed_route`). Returns the gate they share,
+    else None. Only an explicit ``bfloat16`` that cannot run warns."""
     if prefill_dtype == "float32":
         return None
     explicit = prefill_dtype == "bfloat16"
@@ -92,16 +103,22 @@ def install_bf16_prefill(
             "the layers' own precision"
         )
         return None
-    gate = Bf16Gate(on=True)
+    gate = Bf16Gate(on=False)
+    packed = packed_route(units, kernels)
     nbytes = 0
     for layer in layers:
         assert layer.weight_fp32 is not None
-        layer.weight_bf16 = layer.weight_fp32.to(torch.bfloat16)
+        if packed:
+            layer.weight_packed = pack_bf16(layer.weight_fp32)
+            nbytes += layer.weight_packed.numel() * 2
+        else:
+            layer.weight_bf16 = layer.weight_fp32.to(torch.bfloat16)
+            nbytes += layer.weight_bf16.numel() * 2
         layer.bf16_gate = gate
-        nbytes += layer.weight_bf16.numel() * 2
     logger.info(
-        "prefill products in bfloat16 on %s: %d decoder layers, %.0f MB of bf16 weights",
+        "prefill products in bfloat16 on %s (%s): %d decoder layers, %.0f MB of bf16 weights",
         "+".join(units),
+        "native kernels, VDPBF16PS" if packed else "oneDNN",
         len(layers),
         nbytes / 1e6,
     )

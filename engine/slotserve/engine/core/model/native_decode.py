@@ -91,6 +91,7 @@ class StepModel(ctypes.Structure):
         ("layers", ctypes.POINTER(StepLayer)),
         ("wide", WideProduct),
         ("wide_rows", ctypes.c_int64),
+        ("bf16_attention", ctypes.c_int64),
     ]
 
 
@@ -209,8 +210,8 @@ class NativeDecodeStep:
             layers=layers,
         )
         self._layers = layers  # the struct points into it
-        # The same layers on the bf16 weights (use_bf16_decode), for steps with the gate's
-        # decode on; None: every step multiplies the layers' own weights.
+        # The same layers on the packed bf16 weights (use_packed_bf16), for steps with the gate
+        # on; None: every step multiplies the layers' own weights.
         self._layers_bf16: Any = None
         self.struct.wide_rows = NEVER
         # bf16 prefill products (use_bf16_products): the layers' bf16 weights, the gate that
@@ -242,19 +243,18 @@ class NativeDecodeStep:
         self.bf16_products = True
         return True
 
-    def use_bf16_decode(self, gate: Bf16Gate) -> bool:
-        """Multiply the products the step computes itself (decode rows, chunks below the wide
-        products' rows) on the layers' bf16 weights with the native bf16 kernels
-        (``bf16_decode.py``), while ``gate.decode`` is on. False if a layer has no bf16
-        weights."""
-        if any(linear.weight_bf16 is None for linear in self._linears):
+    def use_packed_bf16(self, gate: Bf16Gate) -> bool:
+        """Multiply on the layers' packed bf16 weights with the native bf16 kernels while
+        ``gate`` is on (every product the step computes itself: with :meth:`use_bf16_products`
+        too, those below its wide rows). False if a layer has no packed weights."""
+        if any(linear.weight_packed is None for linear in self._linears):
             return False
         layers = (StepLayer * len(self._layers))()
         for index, entry in enumerate(self._layers):
             # A copy: the norms, caches and biases are fp32's.
             ctypes.memmove(ctypes.byref(layers[index]), ctypes.byref(entry), ctypes.sizeof(entry))
             for slot in range(PRODUCTS):
-                weight = self._linears[index * PRODUCTS + slot].weight_bf16
+                weight = self._linears[index * PRODUCTS + slot].weight_packed
                 assert weight is not None
                 layers[index].kind[slot] = KINDS["bfloat16"]
                 layers[index].data[slot] = weight.data_ptr()
@@ -318,10 +318,11 @@ class NativeDecodeStep:
             raise ValueError("two rows of one step at the same slot and position")
         started = time.perf_counter()
         if self._gate is not None:
-            bf16 = self.bf16_products and self._gate.on
-            self.struct.wide_rows = self.max_rows + 1 if bf16 else NEVER
-            narrow_bf16 = self._layers_bf16 is not None and self._gate.decode
-            self.struct.layers = self._layers_bf16 if narrow_bf16 else self._layers
+            on = self._gate.on
+            self.struct.wide_rows = self.max_rows + 1 if on and self.bf16_products else NEVER
+            packed = on and self._layers_bf16 is not None
+            self.struct.layers = self._layers_bf16 if packed else self._layers
+            self.struct.bf16_attention = int(on)  # the C code runs it where the CPU can
         ids = torch.tensor(token_ids)
         positions_t = torch.tensor(positions)
         hidden = self.embed(ids).contiguous()  # a fresh tensor: the step overwrites it

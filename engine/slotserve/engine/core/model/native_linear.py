@@ -55,11 +55,11 @@ CALIBRATION_ROUNDS = 5
 
 @dataclass
 class Bf16Gate:
-    """Shared by the layers of one model that hold bf16 weights: which of their products use
-    them in this step (the runner sets both per step; steps that score prompts stay fp32)."""
+    """Shared by the layers of one model that hold bf16 weights: whether this step's products
+    use them (the runner sets it per step from the step's kind: prefill_dtype for a step with
+    a prefill chunk, decode_dtype for the others, fp32 for one that scores its prompt)."""
 
-    on: bool = True  # products wider than the native kernels take (bf16_prefill.py)
-    decode: bool = False  # products the native kernels take (bf16_decode.py)
+    on: bool = True
 
 
 class NativeLinear(nn.Module):
@@ -82,10 +82,12 @@ class NativeLinear(nn.Module):
         # is already contiguous fp32 is shared, not copied (a tied output layer stays one
         # tensor with the embedding).
         self.weight_fp32: torch.Tensor | None = None
-        # bf16 copy of the weight when set: products of more rows than the native kernels take
-        # run on it through oneDNN (bf16_prefill.py), and the narrower ones through the native
-        # bf16 kernels (bf16_decode.py), each while the gate says so.
+        # bf16 copies of the weight, used while the gate is on: products of more rows than the
+        # native kernels take run on the plain one through oneDNN where it is set (CPUs with
+        # AMX: bf16_prefill.py), any other product on the packed one through the native bf16
+        # kernels (kernels.pack_bf16; bf16_prefill.py, bf16_decode.py).
         self.weight_bf16: torch.Tensor | None = None
+        self.weight_packed: torch.Tensor | None = None
         self.bf16_gate = Bf16Gate(on=False)
         self.q = self.scale = self.minimum = torch.empty(0)
         if fmt == "float32":
@@ -97,7 +99,9 @@ class NativeLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float()
 
     def nbytes(self) -> int:
-        tensors = [t for t in (self.weight_fp32, self.weight_bf16) if t is not None]
+        tensors = [
+            t for t in (self.weight_fp32, self.weight_bf16, self.weight_packed) if t is not None
+        ]
         tensors += [self.q, self.scale, self.minimum]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -112,20 +116,18 @@ class NativeLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
-        if (
-            rows.shape[0] > self.max_native_rows
-            and self.weight_bf16 is not None
-            and self.bf16_gate.on
-        ):
+        wide = rows.shape[0] > self.max_native_rows
+        bf16 = self.bf16_gate.on
+        if wide and bf16 and self.weight_bf16 is not None:
             out = F.linear(rows.to(torch.bfloat16), self.weight_bf16).float()
             if self.bias is not None:
                 out.add_(self.bias)
-        elif rows.shape[0] > self.max_native_rows:
-            out = F.linear(rows, self.dense_weight(), self.bias)
-        elif self.weight_bf16 is not None and self.bf16_gate.decode:
-            out = self.kernels.gemm_bf16(rows, self.weight_bf16)
+        elif bf16 and self.weight_packed is not None:
+            out = self.kernels.gemm_bf16(rows, self.weight_packed, self.out_features)
             if self.bias is not None:
                 out.add_(self.bias)
+        elif wide:
+            out = F.linear(rows, self.dense_weight(), self.bias)
         else:
             if self.weight_fp32 is not None:
                 out = self.kernels.gemm_f32(rows, self.weight_fp32)
@@ -141,7 +143,8 @@ class NativeLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, {self.format}, "
             f"native up to {self.max_native_rows} rows"
-            + (", bf16 weights" if self.weight_bf16 is not None else "")
+            + (", bf16 beyond" if self.weight_bf16 is not None else "")
+            + (", packed bf16" if self.weight_packed is not None else "")
         )
 
 

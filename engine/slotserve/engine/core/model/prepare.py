@@ -71,12 +71,13 @@ class PreparedModel:
         gate = self.bf16_gate
         if step is None or gate is None:
             return step
-        # bf16 prefill products: in the native step (its wide products call back into torch's
-        # bf16 GEMM), else in the layers' torch path.
-        if self.bf16_prefill and not step.use_bf16_products(gate):
+        # bf16 products in the native step: its wide products calling back into oneDNN's bf16
+        # GEMM (plain weights), or every product on the packed weights; a prefill that can
+        # have neither runs through the layers' torch path.
+        callback = step.use_bf16_products(gate)
+        packed = step.use_packed_bf16(gate)
+        if self.bf16_prefill and not (callback or packed):
             step.prefill = False
-        if self.bf16_decode:
-            step.use_bf16_decode(gate)
         return step
 
 
@@ -123,7 +124,7 @@ def prepare_model(
         and wants_bf16_prefill(prefill_dtype, quantization, units),
         decode_bf16=decode_bf16,
     )
-    prefill_gate = install_bf16_prefill(model, prefill_dtype, units)
+    prefill_gate = install_bf16_prefill(model, prefill_dtype, units, kernels)
     decode_gate = install_bf16_decode(model, layers.logits, prefill_gate) if decode_bf16 else None
     return PreparedModel(
         model=model,

@@ -134,6 +134,9 @@ class ModelRunner:
         self.bf16_gate = prepared.bf16_gate
         self.prefill_bf16 = prepared.bf16_prefill
         self.decode_bf16 = prepared.bf16_decode
+        # Steps that score a prompt run in fp32; benchmarks of the bf16 path's quality
+        # (bench/quant_quality.py) score in bf16 instead.
+        self.bf16_scoring = False
         self._arange = torch.arange(max_model_len, device=self.device)
         # Attention reads cache rows up to the longest decode of the step, past what each row
         # holds; masked positions still enter ``0 * value``, so they must hold finite numbers.
@@ -207,15 +210,12 @@ class ModelRunner:
         """One forward of every chunk (native step or transformers), the eager sampler."""
         scoring = any(chunk.seq.prompt_logprobs is not None for chunk in chunks)
         if self.bf16_gate is not None:
-            # As configured: wide products in bf16 for steps with a prefill chunk
-            # (bf16_prefill.py), narrow ones for decode-only steps and, with bf16 prefill, for
-            # the others too (bf16_decode.py); a step holding an fp32 prefill chunk or one
-            # that scores its prompt runs in fp32 throughout.
+            # A step with a prefill chunk multiplies as prefill_dtype says (bf16_prefill.py),
+            # a decode-only step as decode_dtype says (bf16_decode.py); one that scores its
+            # prompt runs in fp32 throughout.
             prefill = any(chunk.num_tokens > 1 for chunk in chunks)
-            self.bf16_gate.on = self.prefill_bf16 and prefill and not scoring
-            self.bf16_gate.decode = (
-                self.decode_bf16 and not scoring and (self.prefill_bf16 or not prefill)
-            )
+            wanted = self.prefill_bf16 if prefill else self.decode_bf16
+            self.bf16_gate.on = wanted and (self.bf16_scoring or not scoring)
         if self._natively(chunks):
             hidden, sample_index = self._native_decode(chunks)
         else:

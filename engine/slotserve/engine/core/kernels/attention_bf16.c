@@ -1,0 +1,177 @@
+/* Prefill attention in bf16 with VDPBF16PS (AVX512_BF16), for steps whose products run in bf16
+ * (the step model's bf16_attention): a block of up to BLOCK_ROWS rows of one chunk and one kv
+ * head, as attention.c's fp32 blocks, with the keys, values, queries and probabilities rounded
+ * to bf16 (nearest even) and every sum in fp32.
+ *
+ * Why: with ~1,000-token prompts attention is about a sixth of a prefill step's multiply-adds
+ * and, in fp32 at ~70% of the FMA peak, a quarter of its time on a 2-core Zen 4; VDPBF16PS does
+ * twice the multiply-adds per instruction. What vLLM's CPU backend and FlashAttention do on
+ * bf16 models: its quality is measured with the rest of the bf16 path (bench/quant_quality.py
+ * --engine bfloat16).
+ *
+ * Layouts (in the caller's work buffer): keys packed for scoring, 16 keys a vector, each lane
+ * holding a key's two values of one dimension pair: kp[t / 16][d / 2][16][2]; values packed for
+ * the weighted sum, 16 dimensions a vector, each lane holding two positions' values of one
+ * dimension: vp[t / 2][d / 16][16][2]. A query's dimension pair, or a probability pair, is
+ * broadcast to all lanes, so neither sum needs a horizontal add.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "gemm.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define BF16_TARGET                                                                                \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")))
+
+static inline uint16_t to_bf16(float f) {
+    /* Nearest even; a NaN stays a NaN (as VCVTNEPS2BF16). */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7f800000u) == 0x7f800000u)
+        return (uint16_t)((bits >> 16) | ((bits & 0xffffu) ? 0x40u : 0u));
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline int32_t pair_at(const uint16_t *pairs, int64_t index) {
+    int32_t pair;
+    memcpy(&pair, pairs + 2 * index, sizeof pair);
+    return pair;
+}
+
+size_t attention_bf16_work(int64_t d, int64_t longest) {
+    const size_t stride = (size_t)((longest + 15) & ~(int64_t)15);
+    /* kp, vp and the keys' rows in bf16: d * stride bf16 each; qb: QUADS * d bf16; pb: QUADS *
+     * stride bf16; scores: QUADS * stride floats (in floats, rounded up for alignment). */
+    return 3 * (size_t)d * stride / 2 + (size_t)(ATTENTION_QUADS * d) / 2 +
+           (size_t)ATTENTION_QUADS * stride / 2 + (size_t)ATTENTION_QUADS * stride + 16;
+}
+
+/* Keys [0, last) into kp (zeros up to stride) and values into vp (zeros up to stride); d a
+ * multiple of 32. */
+BF16_TARGET static void pack_block(const float *keys, const float *values, int64_t last,
+                                   int64_t stride, int64_t d, uint16_t *kp, uint16_t *vp,
+                                   uint16_t *rows) {
+    const int64_t pairs = d / 2, groups = d / 16;
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t t = 0; t < stride; t++)
+        for (int64_t j = 0; j < d; j += 32) {
+            const __m512 lo = t < last ? _mm512_loadu_ps(keys + t * d + j) : zero;
+            const __m512 hi = t < last ? _mm512_loadu_ps(keys + t * d + j + 16) : zero;
+            _mm512_storeu_si512(rows + t * d + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    /* kp[g][p] = the pair p of keys 16g .. 16g + 15: a gather of 16 pairs a row apart. */
+    const __m512i apart =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32((int)pairs));
+    for (int64_t g = 0; g < stride / 16; g++)
+        for (int64_t p = 0; p < pairs; p++) {
+            const int32_t *base = (const int32_t *)rows + g * 16 * pairs + p;
+            _mm512_storeu_si512(kp + (g * pairs + p) * 32,
+                                _mm512_i32gather_epi32(apart, (const void *)base, 4));
+        }
+    /* vp[tp][jg]: positions 2tp and 2tp + 1 of dimensions 16jg .. 16jg + 15, interleaved. */
+    const __m512i interleave =
+        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t tp = 0; tp < stride / 2; tp++) {
+        const int64_t t = 2 * tp;
+        for (int64_t jg = 0; jg < groups; jg++) {
+            const __m512 a = t < last ? _mm512_loadu_ps(values + t * d + 16 * jg) : zero;
+            const __m512 b = t + 1 < last ? _mm512_loadu_ps(values + (t + 1) * d + 16 * jg) : zero;
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a low, b high */
+            _mm512_storeu_si512(vp + (tp * groups + jg) * 32,
+                                _mm512_permutexvar_epi16(interleave, both));
+        }
+    }
+}
+
+BF16_TARGET void attention_block_bf16(const float *q, const float *keys, const float *values,
+                                      const int64_t *lens, int64_t r0, int64_t count, int64_t h,
+                                      int64_t kv_heads, int64_t group, int64_t d, float scale,
+                                      float *out, float *work,
+                                      void (*softmax)(float *scores, int64_t len)) {
+    const int64_t last = lens[r0 + count - 1];
+    const int64_t stride = (last + 15) & ~(int64_t)15, pairs = d / 2, groups = d / 16;
+    uint16_t *kp = (uint16_t *)work;
+    uint16_t *vp = kp + d * stride;
+    uint16_t *rows = vp + d * stride;
+    uint16_t *qb = rows + d * stride;
+    uint16_t *pb = qb + ATTENTION_QUADS * d;
+    float *scores = (float *)(((uintptr_t)(pb + ATTENTION_QUADS * stride) + 63) & ~(uintptr_t)63);
+    pack_block(keys, values, last, stride, d, kp, vp, rows);
+    const int64_t queries = count * group;
+    for (int64_t first = 0; first < queries; first += ATTENTION_QUADS) {
+        float *outs[ATTENTION_QUADS];
+        int64_t len[ATTENTION_QUADS], upto = 0;
+        for (int i = 0; i < ATTENTION_QUADS; i++) {
+            /* Past the last query, repeat it (its results are written twice, identically). */
+            const int64_t index = first + i < queries ? first + i : queries - 1;
+            const int64_t r = r0 + index / group, g = index % group;
+            const float *qi = q + ((r * kv_heads + h) * group + g) * d;
+            for (int64_t j = 0; j < d; j++) qb[i * d + j] = to_bf16(qi[j]);
+            outs[i] = out + ((r * kv_heads + h) * group + g) * d;
+            len[i] = lens[r];
+            upto = len[i] > upto ? len[i] : upto;
+        }
+        const int64_t padded = (upto + 15) & ~(int64_t)15;
+        const __m512 vscale = _mm512_set1_ps(scale);
+        /* Scores: four queries against 16 keys a vector, one vector of keys for the four. */
+        for (int64_t g = 0; g < padded / 16; g++) {
+            __m512 acc[ATTENTION_QUADS];
+            for (int i = 0; i < ATTENTION_QUADS; i++) acc[i] = _mm512_setzero_ps();
+            const uint16_t *kg = kp + g * pairs * 32;
+            for (int64_t p = 0; p < pairs; p++) {
+                const __m512bh kv = (__m512bh)_mm512_loadu_si512(kg + 32 * p);
+                for (int i = 0; i < ATTENTION_QUADS; i++) {
+                    const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair_at(qb + i * d, p));
+                    acc[i] = _mm512_dpbf16_ps(acc[i], qv, kv);
+                }
+            }
+            for (int i = 0; i < ATTENTION_QUADS; i++)
+                _mm512_storeu_ps(scores + i * stride + 16 * g, _mm512_mul_ps(acc[i], vscale));
+        }
+        const int64_t even = (upto + 1) & ~(int64_t)1;
+        for (int i = 0; i < ATTENTION_QUADS; i++) {
+            float *sc = scores + i * stride;
+            softmax(sc, len[i]);
+            for (int64_t t = 0; t < even; t++) pb[i * stride + t] = t < len[i] ? to_bf16(sc[t]) : 0;
+        }
+        /* Values: 16 dimensions a vector, two positions a multiply-add; up to 64 dimensions
+         * (four vectors) of the four queries in registers at once. */
+        for (int64_t j0 = 0; j0 < groups; j0 += 4) {
+            const int64_t width = groups - j0 < 4 ? groups - j0 : 4;
+            __m512 acc[ATTENTION_QUADS][4];
+            for (int i = 0; i < ATTENTION_QUADS; i++)
+                for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+            for (int64_t tp = 0; tp < even / 2; tp++) {
+                __m512bh vv[4];
+                for (int c = 0; c < width; c++)
+                    vv[c] = (__m512bh)_mm512_loadu_si512(vp + ((tp * groups + j0 + c) * 32));
+                for (int i = 0; i < ATTENTION_QUADS; i++) {
+                    const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair_at(pb + i * stride, tp));
+                    for (int c = 0; c < width; c++)
+                        acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pv, vv[c]);
+                }
+            }
+            for (int i = 0; i < ATTENTION_QUADS; i++)
+                for (int c = 0; c < width; c++)
+                    _mm512_storeu_ps(outs[i] + 16 * (j0 + c), acc[i][c]);
+        }
+    }
+}
+#else
+size_t attention_bf16_work(int64_t d, int64_t longest) {
+    (void)d, (void)longest;
+    return 0;
+}
+void attention_block_bf16(const float *q, const float *keys, const float *values,
+                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
+                          int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
+                          float *work, void (*softmax)(float *scores, int64_t len)) {
+    (void)q, (void)keys, (void)values, (void)lens, (void)r0, (void)count, (void)h;
+    (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work, (void)softmax;
+}
+#endif
