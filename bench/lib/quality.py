@@ -128,7 +128,7 @@ def engine_score(engine: Any, token_ids: list[int], window: int, step: int) -> S
         while engine.has_unfinished():
             engine.step()
         entries = seq.prompt_logprobs[1:]  # the first token has nothing to predict it
-        argmax.append(torch.tensor([entry.top_ids[0] for entry in entries]))
+        argmax.append(torch.tensor([entry.top[0][0] for entry in entries]))
         nll.append(torch.tensor([-entry.logprob for entry in entries], dtype=torch.float64))
     seconds = time.perf_counter() - start_time
     return Scores(torch.cat(argmax), torch.cat(nll), len(token_ids), window, step, seconds)
