@@ -21,7 +21,8 @@ def kernels() -> NativeKernels:
     return load_kernels(CommonSettings().home)
 
 
-@pytest.fixture(params=[isa for isa in ISAS if isa != "plain_c"])
+# avx512_bf16 runs the avx512 code for these kernels (test_engine_bf16_*.py test its own).
+@pytest.fixture(params=[isa for isa in ISAS if isa not in ("plain_c", "avx512_bf16")])
 def simd(request, kernels: NativeKernels) -> Iterator[str]:
     if request.param not in kernels.supported_isas:
         pytest.skip(f"this CPU cannot run {request.param}")
