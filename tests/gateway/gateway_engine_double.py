@@ -93,6 +93,11 @@ async def completion(request: web.Request) -> web.StreamResponse:
     ):  # the real engine's answer (slotserve/engine/http/openai_routes.py)
         error = {"message": f"'n' ({n}) exceeds this engine's slots", "param": "n"}
         return web.json_response({"error": error}, status=400)
+    # A request its client gave up on (the gateway then frees its slot) ends here when the
+    # loop runs its cancellation; the real engine drops it at the next step, before admitting
+    # this one. Let pending cancellations run first, as that step would, then count.
+    for _ in range(3):
+        await asyncio.sleep(0)
     s["inflight"] += num_sequences
     s["max_inflight"] = max(s["max_inflight"], s["inflight"])
     s["num_requests"] += 1
