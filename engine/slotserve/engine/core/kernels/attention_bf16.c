@@ -26,15 +26,6 @@
 #define BF16_TARGET                                                                                \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")))
 
-static inline uint16_t to_bf16(float f) {
-    /* Nearest even; a NaN stays a NaN (as VCVTNEPS2BF16). */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7f800000u) == 0x7f800000u)
-        return (uint16_t)((bits >> 16) | ((bits & 0xffffu) ? 0x40u : 0u));
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 static inline int32_t pair_at(const uint16_t *pairs, int64_t index) {
     int32_t pair;
     memcpy(&pair, pairs + 2 * index, sizeof pair);
@@ -111,7 +102,7 @@ BF16_TARGET void attention_block_bf16(const float *q, const float *keys, const f
             const int64_t index = first + i < queries ? first + i : queries - 1;
             const int64_t r = r0 + index / group, g = index % group;
             const float *qi = q + ((r * kv_heads + h) * group + g) * d;
-            for (int64_t j = 0; j < d; j++) qb[i * d + j] = to_bf16(qi[j]);
+            for (int64_t j = 0; j < d; j++) qb[i * d + j] = bf16_bits(qi[j]);
             outs[i] = out + ((r * kv_heads + h) * group + g) * d;
             len[i] = lens[r];
             upto = len[i] > upto ? len[i] : upto;
@@ -137,7 +128,8 @@ BF16_TARGET void attention_block_bf16(const float *q, const float *keys, const f
         for (int i = 0; i < ATTENTION_QUADS; i++) {
             float *sc = scores + i * stride;
             softmax(sc, len[i]);
-            for (int64_t t = 0; t < even; t++) pb[i * stride + t] = t < len[i] ? to_bf16(sc[t]) : 0;
+            for (int64_t t = 0; t < even; t++)
+                pb[i * stride + t] = t < len[i] ? bf16_bits(sc[t]) : 0;
         }
         /* Values: 16 dimensions a vector, two positions a multiply-add; up to 64 dimensions
          * (four vectors) of the four queries in registers at once. */

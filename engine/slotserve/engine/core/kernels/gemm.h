@@ -49,6 +49,16 @@ static inline int64_t channel_bytes(enum kind kind, int64_t k) {
     return k / 2 + 8 * (k / GROUP);
 }
 
+/* f as bf16 bits, rounded to nearest even (torch's .to(bfloat16), VCVTNEPS2BF16); a NaN stays
+ * a NaN. The scalar rounding of the bf16 reference products and of bf16 attention's operands. */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7f800000u) == 0x7f800000u)
+        return (uint16_t)((bits >> 16) | ((bits & 0xffffu) ? 0x40u : 0u));
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 static inline void prefetch_span(const void *start, int64_t bytes);
 
 /* The weights (and scales, minimums) of channels [c, c + count). */

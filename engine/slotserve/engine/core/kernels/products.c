@@ -65,15 +65,9 @@ static void unpack_bf16_c(const uint16_t *packed, int64_t n0, int64_t rows, int6
     }
 }
 
-/* f rounded to the nearest bf16 (ties to even), as a float: what VCVTNE2PS2BF16 and torch's
- * .to(bfloat16) give; a NaN stays a NaN. */
+/* f rounded to the nearest bf16 (gemm.h's bf16_bits), as a float. */
 static float round_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7f800000u) == 0x7f800000u)
-        bits = (bits & 0xffff0000u) | ((bits & 0xffffu) ? 0x00400000u : 0u);
-    else
-        bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    const uint32_t bits = (uint32_t)bf16_bits(f) << 16;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
