@@ -161,9 +161,8 @@ def test_decode_rows_and_logits_multiply_in_bf16_and_a_scored_prompt_stays_fp32(
     torch.testing.assert_close(layer(rows), fp32 + (layer.bias or 0), rtol=1e-5, atol=1e-5)
 
     prompts = [[(i * 31 + 7 * j) % 4000 + 50 for i in range(12 + j)] for j in range(3)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     figures = {
-        dtype: first_token_logprobs_after(engine, prompts, params)
+        dtype: first_token_logprobs(engine, prompts, position=1)
         for dtype, engine in engines.items()
     }
     assert figures["bfloat16"] != figures["float32"]  # bf16 did run in the decode step
@@ -182,32 +181,17 @@ def test_decode_rows_and_logits_multiply_in_bf16_and_a_scored_prompt_stays_fp32(
     assert scored["bfloat16"] == pytest.approx(scored["float32"], abs=1e-4)
 
 
-def first_token_logprobs_after(engine, prompts, params) -> list[dict[str, float]]:
-    """The top logprobs of each prompt's second generated token: the first decode step's."""
-    ids = [f"d{i}-{id(prompts)}" for i in range(len(prompts))]
-    params = params.model_copy(update={"max_tokens": 2})
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
-    found: dict[str, list[dict[str, float]]] = {request_id: [] for request_id in ids}
-    while engine.has_unfinished():
-        for output in engine.step():
-            for entry in output.logprobs or []:
-                found[output.request_id].append(dict(entry.top))
-    return [found[request_id][1] for request_id in ids]
-
-
 def test_native_step_and_layers_agree_on_bf16_decode(tiny_model_dir, bf16_kernels):
     """The native step's bf16 decode and the layers' own path (transformers' modules over
     the same bf16 products) compute the same decode step."""
     prompts = [[(i * 13 + 5 * j) % 4000 + 50 for i in range(9 + j)] for j in range(3)]
-    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=5)
     figures = []
     for native in (True, False):
         engine = make_engine(tiny_model_dir, decode_dtype="bfloat16", max_batch_size=3)
         runner = model_runner(engine)
         if not native:
             runner.native_step = None
-        figures.append(first_token_logprobs_after(engine, prompts, params))
+        figures.append(first_token_logprobs(engine, prompts, position=1))
     for ours, theirs in zip(*figures, strict=True):
         assert ours.keys() == theirs.keys()
         for token, logprob in ours.items():
@@ -265,9 +249,8 @@ def test_smollm2_under_bf16_decode_keeps_fp32_choices(smollm2_dir, bf16_kernels)
         for dtype in ("float32", "bfloat16")
     }
     prompts = [engines["float32"].tokenizer.encode(text) for text in SENTENCES]
-    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=5)
-    fp32 = first_token_logprobs_after(engines["float32"], prompts, params)
-    bf16 = first_token_logprobs_after(engines["bfloat16"], prompts, params)
+    fp32 = first_token_logprobs(engines["float32"], prompts, position=1)
+    bf16 = first_token_logprobs(engines["bfloat16"], prompts, position=1)
     deltas = []
     for ours, theirs in zip(bf16, fp32, strict=True):
         token = max(ours, key=ours.__getitem__)

@@ -10,6 +10,7 @@ emulates bf16: slower, same numbers), so they run on every machine.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -230,18 +231,24 @@ SENTENCES = [
 ]
 
 
-def first_token_logprobs(engine, prompts: list[list[int]]) -> list[dict[str, float]]:
-    """The five most likely first tokens of each prompt's continuation, with logprobs."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
-    ids = [f"q{i}" for i in range(len(prompts))]
+REQUESTS = itertools.count()  # request ids unique across calls on one engine
+
+
+def first_token_logprobs(
+    engine, prompts: list[list[int]], position: int = 0
+) -> list[dict[str, float]]:
+    """The five most likely tokens, with logprobs, at each prompt's greedy continuation's
+    ``position`` (0: the prefill step's choice, 1: the first decode step's)."""
+    params = SamplingParams(temperature=0.0, max_tokens=position + 1, logprobs=5)
+    ids = [f"q{next(REQUESTS)}" for _ in prompts]
     for request_id, prompt in zip(ids, prompts, strict=True):
         engine.add_request(request_id, prompt, params)
-    best: dict[str, dict[str, float]] = {}
+    found: dict[str, list[dict[str, float]]] = {request_id: [] for request_id in ids}
     while engine.has_unfinished():
         for output in engine.step():
-            if output.logprobs:
-                best[output.request_id] = dict(output.logprobs[0].top)
-    return [best[request_id] for request_id in ids]
+            for entry in output.logprobs or []:
+                found[output.request_id].append(dict(entry.top))
+    return [found[request_id][position] for request_id in ids]
 
 
 @pytest.mark.slow
