@@ -6,8 +6,9 @@ weights, multiplied by VDPBF16PS with fp32 accumulation (``kernels/bf16_avx512.c
 Why: at 8-32 concurrent requests a CPU engine spends about half its time in decode steps, and
 a decode step streams every weight and multiplies it by every row. bf16 halves the bytes and
 one VDPBF16PS does twice the multiply-adds of an fp32 FMA: measured on a 2-core EPYC Zen 4,
-SmolLM2's gate/up products of 30 layers took 3.5 / 3.5 / 12.6 ms at 1 / 8 / 32 rows in bf16
-against 7.1 / 8.7 / 22.5 ms native fp32 and 7.8 / 9.0 / 14.7 ms through oneDNN in bf16. Where
+SmolLM2's gate/up products of 30 layers (weights streamed from memory, best of 9) took 4.4 / 4.8
+/ 14.5 ms at 1 / 8 / 32 rows on the packed bf16 weights against 8.5 / 9.5 / 26.2 ms native fp32
+and 10.1 / 10.8 / 15.0 ms through oneDNN in bf16. Where
 the CPU lacks the instruction the kernels would widen bf16 to fp32 (slower than fp32 itself),
 so ``auto`` stays fp32 there and an explicit ``bfloat16`` warns once and stays fp32.
 
