@@ -23,21 +23,25 @@ from slotserve.engine.core.params import SamplingParams
 from tests.engine.engine_core_support import make_engine, model_runner
 
 
+def claim_cpu(monkeypatch: pytest.MonkeyPatch, *, amx: bool) -> None:
+    """This CPU as one with AVX512_BF16, with or without AMX, whatever it has: with AMX prefill's
+    wide bf16 products go to oneDNN; without, where the kernels run AVX512_BF16, they are the
+    kernels' own on packed weights (elsewhere oneDNN's)."""
+    real = bf16_prefill.cpu_identity()
+    flags = [flag for flag in real["cpu_flags"].split() if not flag.startswith("amx")]
+    flags += ["avx512_bf16", "amx_bf16"] if amx else ["avx512_bf16"]
+    claimed = {**real, "cpu_flags": " ".join(flags)}
+    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: claimed)
+
+
 @pytest.fixture
 def bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This CPU as one with AVX512_BF16, whatever it has (where the kernels run it, prefill's
-    bf16 products are theirs, on packed weights; elsewhere oneDNN's)."""
-    real = bf16_prefill.cpu_identity()
-    flags = real["cpu_flags"] + " avx512_bf16"
-    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**real, "cpu_flags": flags})
+    claim_cpu(monkeypatch, amx=False)
 
 
 @pytest.fixture
 def amx_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This CPU as one with AMX: prefill's wide bf16 products go to oneDNN."""
-    real = bf16_prefill.cpu_identity()
-    flags = real["cpu_flags"] + " avx512_bf16 amx_bf16"
-    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**real, "cpu_flags": flags})
+    claim_cpu(monkeypatch, amx=True)
 
 
 def kernels_run_bf16() -> bool:
@@ -105,8 +109,7 @@ def test_without_amx_prefill_multiplies_on_the_native_kernels_packed_weights(
     (decode_dtype float32 here) and a scored prompt stay fp32."""
     if not kernels_run_bf16():
         pytest.skip("the kernels do not run AVX512_BF16 on this CPU")
-    if "amx_bf16" in bf16_prefill.bf16_units():
-        pytest.skip("this CPU has AMX: oneDNN's route")
+    claim_cpu(monkeypatch, amx=False)  # an AMX CPU would take oneDNN's route
     engine = make_engine(
         tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native", max_batch_size=2
     )
@@ -140,9 +143,7 @@ def test_native_and_module_bf16_prefill_agree(tiny_model_dir, monkeypatch, route
     GEMMs (an AMX CPU) or the native kernels on packed weights (AVX512_BF16 without AMX)."""
     if route == "packed" and not kernels_run_bf16():
         pytest.skip("the kernels do not run AVX512_BF16 on this CPU")
-    real = bf16_prefill.cpu_identity()
-    flags = real["cpu_flags"] + (" avx512_bf16 amx_bf16" if route == "onednn" else "")
-    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**real, "cpu_flags": flags})
+    claim_cpu(monkeypatch, amx=route == "onednn")
     prompts = [[(i * 13 + 5 * j) % 4000 + 50 for i in range(70 + 9 * j)] for j in range(3)]
     figures = []
     for native in (True, False):
