@@ -133,6 +133,14 @@ def test_struct_scratch_has_the_fields_python_lays_out():
     assert names == [field[0] for field in Scratch._fields_]
 
 
+def test_the_compiled_unit_includes_every_source_once_and_the_key_covers_them():
+    """The compiler is given library.c alone: a source it does not include would never be built
+    (its functions missing at load), and one the key did not cover would not rebuild the cache."""
+    included = re.findall(r'^#include "(\w+\.c)"$', library.UNIT.read_text(), re.MULTILINE)
+    assert included == [path.name for path in library.SOURCES]
+    assert {path.name for path in library.HERE.glob("*.c")} == {*included, library.UNIT.name}
+
+
 def test_lint_refuses_a_warning_the_runtime_build_lets_pass(tmp_path: Path, monkeypatch):
     try:
         library.find_compiler()
@@ -140,7 +148,7 @@ def test_lint_refuses_a_warning_the_runtime_build_lets_pass(tmp_path: Path, monk
         pytest.skip(str(error))
     source = tmp_path / "warns.c"
     source.write_text("int slotserve_unused(int a, int b) { int c; return a; }\n")
-    monkeypatch.setattr(library, "SOURCES", (source,))
+    monkeypatch.setattr(library, "UNIT", source)
     with pytest.raises(library.KernelUnavailable, match="unused"):
         library.lint()
     assert "-Werror" not in library.FLAGS  # a new compiler's warning never stops the engine

@@ -38,6 +38,12 @@ static void head_c(const float *query, const float *keys, const float *values, i
     }
 }
 
+/* Rows of one chunk taken together per kv head (below); bf16 blocks repack their keys and
+ * values to bf16 (attention_bf16.c), so more rows share one. */
+#define CHUNK_ROWS 32
+#define BF16_CHUNK_ROWS 128
+#define QUADS ATTENTION_QUADS
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define HAVE_AVX2_CODE 1
@@ -154,22 +160,19 @@ __attribute__((target("avx2,fma"))) static void head_avx2(const float *query, co
 }
 /* ---- prefill chunks, AVX-512 -------------------------------------------------------------
  * Rows of one chunk share their slot's keys and values, so they are taken in blocks of up to
- * BLOCK_ROWS rows per kv head: the keys up to the block's last position are transposed once
+ * CHUNK_ROWS rows per kv head: the keys up to the block's last position are transposed once
  * into [d][positions] (d rows of 16-key vectors), then every four queries (row, head pairs)
  * score 16 keys per vector with one broadcast of a query value per multiply-add and no
  * horizontal sums, and sum the values with each value vector loaded once for the four. Row by
  * row (head_avx2), a 1,000-token chunk re-read its keys and values for every row and summed 4
  * keys per horizontal add: the largest part of a bf16 prefill step on a SmolLM2. */
-#define BLOCK_ROWS 32
-#define QUADS ATTENTION_QUADS
-/* bf16 blocks repack their keys and values to bf16 (attention_bf16.c): more rows share one. */
-#define BF16_BLOCK_ROWS 128
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+#define ATTENTION_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 
 /* Scores of four queries (qs, lens) against keys [0, upto), from kt [d][stride]; scaled. */
-AVX512 static void quad_scores(const float *const qs[QUADS], const float *kt, int64_t stride,
-                               int64_t d, int64_t upto, float scale, float *scores) {
+ATTENTION_AVX512 static void quad_scores(const float *const qs[QUADS], const float *kt,
+                                         int64_t stride, int64_t d, int64_t upto, float scale,
+                                         float *scores) {
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t = 0; t < upto; t += 16) {
         __m512 acc[QUADS];
@@ -185,8 +188,8 @@ AVX512 static void quad_scores(const float *const qs[QUADS], const float *kt, in
 }
 
 /* outs[i][0, d) = sum over t < upto of p_i[t] * values[t]; p_i is 0 past its query's length. */
-AVX512 static void quad_values(const float *scores, int64_t stride, const float *values, int64_t d,
-                               int64_t upto, float *const outs[QUADS]) {
+ATTENTION_AVX512 static void quad_values(const float *scores, int64_t stride, const float *values,
+                                         int64_t d, int64_t upto, float *const outs[QUADS]) {
     for (int64_t j = 0; j < d; j += 64) {
         const int64_t width = d - j < 64 ? d - j : 64; /* a multiple of 16 */
         __m512 acc[QUADS][4];
@@ -208,10 +211,10 @@ AVX512 static void quad_values(const float *scores, int64_t stride, const float 
 
 /* Rows [r0, r0 + count) of one chunk (one slot, lens rising by one a row), kv head h. `work`:
  * (d + QUADS) * stride floats, stride = the last row's length rounded up to 16. */
-AVX512 static void block_avx512(const float *q, const float *keys, const float *values,
-                                const int64_t *lens, int64_t r0, int64_t count, int64_t h,
-                                int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
-                                float *work) {
+ATTENTION_AVX512 static void block_avx512(const float *q, const float *keys, const float *values,
+                                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
+                                          int64_t kv_heads, int64_t group, int64_t d, float scale,
+                                          float *out, float *work) {
     const int64_t last = lens[r0 + count - 1];
     const int64_t stride = (last + 15) & ~(int64_t)15;
     float *kt = work, *scores = work + d * stride;
@@ -250,9 +253,6 @@ static void block_avx512(const float *q, const float *keys, const float *values,
     (void)q, (void)keys, (void)values, (void)lens, (void)r0, (void)count, (void)h;
     (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work; /* never taken */
 }
-#define BLOCK_ROWS 32
-#define BF16_BLOCK_ROWS 128
-#define QUADS ATTENTION_QUADS
 static void softmax_avx2(float *sc, int64_t len) { (void)sc, (void)len; }
 static void head_avx2(const float *query, const float *keys, const float *values, int64_t len,
                       int64_t d, int64_t group, float scale, float *scores, float *dst) {
@@ -260,7 +260,7 @@ static void head_avx2(const float *query, const float *keys, const float *values
 }
 #endif
 
-/* Rows taken together: a block of up to BLOCK_ROWS rows of one chunk (count > 1), or one row. */
+/* Rows taken together: a block of up to CHUNK_ROWS rows of one chunk (count > 1), or one row. */
 struct span {
     int64_t first, count;
 };
@@ -324,7 +324,7 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
     int64_t num_spans = 0;
     for (int64_t r = 0; r < rows;) {
         int64_t count = 1;
-        while (blocks && count < (bf16 ? BF16_BLOCK_ROWS : BLOCK_ROWS) && r + count < rows &&
+        while (blocks && count < (bf16 ? BF16_CHUNK_ROWS : CHUNK_ROWS) && r + count < rows &&
                lens[r + count] <= max_len && same_chunk(slots, lens, r + count - 1))
             count++;
         spans[num_spans++] = (struct span){r, count};

@@ -23,7 +23,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-#define BF16_TARGET                                                                                \
+#define ATTENTION_BF16_TARGET                                                                      \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")))
 
 static inline int32_t pair_at(const uint16_t *pairs, int64_t index) {
@@ -42,9 +42,9 @@ size_t attention_bf16_work(int64_t d, int64_t longest) {
 
 /* Keys [0, last) into kp (zeros up to stride) and values into vp (zeros up to stride); d a
  * multiple of 32. */
-BF16_TARGET static void pack_block(const float *keys, const float *values, int64_t last,
-                                   int64_t stride, int64_t d, uint16_t *kp, uint16_t *vp,
-                                   uint16_t *rows) {
+ATTENTION_BF16_TARGET static void pack_block(const float *keys, const float *values, int64_t last,
+                                             int64_t stride, int64_t d, uint16_t *kp, uint16_t *vp,
+                                             uint16_t *rows) {
     const int64_t pairs = d / 2, groups = d / 16;
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t t = 0; t < stride; t++)
@@ -79,11 +79,12 @@ BF16_TARGET static void pack_block(const float *keys, const float *values, int64
     }
 }
 
-BF16_TARGET void attention_block_bf16(const float *q, const float *keys, const float *values,
-                                      const int64_t *lens, int64_t r0, int64_t count, int64_t h,
-                                      int64_t kv_heads, int64_t group, int64_t d, float scale,
-                                      float *out, float *work,
-                                      void (*softmax)(float *scores, int64_t len)) {
+ATTENTION_BF16_TARGET void attention_block_bf16(const float *q, const float *keys,
+                                                const float *values, const int64_t *lens,
+                                                int64_t r0, int64_t count, int64_t h,
+                                                int64_t kv_heads, int64_t group, int64_t d,
+                                                float scale, float *out, float *work,
+                                                void (*softmax)(float *scores, int64_t len)) {
     const int64_t last = lens[r0 + count - 1];
     const int64_t stride = (last + 15) & ~(int64_t)15, pairs = d / 2, groups = d / 16;
     uint16_t *kp = (uint16_t *)work;

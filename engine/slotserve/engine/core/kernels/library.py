@@ -65,6 +65,8 @@ SOURCES = (
     HERE / "attention.c",
     HERE / "llama_step.c",
 )
+# What the compiler is given: every source above, included into one translation unit.
+UNIT = HERE / "library.c"
 HEADER = HERE / "kernels.h"
 HEADERS = (HEADER, HERE / "qgemm.h", HERE / "gemm.h")
 # No -march: the library runs on any CPU of its machine type; wider instructions live in
@@ -123,7 +125,7 @@ def library_name() -> str:
     """``qgemm-<key>.so``: the key covers the sources, flags, ABI, compiled-in instruction sets
     and the machine type, never the compiler (so a cached or prebuilt library needs none)."""
     digest = hashlib.sha256()
-    for path in (*SOURCES, *HEADERS):
+    for path in (*SOURCES, UNIT, *HEADERS):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     arch = f"{platform.system()}-{platform.machine()}"
     digest.update(json.dumps([ABI, FLAGS, TARGETS, arch]).encode())
@@ -290,7 +292,7 @@ def _compile(compiler: Path, folder: Path, name: str) -> str:
             env["TMPDIR"] = scratch
             output = Path(scratch) / name
             done = subprocess.run(
-                [str(compiler), *FLAGS, "-o", str(output), *map(str, SOURCES), "-lm"],
+                [str(compiler), *FLAGS, "-o", str(output), str(UNIT), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -330,7 +332,7 @@ def lint() -> None:
     raises :class:`KernelUnavailable` with the compiler's messages on any warning."""
     compiler = find_compiler()
     env = {"PATH": COMPILER_PATH_VAR, "LC_ALL": "C"}
-    command = [str(compiler), *FLAGS, *LINT_FLAGS, "-o", os.devnull, *map(str, SOURCES), "-lm"]
+    command = [str(compiler), *FLAGS, *LINT_FLAGS, "-o", os.devnull, str(UNIT), "-lm"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     if done.returncode != 0:
         raise KernelUnavailable(f"the kernels have warnings:\n{done.stderr}")

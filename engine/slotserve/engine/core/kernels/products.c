@@ -303,14 +303,14 @@ static const float *panel_weights(struct weights w, int64_t n0, int64_t rows, in
 }
 
 /* Wide products (prefill chunks, WIDE_ROWS rows and more): the panels are taken GROUP_PANELS at
- * a time, and every block of BLOCK_ROWS rows of x passes over the whole group, whose weights
+ * a time, and every block of PANEL_ROWS rows of x passes over the whole group, whose weights
  * (64 channels: 147 KB at k = 576 in fp32) stay in L2 meanwhile; the row block stays in L1.
  * Panel by panel, as below, every panel read all of x again: past L2 (2,048 rows of 576 floats
  * are 4.7 MB) that was a pass over L3 per panel, and SmolLM2's products of a layer cost 1.05x
  * aten's at 256 rows, 1.97x at 1,024 and 3.1x at 2,048 on an Intel Xeon. */
 #define WIDE_ROWS 64
 #define GROUP_PANELS 16
-#define BLOCK_ROWS 12 /* the 3-row (AVX2) and 4-row (AVX-512) register blocks both divide it */
+#define PANEL_ROWS 12 /* the 3-row (AVX2) and 4-row (AVX-512) register blocks both divide it */
 
 /* Each thread's buffer for unpacked quantized panels, `bytes` each (none for fp32 weights):
  * 0, or -1 when out of memory (the workspace is then released to `mark`). */
@@ -349,8 +349,8 @@ static int gemm_wide(const float *x, int64_t m, int64_t k, struct weights w, int
                 weights[p] = panel_weights(w, n0, rows, k, 1,
                                            buffer == NULL ? NULL : buffer + p * PANEL * k);
             }
-            for (int64_t i = 0; i < m; i += BLOCK_ROWS) {
-                const int64_t block = m - i < BLOCK_ROWS ? m - i : BLOCK_ROWS;
+            for (int64_t i = 0; i < m; i += PANEL_ROWS) {
+                const int64_t block = m - i < PANEL_ROWS ? m - i : PANEL_ROWS;
                 for (int64_t p = 0; p < count; p++) {
                     const int64_t n0 = (first + p) * PANEL;
                     const int64_t rows = n - n0 < PANEL ? n - n0 : PANEL;
