@@ -308,3 +308,54 @@ def test_layers_stay_native_for_bf16_prefill_where_aten_wins_every_decode_size(
     assert runner.native_step.max_rows == 0  # decode steps: the transformers path
     fp32 = make_engine(tiny_model_dir, prefill_dtype="float32")
     assert model_runner(fp32).native_step is None and not decoder_layers(fp32)  # as before
+
+
+def test_on_amx_bf16_decode_steps_of_16_rows_or_more_go_to_onednn(tiny_model_dir, amx_cpu):
+    """On an AMX CPU with bf16 decode, a decode step's products of AMX_ROWS rows or more run on
+    oneDNN's tiles (the bf16 callback), narrower ones on the packed kernels; the layers' own
+    path splits at the same row count."""
+    if not kernels_run_bf16():
+        pytest.skip("the kernels do not run AVX512_BF16 on this CPU")
+    engine = make_engine(
+        tiny_model_dir,
+        prefill_dtype="bfloat16",
+        decode_dtype="bfloat16",
+        linear_backend="native",
+        max_batch_size=20,
+    )
+    runner = model_runner(engine)
+    step = runner.native_step
+    assert step is not None and step.bf16_products and step.max_rows == 20
+    layers = decoder_layers(engine)
+    assert all(layer.weight_bf16 is not None for layer in layers)
+    assert all(layer.weight_packed is not None for layer in layers)
+    assert {layer.onednn_rows() for layer in layers} == {bf16_prefill.AMX_ROWS} == {16}
+    assert step.onednn_rows == 16
+    logits = runner.logits  # the output projection, native under bf16 decode
+    assert isinstance(logits, NativeLinear) and logits.onednn_rows() == 16
+    assert logits.weight_bf16 is not None and logits.weight_packed is not None
+
+    layer = layers[0]
+    assert layer.weight_bf16 is not None and layer.weight_packed is not None
+    assert runner.bf16_gate is not None
+    runner.bf16_gate.on = True
+    for num_rows, onednn in ((15, False), (16, True), (20, True)):
+        rows = torch.randn(num_rows, layer.in_features)
+        got = layer(rows) - (layer.bias if layer.bias is not None else 0)
+        expected = (
+            F.linear(rows.to(torch.bfloat16), layer.weight_bf16).float()
+            if onednn
+            else step.kernels.gemm_bf16(rows, layer.weight_packed, layer.out_features)
+        )
+        assert torch.allclose(got, expected, atol=1e-6), num_rows
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for batch, decode_on_onednn in ((15, False), (16, True)):
+        for i in range(batch):
+            engine.add_request(f"b{batch}-{i}", [50 + i, 60 + i], params)
+        engine.step()  # every prompt in one prefill step (2 x batch rows: oneDNN)
+        before = step.wide_products
+        while engine.has_unfinished():
+            engine.step()  # three decode steps of `batch` rows
+        assert (step.wide_products - before == 3 * 4 * 2) == decode_on_onednn, batch
+        assert (step.wide_products == before) != decode_on_onednn, batch

@@ -1,8 +1,9 @@
 """Prefill products in bfloat16 (``--prefill-dtype``, ``auto`` by default: bfloat16 wherever the
 CPU has bf16 units and the layers are native fp32): the decoder's fp32 native layers keep a
 bf16 copy of their weights, and a step with a prefill chunk multiplies on it, accumulating in
-fp32. On CPUs with AMX a product of more rows than the native kernels take runs as one bf16
-GEMM through torch (oneDNN, on the AMX tiles), its result back in fp32; elsewhere with
+fp32. On CPUs with AMX a product of 16 rows or more (:data:`AMX_ROWS`; decode steps' too,
+under bf16 decode) runs as one bf16 GEMM through torch (oneDNN, on the AMX tiles), its result
+back in fp32; elsewhere with
 AVX512_BF16 every product runs on the native kernels' packed bf16 weights (VDPBF16PS, fp32 out:
 ``kernels/bf16_avx512.c``), which beat oneDNN's there. Decode-only steps follow
 ``--decode-dtype`` (bf16_decode.py).
@@ -41,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 # /proc/cpuinfo flags of the units oneDNN's bf16 GEMM runs on (AMX tiles or AVX-512 BF16).
 BF16_UNITS = ("amx_bf16", "avx512_bf16")
+# On AMX CPUs, bf16 products of this many rows or more go to oneDNN, decode steps' included: a
+# tile holds 16 rows. SmolLM2's seven decoder products x 30 layers, 2 threads, on an Intel Xeon
+# with AMX: packed kernels / oneDNN 0.65x at 8 rows, 1.06x at 16, 1.48x at 32, 1.87x at 64.
+AMX_ROWS = 16
 
 
 def bf16_units(identity: Mapping[str, str] | None = None) -> list[str]:
@@ -114,11 +119,13 @@ def install_bf16_prefill(
         else:
             layer.weight_bf16 = layer.weight_fp32.to(torch.bfloat16)
             nbytes += layer.weight_bf16.numel() * 2
+            if "amx_bf16" in units:
+                layer.amx_rows = AMX_ROWS
         layer.bf16_gate = gate
     logger.info(
         "prefill products in bfloat16 on %s (%s): %d decoder layers, %.0f MB of bf16 weights",
         "+".join(units),
-        "native kernels, VDPBF16PS" if packed else "oneDNN",
+        "native kernels, VDPBF16PS" if packed else f"oneDNN from {layers[0].onednn_rows()} rows",
         len(layers),
         nbytes / 1e6,
     )

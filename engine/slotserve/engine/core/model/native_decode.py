@@ -230,9 +230,10 @@ class NativeDecodeStep:
             raise NotSupported("the cache is not laid out [slots, kv_heads, max_len, head_dim]")
 
     def use_bf16_products(self, gate: Bf16Gate) -> bool:
-        """Run products wider than :attr:`max_rows` (prefill chunks) as bf16 GEMMs through
-        torch's oneDNN on the layers' bf16 weights (``bf16_prefill.py``), while ``gate`` is on;
-        the rest of the step stays in C. False if a layer has no bf16 weights."""
+        """Run products of :attr:`onednn_rows` rows or more (prefill chunks; on AMX CPUs wide
+        decode steps too) as bf16 GEMMs through torch's oneDNN on the layers' bf16 weights
+        (``bf16_prefill.py``), while ``gate`` is on; the rest of the step stays in C. False if
+        a layer has no bf16 weights."""
         weights = [linear.weight_bf16 for linear in self._linears]
         if any(weight is None for weight in weights):
             return False
@@ -292,6 +293,11 @@ class NativeDecodeStep:
         calibration may change while the engine runs)."""
         return min(linear.max_native_rows for linear in self._linears)
 
+    @property
+    def onednn_rows(self) -> int:
+        """The fewest rows whose bf16 products go to oneDNN (:meth:`use_bf16_products`)."""
+        return min(linear.onednn_rows() for linear in self._linears)
+
     def takes(self, num_tokens: list[int]) -> bool:
         """Whether a step of chunks of these sizes runs here: a decode-only step up to
         :attr:`max_rows` rows (wider ones are faster on aten's products), any step with a
@@ -319,7 +325,7 @@ class NativeDecodeStep:
         started = time.perf_counter()
         if self._gate is not None:
             on = self._gate.on
-            self.struct.wide_rows = self.max_rows + 1 if on and self.bf16_products else NEVER
+            self.struct.wide_rows = self.onednn_rows if on and self.bf16_products else NEVER
             packed = on and self._layers_bf16 is not None
             self.struct.layers = self._layers_bf16 if packed else self._layers
             self.struct.bf16_attention = int(on)  # the C code runs it where the CPU can

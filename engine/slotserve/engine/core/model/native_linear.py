@@ -88,6 +88,10 @@ class NativeLinear(nn.Module):
         # kernels (kernels.pack_bf16; bf16_prefill.py, bf16_decode.py).
         self.weight_bf16: torch.Tensor | None = None
         self.weight_packed: torch.Tensor | None = None
+        # Where the CPU has AMX (bf16_prefill.py): bf16 products of this many rows or more run
+        # on the plain copy through oneDNN even below the native row limit; an AMX tile holds
+        # 16 rows, and from there oneDNN's tiles beat the packed kernels (docs/engine.md).
+        self.amx_rows: int | None = None
         self.bf16_gate = Bf16Gate(on=False)
         self.q = self.scale = self.minimum = torch.empty(0)
         if fmt == "float32":
@@ -112,13 +116,19 @@ class NativeLinear(nn.Module):
             return self.kernels.dequantize_q8(self.q, self.scale)
         return self.kernels.dequantize_q4(self.q, self.scale, self.minimum)
 
+    def onednn_rows(self) -> int:
+        """The fewest rows whose bf16 product runs on the plain copy through oneDNN (when it is
+        set): beyond the native row limit, or from :attr:`amx_rows` where that is lower."""
+        beyond = self.max_native_rows + 1
+        return beyond if self.amx_rows is None else min(self.amx_rows, beyond)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
         wide = rows.shape[0] > self.max_native_rows
         bf16 = self.bf16_gate.on
-        if wide and bf16 and self.weight_bf16 is not None:
+        if bf16 and self.weight_bf16 is not None and rows.shape[0] >= self.onednn_rows():
             out = F.linear(rows.to(torch.bfloat16), self.weight_bf16).float()
             if self.bias is not None:
                 out.add_(self.bias)
@@ -143,7 +153,7 @@ class NativeLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, {self.format}, "
             f"native up to {self.max_native_rows} rows"
-            + (", bf16 beyond" if self.weight_bf16 is not None else "")
+            + (f", bf16 from {self.onednn_rows()} rows" if self.weight_bf16 is not None else "")
             + (", packed bf16" if self.weight_packed is not None else "")
         )
 
