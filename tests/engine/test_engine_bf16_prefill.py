@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from slotserve.engine.core.model import bf16_prefill
-from slotserve.engine.core.model.native_linear import NativeLinear
+from slotserve.engine.core.model.native_linear import NativeLinear, onednn_bf16
 from slotserve.engine.core.params import SamplingParams
 from tests.engine.engine_core_support import make_engine, model_runner
 
@@ -359,3 +359,17 @@ def test_on_amx_bf16_decode_steps_of_16_rows_or_more_go_to_onednn(tiny_model_dir
             engine.step()  # three decode steps of `batch` rows
         assert (step.wide_products - before == 3 * 4 * 2) == decode_on_onednn, batch
         assert (step.wide_products == before) != decode_on_onednn, batch
+
+
+@pytest.mark.parametrize("num_rows", [1, 15, 16, 17, 40])
+def test_onednn_products_pad_rows_to_a_bucket_and_give_the_unpadded_result(num_rows):
+    """Rows padded to a multiple of 16 keep oneDNN's kernels per shape few; the padding rows
+    never reach the result, and each row's product is the unpadded GEMM's."""
+    weight = (torch.randn(48, 64) * 0.1).to(torch.bfloat16)
+    rows = torch.randn(num_rows, 64)
+    got = onednn_bf16(rows, weight)
+    assert got.shape == (num_rows, 48) and got.dtype == torch.bfloat16
+    expected = F.linear(rows.to(torch.bfloat16), weight)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=1e-2)
+    reference = rows.to(torch.bfloat16).double() @ weight.double().T
+    torch.testing.assert_close(got.double(), reference, rtol=1e-2, atol=1e-2)

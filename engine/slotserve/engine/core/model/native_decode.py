@@ -30,12 +30,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slotserve.engine.core.kernels import NativeKernels
 from slotserve.engine.core.model.fusion import FusedGatedMLP, QKVPart
-from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear
+from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear, onednn_bf16
 from slotserve.engine.core.model.native_rows_watch import STEP_OBSERVER
 
 logger = logging.getLogger(__name__)
@@ -269,7 +268,7 @@ class NativeDecodeStep:
         try:
             weight = self._bf16[layer * PRODUCTS + which]
             rows, out = self._floats(x, m * k), self._floats(y, m * n)
-            out.view(m, n).copy_(F.linear(rows.view(m, k).to(torch.bfloat16), weight))
+            out.view(m, n).copy_(onednn_bf16(rows.view(m, k), weight))
             self.wide_products += 1
             return 0
         except BaseException as error:  # an exception must not unwind through the C frames
