@@ -55,6 +55,21 @@ def test_defaults_quick_and_bounds(
             peer.parse_args(bad)
 
 
+def test_vllm_in_fp32_is_asked_for_on_all_cores(peer: ModuleType, tmp_path: Path) -> None:
+    args = peer.parse_args(["--servers", "vllm-fp32", "slotserve", "--venv", str(tmp_path)])
+    assert args.servers == ["vllm-fp32", "slotserve"]
+    spec = peer.SERVERS["vllm-fp32"]
+    argv = peer.server_argv(spec, args, 8000)
+    assert argv[:3] == [
+        str(tmp_path / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+    ]
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    env = peer.server_env(spec, args)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == peer.all_cores() and "VLLM_CPU_KVCACHE_SPACE" in env
+
+
 def test_every_request_has_its_own_prompt_of_the_asked_length(
     peer: ModuleType, smollm2_dir: Path
 ) -> None:
