@@ -110,10 +110,11 @@ def reference_attention(q, k_cache, v_cache, slots, lens, scale):
     return out
 
 
-# d 20: not a multiple of 8, the plain C code; 64, 48 and 128 take the AVX-512 blocks (rows of
-# a chunk 32 at a time, four queries at once: 37 and 70 leave partial blocks and quads; 48 is
-# under one 64-wide pass of the values, 128 two).
-@pytest.mark.parametrize("d", [64, 20, 48, 128])
+# d 20: not a multiple of 8, the plain C code row by row; the others take the blocks (rows of a
+# chunk 32 at a time, four queries at once: 37 and 70 leave partial blocks and quads), 512 bits
+# wide where the kernels run AVX-512 and d is a multiple of 16 (48 under one 64-wide pass of the
+# values, 128 two), else two 8-wide vectors (40: a last pass of one vector; 24 on AVX-512 too).
+@pytest.mark.parametrize("d", [64, 20, 48, 128, 40, 24])
 @pytest.mark.parametrize(("start", "length"), [(0, 1), (0, 37), (13, 29), (50, 3), (5, 70)])
 def test_chunk_attention_is_causal_over_the_slot_cache(kernels, isa, d, start, length):
     """A chunk of `length` rows in slot 1 from position `start` (earlier positions: a previous

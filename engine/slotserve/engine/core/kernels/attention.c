@@ -42,7 +42,6 @@ static void head_c(const float *query, const float *keys, const float *values, i
  * values to bf16 (attention_bf16.c), so more rows share one. */
 #define CHUNK_ROWS 32
 #define BF16_CHUNK_ROWS 128
-#define QUADS ATTENTION_QUADS
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -158,101 +157,8 @@ __attribute__((target("avx2,fma"))) static void head_avx2(const float *query, co
         }
     }
 }
-/* ---- prefill chunks, AVX-512 -------------------------------------------------------------
- * Rows of one chunk share their slot's keys and values, so they are taken in blocks of up to
- * CHUNK_ROWS rows per kv head: the keys up to the block's last position are transposed once
- * into [d][positions] (d rows of 16-key vectors), then every four queries (row, head pairs)
- * score 16 keys per vector with one broadcast of a query value per multiply-add and no
- * horizontal sums, and sum the values with each value vector loaded once for the four. Row by
- * row (head_avx2), a 1,000-token chunk re-read its keys and values for every row and summed 4
- * keys per horizontal add: the largest part of a bf16 prefill step on a SmolLM2. */
-
-#define ATTENTION_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
-
-/* Scores of four queries (qs, lens) against keys [0, upto), from kt [d][stride]; scaled. */
-ATTENTION_AVX512 static void quad_scores(const float *const qs[QUADS], const float *kt,
-                                         int64_t stride, int64_t d, int64_t upto, float scale,
-                                         float *scores) {
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t t = 0; t < upto; t += 16) {
-        __m512 acc[QUADS];
-        for (int i = 0; i < QUADS; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < d; j++) {
-            const __m512 keys = _mm512_loadu_ps(kt + j * stride + t);
-            for (int i = 0; i < QUADS; i++)
-                acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][j]), keys, acc[i]);
-        }
-        for (int i = 0; i < QUADS; i++)
-            _mm512_storeu_ps(scores + i * stride + t, _mm512_mul_ps(acc[i], vscale));
-    }
-}
-
-/* outs[i][0, d) = sum over t < upto of p_i[t] * values[t]; p_i is 0 past its query's length. */
-ATTENTION_AVX512 static void quad_values(const float *scores, int64_t stride, const float *values,
-                                         int64_t d, int64_t upto, float *const outs[QUADS]) {
-    for (int64_t j = 0; j < d; j += 64) {
-        const int64_t width = d - j < 64 ? d - j : 64; /* a multiple of 16 */
-        __m512 acc[QUADS][4];
-        for (int i = 0; i < QUADS; i++)
-            for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < upto; t++) {
-            const float *row = values + t * d + j;
-            for (int c = 0; c < width / 16; c++) {
-                const __m512 v = _mm512_loadu_ps(row + 16 * c);
-                for (int i = 0; i < QUADS; i++)
-                    acc[i][c] =
-                        _mm512_fmadd_ps(_mm512_set1_ps(scores[i * stride + t]), v, acc[i][c]);
-            }
-        }
-        for (int i = 0; i < QUADS; i++)
-            for (int c = 0; c < width / 16; c++) _mm512_storeu_ps(outs[i] + j + 16 * c, acc[i][c]);
-    }
-}
-
-/* Rows [r0, r0 + count) of one chunk (one slot, lens rising by one a row), kv head h. `work`:
- * (d + QUADS) * stride floats, stride = the last row's length rounded up to 16. */
-ATTENTION_AVX512 static void block_avx512(const float *q, const float *keys, const float *values,
-                                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
-                                          int64_t kv_heads, int64_t group, int64_t d, float scale,
-                                          float *out, float *work) {
-    const int64_t last = lens[r0 + count - 1];
-    const int64_t stride = (last + 15) & ~(int64_t)15;
-    float *kt = work, *scores = work + d * stride;
-    for (int64_t t = 0; t < stride; t++)
-        for (int64_t j = 0; j < d; j++) kt[j * stride + t] = t < last ? keys[t * d + j] : 0.0f;
-    const int64_t queries = count * group;
-    for (int64_t first = 0; first < queries; first += QUADS) {
-        const float *qs[QUADS];
-        float *outs[QUADS];
-        int64_t len[QUADS], upto = 0;
-        for (int i = 0; i < QUADS; i++) {
-            /* Past the last query, repeat it (its results are written twice, identically). */
-            const int64_t index = first + i < queries ? first + i : queries - 1;
-            const int64_t r = r0 + index / group, g = index % group;
-            qs[i] = q + ((r * kv_heads + h) * group + g) * d;
-            outs[i] = out + ((r * kv_heads + h) * group + g) * d;
-            len[i] = lens[r];
-            upto = len[i] > upto ? len[i] : upto;
-        }
-        const int64_t padded = (upto + 15) & ~(int64_t)15;
-        quad_scores(qs, kt, stride, d, padded, scale, scores);
-        for (int i = 0; i < QUADS; i++) {
-            float *sc = scores + i * stride;
-            softmax_avx2(sc, len[i]);
-            for (int64_t t = len[i]; t < upto; t++) sc[t] = 0.0f;
-        }
-        quad_values(scores, stride, values, d, upto, outs);
-    }
-}
 #else
 #define HAVE_AVX2_CODE 0
-static void block_avx512(const float *q, const float *keys, const float *values,
-                         const int64_t *lens, int64_t r0, int64_t count, int64_t h,
-                         int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
-                         float *work) {
-    (void)q, (void)keys, (void)values, (void)lens, (void)r0, (void)count, (void)h;
-    (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work; /* never taken */
-}
 static void softmax_avx2(float *sc, int64_t len) { (void)sc, (void)len; }
 static void head_avx2(const float *query, const float *keys, const float *values, int64_t len,
                       int64_t d, int64_t group, float scale, float *scores, float *dst) {
@@ -290,8 +196,11 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
                 int64_t kv_heads, int64_t group, int64_t d, int64_t max_len, const int64_t *lens,
                 float scale, float *out, int threads, struct scratch *s, int bf16) {
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && d % 8 == 0;
-    const int blocks = avx2 && slotserve_kernel_isa() >= ISA_AVX512 && d % 16 == 0;
-    bf16 = bf16 && blocks && d % 32 == 0 && slotserve_kernel_isa() >= ISA_AVX512_BF16;
+    /* Chunks' rows in blocks (attention_block.c) wherever AVX2 runs; 512 bits wide with AVX-512
+     * and d a multiple of 16. */
+    const int blocks = avx2;
+    const int avx512 = blocks && slotserve_kernel_isa() >= ISA_AVX512 && d % 16 == 0;
+    bf16 = bf16 && avx512 && d % 32 == 0 && slotserve_kernel_isa() >= ISA_AVX512_BF16;
     int64_t longest = 1, work = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t len = lens[r] < max_len ? lens[r] : max_len;
@@ -307,8 +216,8 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
      * transposed keys and four queries' scores, (d + 4) * longest rounded up to 16. */
     size_t floats = (size_t)(group * longest);
     if (blocks) {
-        const size_t block = bf16 ? attention_bf16_work(d, longest)
-                                  : (size_t)((d + QUADS) * ((longest + 15) & ~(int64_t)15));
+        const size_t block =
+            bf16 ? attention_bf16_work(d, longest) : attention_block_work(d, longest);
         floats = block > floats ? block : floats;
     }
     const size_t per_thread = (sizeof(float) * floats + 63) & ~(size_t)63;
@@ -344,8 +253,8 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
                     attention_block_bf16(q, k + at, v + at, lens, r, span.count, h, kv_heads, group,
                                          d, scale, out, scores, softmax_avx2);
                 else
-                    block_avx512(q, k + at, v + at, lens, r, span.count, h, kv_heads, group, d,
-                                 scale, out, scores);
+                    attention_block_f32(avx512, q, k + at, v + at, lens, r, span.count, h, kv_heads,
+                                        group, d, scale, out, scores, softmax_avx2);
                 continue;
             }
             const int64_t len = lens[r] < max_len ? lens[r] : max_len;

@@ -11,6 +11,7 @@
 #include "quantize.c"
 #include "qgemm_avx512.c"
 #include "bf16_avx512.c"
+#include "attention_block.c"
 #include "attention_bf16.c"
 #include "attention.c"
 #include "llama_step.c"

@@ -61,6 +61,7 @@ SOURCES = (
     HERE / "quantize.c",
     HERE / "qgemm_avx512.c",
     HERE / "bf16_avx512.c",
+    HERE / "attention_block.c",
     HERE / "attention_bf16.c",
     HERE / "attention.c",
     HERE / "llama_step.c",

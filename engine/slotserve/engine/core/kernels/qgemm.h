@@ -37,8 +37,17 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
                 int64_t kv_heads, int64_t group, int64_t d, int64_t max_len, const int64_t *lens,
                 float scale, float *out, int threads, struct scratch *s, int bf16);
 
-/* attention_bf16.c: one block of a chunk's rows for one kv head in bf16 (attention.c's
- * block_avx512 in VDPBF16PS); `work` holds attention_bf16_work(d, the block's last length)
+/* attention_block.c: one block of a chunk's rows for one kv head, 512 bits wide when `avx512`
+ * (d % 16 == 0), else AVX2 (d % 8 == 0); `work` holds attention_block_work(d, the block's last
+ * length) floats. `softmax` normalises scores[0, len) in place. */
+size_t attention_block_work(int64_t d, int64_t longest);
+void attention_block_f32(int avx512, const float *q, const float *keys, const float *values,
+                         const int64_t *lens, int64_t r0, int64_t count, int64_t h,
+                         int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
+                         float *work, void (*softmax)(float *scores, int64_t len));
+
+/* attention_bf16.c: one block of a chunk's rows for one kv head in bf16 (attention_block.c's
+ * block in VDPBF16PS); `work` holds attention_bf16_work(d, the block's last length)
  * floats, 64-byte aligned. `softmax` normalises scores[0, len) in place. */
 #define ATTENTION_QUADS 4
 size_t attention_bf16_work(int64_t d, int64_t longest);
