@@ -286,7 +286,7 @@ def test_calibrating_next_to_two_hogs_does_not_slow_the_steps(smollm2_dir, tmp_p
     and on the next start from that home: at 1, 4 and 8 rows the steps of the latter two must
     run at least 0.85x as fast as the quiet one's. Where the decisions agree at a row count the
     steps are the same code; where they differ, the products of every decoder layer are timed
-    both ways, interleaved, and compared."""
+    both ways, interleaved, and compared (the median of 5 pairs, or of 15 when 5 read slow)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
@@ -327,9 +327,16 @@ def test_calibrating_next_to_two_hogs_does_not_slow_the_steps(smollm2_dir, tmp_p
             ours, theirs = rows <= chosen, rows <= quiet_rows_chosen
             if ours == theirs:
                 continue  # the same code runs the step
-            ratios = []
-            for _ in range(5):  # interleaved: load from the other work here moves both alike
-                a = step_products_seconds(weights, rows, ours, kernels)
-                b = step_products_seconds(weights, rows, theirs, kernels)
-                ratios.append(b / a)  # speed of ours relative to the quiet start's
+            ratios: list[float] = []
+            # Five pairs, then ten more when their median is under the bound: where both ways
+            # run at the same speed (fp32 on an AMX Xeon at 1-8 rows) five pairs ranged
+            # 0.58-1.61 on a shared host and their median read 0.82 once; a way truly slower
+            # stays under the bound however many pairs are taken.
+            for pairs in (5, 10):
+                for _ in range(pairs):  # interleaved: load from other work moves both alike
+                    a = step_products_seconds(weights, rows, ours, kernels)
+                    b = step_products_seconds(weights, rows, theirs, kernels)
+                    ratios.append(b / a)  # speed of ours relative to the quiet start's
+                if statistics.median(ratios) >= 0.85:
+                    break
             assert statistics.median(ratios) >= 0.85, (rows, chosen, quiet_rows_chosen, ratios)
