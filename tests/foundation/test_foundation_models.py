@@ -96,3 +96,31 @@ def test_generate_rejects_bad_flags() -> None:
     )
     assert proc.returncode == 2
     assert "temperature" in proc.stderr
+
+
+def test_the_conversion_parses_a_gguf_once_and_puts_gguf_back(tmp_path: Path) -> None:
+    """transformers opens the GGUF three times while converting: one parse serves them all,
+    and gguf's own functions are back afterwards (the pull's files are the same bytes: checked
+    by hand, see _gguf_parsed_once)."""
+    import gguf
+    import numpy as np
+
+    from slotserve.models.pull import _gguf_parsed_once
+
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    originals = (gguf.GGUFReader, gguf.get_tensor_name_map)
+    with _gguf_parsed_once():
+        first, second = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert first is second and first.tensors[0].name == "token_embd.weight"
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 2) is not gguf.get_tensor_name_map(arch, 3)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
