@@ -196,10 +196,9 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
                 int64_t kv_heads, int64_t group, int64_t d, int64_t max_len, const int64_t *lens,
                 float scale, float *out, int threads, struct scratch *s, int bf16) {
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && d % 8 == 0;
-    /* Chunks' rows in blocks (attention_block.c) wherever AVX2 runs; 512 bits wide with AVX-512
-     * and d a multiple of 16. */
-    const int blocks = avx2;
-    const int avx512 = blocks && slotserve_kernel_isa() >= ISA_AVX512 && d % 16 == 0;
+    /* Chunks' rows go in blocks (attention_block.c) wherever AVX2 runs; 512 bits wide with
+     * AVX-512 and d a multiple of 16. */
+    const int avx512 = avx2 && slotserve_kernel_isa() >= ISA_AVX512 && d % 16 == 0;
     bf16 = bf16 && avx512 && d % 32 == 0 && slotserve_kernel_isa() >= ISA_AVX512_BF16;
     int64_t longest = 1, work = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -212,10 +211,10 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
      * engine's spinning OpenMP workers; the first version's 1M kept a 4-row step at 128
      * positions on one thread). */
     const int team = work < (1 << 17) ? 1 : threads;
-    /* Each thread's scores for one (row, kv head): group * longest floats; for blocks, the
-     * transposed keys and four queries' scores, (d + 4) * longest rounded up to 16. */
+    /* Each thread's scores for one (row, kv head): group * longest floats; for blocks, what
+     * attention_block_work (or attention_bf16_work) says. */
     size_t floats = (size_t)(group * longest);
-    if (blocks) {
+    if (avx2) {
         const size_t block =
             bf16 ? attention_bf16_work(d, longest) : attention_block_work(d, longest);
         floats = block > floats ? block : floats;
@@ -233,7 +232,7 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
     int64_t num_spans = 0;
     for (int64_t r = 0; r < rows;) {
         int64_t count = 1;
-        while (blocks && count < (bf16 ? BF16_CHUNK_ROWS : CHUNK_ROWS) && r + count < rows &&
+        while (avx2 && count < (bf16 ? BF16_CHUNK_ROWS : CHUNK_ROWS) && r + count < rows &&
                lens[r + count] <= max_len && same_chunk(slots, lens, r + count - 1))
             count++;
         spans[num_spans++] = (struct span){r, count};

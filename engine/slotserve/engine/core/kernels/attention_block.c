@@ -15,6 +15,12 @@
 
 #define BLOCK_QUADS ATTENTION_QUADS
 
+/* The transposed keys ([d][stride]) and four queries' scores ([4][stride]), stride the block's
+ * last length rounded up to 16. */
+size_t attention_block_work(int64_t d, int64_t longest) {
+    return (size_t)((d + BLOCK_QUADS) * ((longest + 15) & ~(int64_t)15));
+}
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
@@ -109,10 +115,6 @@ BLOCK_AVX2 static void quad_values_avx2(const float *scores, int64_t stride, con
     }
 }
 
-size_t attention_block_work(int64_t d, int64_t longest) {
-    return (size_t)((d + BLOCK_QUADS) * ((longest + 15) & ~(int64_t)15));
-}
-
 void attention_block_f32(int avx512, const float *q, const float *keys, const float *values,
                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                          int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
@@ -153,10 +155,6 @@ void attention_block_f32(int avx512, const float *q, const float *keys, const fl
     }
 }
 #else
-size_t attention_block_work(int64_t d, int64_t longest) {
-    (void)d, (void)longest;
-    return 0;
-}
 void attention_block_f32(int avx512, const float *q, const float *keys, const float *values,
                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                          int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
