@@ -79,6 +79,70 @@ ATTENTION_BF16_TARGET static void pack_block(const float *keys, const float *val
     }
 }
 
+/* Vectors of 16 keys scored at once against the four queries: 16 accumulators, so the chains
+ * of VDPBF16PS (latency ~6 cycles, two a cycle on Zen 5) overlap; one vector at a time (4
+ * chains) left the scores latency-bound, most of the block's time at ~1,000 positions. */
+#define SCORE_VECTORS 4
+
+/* The four queries' scores (times `scale`) against `width` vectors of keys from vector g on. */
+ATTENTION_BF16_TARGET static inline __attribute__((always_inline)) void
+score_vectors(const uint16_t *kp, const uint16_t *qb, int64_t d, int64_t g, __m512 vscale,
+              float *scores, int64_t stride, const int width) {
+    const int64_t pairs = d / 2;
+    __m512 acc[ATTENTION_QUADS][SCORE_VECTORS];
+    for (int i = 0; i < ATTENTION_QUADS; i++)
+        for (int c = 0; c < width; c++) acc[i][c] = _mm512_setzero_ps();
+    const uint16_t *kg = kp + g * pairs * 32;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh kv[SCORE_VECTORS];
+        for (int c = 0; c < width; c++)
+            kv[c] = (__m512bh)_mm512_loadu_si512(kg + (c * pairs + p) * 32);
+        for (int i = 0; i < ATTENTION_QUADS; i++) {
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair_at(qb + i * d, p));
+            for (int c = 0; c < width; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], qv, kv[c]);
+        }
+    }
+    for (int i = 0; i < ATTENTION_QUADS; i++)
+        for (int c = 0; c < width; c++)
+            _mm512_storeu_ps(scores + i * stride + 16 * (g + c), _mm512_mul_ps(acc[i][c], vscale));
+}
+
+/* Probabilities [0, len) to bf16 (nearest even) and zeros over [len, even), 16 at a time. */
+ATTENTION_BF16_TARGET static void probabilities_bf16(const float *sc, int64_t len, int64_t even,
+                                                     uint16_t *pb) {
+    for (int64_t t = 0; t < even; t += 16) {
+        const int64_t left = len - t;
+        const __mmask16 keep = left >= 16  ? (__mmask16)0xFFFF
+                               : left <= 0 ? (__mmask16)0
+                                           : (__mmask16)((1u << left) - 1);
+        const __m256bh bits = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, sc + t));
+        _mm256_storeu_si256((__m256i *)(pb + t), (__m256i)bits);
+    }
+}
+
+/* The four queries' outputs for `width` vectors of 16 dimensions from vector j0 on: the
+ * probabilities pb (row stride `stride`) over positions [0, even) times the packed values. A
+ * width known when compiled keeps the 4 x width accumulators in registers (a width read at run
+ * time put them on the stack, with a branch per multiply-add). */
+ATTENTION_BF16_TARGET static inline __attribute__((always_inline)) void
+sum_values(const uint16_t *vp, const uint16_t *pb, int64_t stride, int64_t groups, int64_t j0,
+           int64_t even, float *const *outs, const int width) {
+    __m512 acc[ATTENTION_QUADS][4];
+    for (int i = 0; i < ATTENTION_QUADS; i++)
+        for (int c = 0; c < width; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t tp = 0; tp < even / 2; tp++) {
+        __m512bh vv[4];
+        for (int c = 0; c < width; c++)
+            vv[c] = (__m512bh)_mm512_loadu_si512(vp + ((tp * groups + j0 + c) * 32));
+        for (int i = 0; i < ATTENTION_QUADS; i++) {
+            const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair_at(pb + i * stride, tp));
+            for (int c = 0; c < width; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pv, vv[c]);
+        }
+    }
+    for (int i = 0; i < ATTENTION_QUADS; i++)
+        for (int c = 0; c < width; c++) _mm512_storeu_ps(outs[i] + 16 * (j0 + c), acc[i][c]);
+}
+
 ATTENTION_BF16_TARGET void attention_block_bf16(const float *q, const float *keys,
                                                 const float *values, const int64_t *lens,
                                                 int64_t r0, int64_t count, int64_t h,
@@ -86,7 +150,7 @@ ATTENTION_BF16_TARGET void attention_block_bf16(const float *q, const float *key
                                                 float scale, float *out, float *work,
                                                 void (*softmax)(float *scores, int64_t len)) {
     const int64_t last = lens[r0 + count - 1];
-    const int64_t stride = (last + 15) & ~(int64_t)15, pairs = d / 2, groups = d / 16;
+    const int64_t stride = (last + 15) & ~(int64_t)15, groups = d / 16;
     uint16_t *kp = (uint16_t *)work;
     uint16_t *vp = kp + d * stride;
     uint16_t *rows = vp + d * stride;
@@ -110,48 +174,46 @@ ATTENTION_BF16_TARGET void attention_block_bf16(const float *q, const float *key
         }
         const int64_t padded = (upto + 15) & ~(int64_t)15;
         const __m512 vscale = _mm512_set1_ps(scale);
-        /* Scores: four queries against 16 keys a vector, one vector of keys for the four. */
-        for (int64_t g = 0; g < padded / 16; g++) {
-            __m512 acc[ATTENTION_QUADS];
-            for (int i = 0; i < ATTENTION_QUADS; i++) acc[i] = _mm512_setzero_ps();
-            const uint16_t *kg = kp + g * pairs * 32;
-            for (int64_t p = 0; p < pairs; p++) {
-                const __m512bh kv = (__m512bh)_mm512_loadu_si512(kg + 32 * p);
-                for (int i = 0; i < ATTENTION_QUADS; i++) {
-                    const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair_at(qb + i * d, p));
-                    acc[i] = _mm512_dpbf16_ps(acc[i], qv, kv);
-                }
-            }
-            for (int i = 0; i < ATTENTION_QUADS; i++)
-                _mm512_storeu_ps(scores + i * stride + 16 * g, _mm512_mul_ps(acc[i], vscale));
+        /* Scores: four queries against 16 keys a vector, SCORE_VECTORS vectors at a time. */
+        const int64_t vectors = padded / 16;
+        int64_t g = 0;
+        for (; g + SCORE_VECTORS <= vectors; g += SCORE_VECTORS)
+            score_vectors(kp, qb, d, g, vscale, scores, stride, SCORE_VECTORS);
+        switch (vectors - g) {
+        case 3:
+            score_vectors(kp, qb, d, g, vscale, scores, stride, 3);
+            break;
+        case 2:
+            score_vectors(kp, qb, d, g, vscale, scores, stride, 2);
+            break;
+        case 1:
+            score_vectors(kp, qb, d, g, vscale, scores, stride, 1);
+            break;
+        default:
+            break;
         }
         const int64_t even = (upto + 1) & ~(int64_t)1;
         for (int i = 0; i < ATTENTION_QUADS; i++) {
-            float *sc = scores + i * stride;
-            softmax(sc, len[i]);
-            for (int64_t t = 0; t < even; t++)
-                pb[i * stride + t] = t < len[i] ? bf16_bits(sc[t]) : 0;
+            softmax(scores + i * stride, len[i]);
+            probabilities_bf16(scores + i * stride, len[i], even, pb + i * stride);
         }
         /* Values: 16 dimensions a vector, two positions a multiply-add; up to 64 dimensions
          * (four vectors) of the four queries in registers at once. */
         for (int64_t j0 = 0; j0 < groups; j0 += 4) {
-            const int64_t width = groups - j0 < 4 ? groups - j0 : 4;
-            __m512 acc[ATTENTION_QUADS][4];
-            for (int i = 0; i < ATTENTION_QUADS; i++)
-                for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
-            for (int64_t tp = 0; tp < even / 2; tp++) {
-                __m512bh vv[4];
-                for (int c = 0; c < width; c++)
-                    vv[c] = (__m512bh)_mm512_loadu_si512(vp + ((tp * groups + j0 + c) * 32));
-                for (int i = 0; i < ATTENTION_QUADS; i++) {
-                    const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair_at(pb + i * stride, tp));
-                    for (int c = 0; c < width; c++)
-                        acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pv, vv[c]);
-                }
+            switch (groups - j0 < 4 ? groups - j0 : 4) {
+            case 4:
+                sum_values(vp, pb, stride, groups, j0, even, outs, 4);
+                break;
+            case 3:
+                sum_values(vp, pb, stride, groups, j0, even, outs, 3);
+                break;
+            case 2:
+                sum_values(vp, pb, stride, groups, j0, even, outs, 2);
+                break;
+            default:
+                sum_values(vp, pb, stride, groups, j0, even, outs, 1);
+                break;
             }
-            for (int i = 0; i < ATTENTION_QUADS; i++)
-                for (int c = 0; c < width; c++)
-                    _mm512_storeu_ps(outs[i] + 16 * (j0 + c), acc[i][c]);
         }
     }
 }

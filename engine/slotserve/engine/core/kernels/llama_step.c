@@ -92,9 +92,28 @@ __attribute__((target("avx2,fma"))) static void silu_mul_avx2(const float *gate,
                          _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + j)));
     }
 }
+
+/* silu_mul_avx2 16 lanes wide (the same operations lane by lane, so the same results), n a
+ * multiple of 16: a twentieth of a 1,000-token prefill on a Zen 5 in 8 lanes. */
+__attribute__((target("avx512f,avx512dq"))) static void
+silu_mul_avx512(const float *gate, const float *up, int64_t n, float *out) {
+    const __m512 sign = _mm512_set1_ps(-0.0f), one = _mm512_set1_ps(1.0f);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + j);
+        const __m512 e = exp_nonpositive512(_mm512_or_ps(g, sign)); /* -|g| */
+        const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 sigmoid =
+            _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
+        _mm512_storeu_ps(out + j,
+                         _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + j)));
+    }
+}
 #define HAVE_AVX2_CODE 1
 #else
 #define HAVE_AVX2_CODE 0
+static void silu_mul_avx512(const float *gate, const float *up, int64_t n, float *out) {
+    silu_mul_c(gate, up, n, out);
+}
 static void rms_norm_avx2(const float *x, const float *weight, int64_t n, float eps, float *out) {
     rms_norm_c(x, weight, n, eps, out);
 }
@@ -162,6 +181,7 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
     int status = -1;
     if (!normed || !wide || !query || !attended || !narrow || !lens) goto done;
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && hidden % 8 == 0 && inter % 8 == 0;
+    const int avx512 = avx2 && slotserve_kernel_isa() >= ISA_AVX512 && inter % 16 == 0;
     for (int64_t i = 0; i < m; i++) lens[i] = positions[i] + 1;
 
     for (int64_t l = 0; l < model->num_layers; l++) {
@@ -203,7 +223,9 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
         for (int64_t i = 0; i < m; i++) {
             const float *gate = wide + i * 2 * inter, *up = gate + inter;
             float *act = narrow + i * inter;
-            if (avx2)
+            if (avx512)
+                silu_mul_avx512(gate, up, inter, act);
+            else if (avx2)
                 silu_mul_avx2(gate, up, inter, act);
             else
                 silu_mul_c(gate, up, inter, act);
