@@ -78,15 +78,22 @@ __attribute__((target("avx2,fma"))) static inline __m128 hsum4(__m256 a, __m256 
 }
 
 /* e^x for x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2],
- * p of degree 6 (relative error ~2e-7); below -87 the result is 0, as expf's underflow. */
+ * p of degree 6, the Taylor terms r^k / k! (relative error ~2e-7); below EXP_FLOOR the result is
+ * 0, as expf's underflow. The constants are named once for both widths below, which give the
+ * same results lane by lane. */
+#define EXP_FLOOR (-87.0f)
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f /* ln 2 split in two (Cody-Waite): n * EXP_LN2_HI is exact */
+#define EXP_LN2_LO (-2.12194440e-4f)
+
 __attribute__((target("avx2,fma"))) static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 low = _mm256_set1_ps(-87.0f);
+    const __m256 low = _mm256_set1_ps(EXP_FLOOR);
     const __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
     x = _mm256_max_ps(x, low);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
     __m256 p = _mm256_set1_ps(1.0f / 720.0f);
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
@@ -101,13 +108,13 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp_nonpositive(__m256 
 
 /* exp_nonpositive 16 lanes wide: the same operations lane by lane, so the same results. */
 __attribute__((target("avx512f"))) static inline __m512 exp_nonpositive512(__m512 x) {
-    const __m512 low = _mm512_set1_ps(-87.0f);
+    const __m512 low = _mm512_set1_ps(EXP_FLOOR);
     const __mmask16 underflow = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
     x = _mm512_max_ps(x, low);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
     __m512 p = _mm512_set1_ps(1.0f / 720.0f);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
