@@ -35,8 +35,8 @@ demo: $(STAMP)
 # --durations: the slowest tests are named in every run's output (CI's included), for keeping the
 # whole run under 10 minutes on 2 cores. The lint (a minute of mypy on a clean checkout) runs
 # beside the parallel part of the suite, whose workers mostly wait on processes; the serial
-# tests run after both, without the rest: those asleep on wall-clock windows one at a time beside
-# the others one at a time. Either failing fails the run.
+# tests run after both, without the rest: those asleep on wall-clock windows one at a time in two
+# sessions (a backend each) beside the others one at a time. Any failing fails the run.
 test: $(STAMP) redis tools
 	$(MAKE) --no-print-directory -j2 --output-sync=line lint suite
 	$(MAKE) --no-print-directory -j$(SERIAL_JOBS) --output-sync=line serial-alone \
