@@ -169,6 +169,9 @@ def _admission_worker(
     # routed: every request carries a route as a 4-turn chat does (8 prefix keys, one engine's
     # match, a session, the pool's default wait for a full engine), so the dispatch reads and
     # records the prefix index (issue 29).
+    hold_s = 0.002  # how long a queued run's request holds its slot
+    slots = 4 if queued else 64
+    offers = [EndpointOffer(f"http://e{i}", slots, 0.0, hold_s) for i in range(4)]
     route = None
     if routed:
         from slotserve.contracts.pool_spec import RoutingSpec
@@ -181,7 +184,9 @@ def _admission_worker(
             keys=keys,
             depths=(("http://e1", 6),),
             session="ab" * 16,
-            wait_ms=spec.cache_wait_milliseconds,
+            wait_ms=routing.cache_wait_ms(
+                spec.cache_wait_milliseconds, spec.cache_wait_turnovers, offers, {"http://e1": 6}
+            ),
             look_ahead=spec.look_ahead,
         )
 
@@ -201,7 +206,12 @@ def _admission_worker(
                 routing.Route(
                     keys=chat_chain(turns, "bench").keys,
                     depths=((f"http://e{i % 4}", 6),),
-                    wait_ms=spec.cache_wait_milliseconds,
+                    wait_ms=routing.cache_wait_ms(
+                        spec.cache_wait_milliseconds,
+                        spec.cache_wait_turnovers,
+                        offers,
+                        {f"http://e{i % 4}": 6},
+                    ),
                     look_ahead=spec.look_ahead,
                 )
             )
@@ -209,8 +219,6 @@ def _admission_worker(
     async def run() -> int:
         backend = RedisBackend(redis_url, f"bench-{os.getpid()}", prefix=prefix)
         pool = PoolPolicy("m", max_queue_size=100_000, queue_timeout_s=30)
-        slots = 4 if queued else 64
-        offers = [EndpointOffer(f"http://e{i}", slots, 0.0) for i in range(4)]
         admission = Admission(backend, lambda _: offers, lambda: [pool])
         await admission.start()
         done = 0
@@ -227,7 +235,7 @@ def _admission_worker(
                     await asyncio.sleep(0.05)
                     continue
                 if queued:
-                    await asyncio.sleep(0.002)
+                    await asyncio.sleep(hold_s)
                 await admission.release(lease)
                 done += 1
 

@@ -183,7 +183,8 @@ class RoutingSpec(WireModel):
     # The rule: the engine whose rows hold the longest prefix of the request, then the engine
     # that served its session last, then the least loaded; a preferred engine only while it is
     # within balance_threshold of the least loaded one. A request whose engine is full waits
-    # for it up to cache_wait_milliseconds while up to look_ahead requests behind it pass.
+    # for it (cache_wait_turnovers of that engine's slot turnovers, at most
+    # cache_wait_milliseconds) while up to look_ahead requests behind it pass.
 
     prefix_aware: bool = Field(
         True,
@@ -209,13 +210,22 @@ class RoutingSpec(WireModel):
         "(0: only among the least loaded; 1: whenever it has a free slot).",
     )
     cache_wait_milliseconds: int = Field(
-        2000,
+        20_000,
         ge=0,
         le=60_000,
-        description="How long a request may wait for the full engine holding its prefix while "
+        description="The longest a request may wait for the full engine holding its prefix while "
         "another has room (within balanceThreshold once a slot frees there), counted from the "
         "first time it did; requests behind it (lookAhead) are dispatched past it meanwhile. "
         "0: never waits (routed among the engines with room).",
+    )
+    cache_wait_turnovers: float = Field(
+        3.0,
+        ge=0,
+        le=32,
+        description="Within cacheWaitMilliseconds, a request waits at most this many of its "
+        "engine's slot turnovers (the engine's mean request seconds over its slots: how often "
+        "one of its slots frees), so a slow pool waits longer for a hit and a fast one less. "
+        "0: always the whole cacheWaitMilliseconds.",
     )
     look_ahead: int = Field(
         8,

@@ -19,11 +19,16 @@ from slotserve.gateway.admission.front import Admission, Lease
 from slotserve.gateway.admission.lua.replies import dispatch_grants
 from slotserve.gateway.admission.preempt_share import split_grant
 from slotserve.gateway.admission.types import PoolPolicy
+from slotserve.gateway.http.route_hints import route_of
+from slotserve.gateway.pools.config import Pool, PoolRegistry
+from slotserve.gateway.pools.engines import EngineLoad, EngineMonitor
 from slotserve.gateway.pools.routing import (
+    COLD_CACHE_WAIT_MS,
     MAX_CACHE_WAIT_MS,
     MAX_LOOK_AHEAD,
     EndpointOffer,
     Route,
+    cache_wait_ms,
     sendable_route,
     waits_for_engine,
 )
@@ -190,7 +195,9 @@ def test_the_rule_waits_only_for_a_full_engine_within_the_balance():
 def test_the_pool_settings_reach_the_route_and_are_bounded():
     spec = RoutingSpec.model_validate({"cacheWaitMilliseconds": 1500, "lookAhead": 4})
     assert (spec.cache_wait_milliseconds, spec.look_ahead) == (1500, 4)
-    assert RoutingSpec().cache_wait_milliseconds == 2000 and RoutingSpec().look_ahead == 8
+    defaults = RoutingSpec()
+    assert (defaults.cache_wait_milliseconds, defaults.cache_wait_turnovers) == (20_000, 3.0)
+    assert defaults.look_ahead == 8
     fields = RoutingSpec.model_fields
     assert fields["cache_wait_milliseconds"].metadata[-1].le == MAX_CACHE_WAIT_MS
     assert fields["look_ahead"].metadata[-1].le == MAX_LOOK_AHEAD
@@ -329,3 +336,49 @@ async def test_over_http_a_turn_waits_for_its_engine_and_a_first_turn_passes(
     assert doubles[0].stats()["num_requests"] == 2
     assert doubles[1].stats()["num_requests"] == 1
     assert finished["other"] < finished["again"]
+
+
+def test_the_wait_is_turnovers_of_the_engine_holding_the_prefix_within_the_cap():
+    # A frees a slot every 12 s / 4 slots = 3 s, B every 1 s, C has finished nothing yet.
+    offers = [
+        EndpointOffer(A, 4, 0.0, 12.0),
+        EndpointOffer(B, 2, 0.0, 2.0),
+        EndpointOffer(C, 4, 0.0),
+    ]
+    assert cache_wait_ms(20_000, 3.0, offers, {A: 3, B: 1}) == 9_000  # A holds the deepest
+    assert cache_wait_ms(20_000, 3.0, offers, {A: 2, B: 2}) == 6_000  # both: their mean gap, 2 s
+    assert cache_wait_ms(20_000, 0.5, offers, {B: 1}) == 500
+    assert cache_wait_ms(5_000, 3.0, offers, {A: 3}) == 5_000  # the cap holds
+    # No match (a session's engine, known only to Redis): the pool's engines that measured.
+    assert cache_wait_ms(20_000, 3.0, offers, {}) == 6_000
+    # Nothing measured yet, a cold pool: the fixed wait, within the cap.
+    assert cache_wait_ms(20_000, 3.0, offers, {C: 2}) == COLD_CACHE_WAIT_MS
+    assert cache_wait_ms(1_000, 3.0, offers, {C: 2}) == 1_000
+    # 0 turnovers: always the cap; a cap of 0 never waits, whatever the engines say.
+    assert cache_wait_ms(7_000, 0.0, offers, {A: 3}) == 7_000
+    assert cache_wait_ms(0, 3.0, offers, {A: 3}) == 0
+    # Engines are untrusted: an offer that is not sound, or a mean that is not finite, is not
+    # a measurement; a tiny gap still waits at least a millisecond.
+    bad = [EndpointOffer(A, 0, 0.0, 5.0), EndpointOffer(B, 4, 0.0, float("inf"))]
+    assert cache_wait_ms(20_000, 3.0, bad, {A: 3, B: 3}) == COLD_CACHE_WAIT_MS
+    assert cache_wait_ms(20_000, 3.0, [EndpointOffer(A, 4, 0.0, 1e-9)], {A: 1}) == 1
+    assert cache_wait_ms(20_000, 32.0, [EndpointOffer(A, 1, 0.0, 1e9)], {A: 1}) == 20_000
+
+
+def test_a_request_routed_by_the_gateway_carries_its_engines_turnover_as_its_wait():
+    registry = PoolRegistry([Pool("m", (A, B))])
+    monitor = EngineMonitor(registry)
+    first = [{"role": "user", "content": "tell me about slots"}]
+    keys = chat_chain(first, "").keys
+    monitor.loads[A] = EngineLoad(A, 4, 4, 0, num_failures=0, mean_request_s=8.0)
+    monitor.loads[A].prefix_keys = frozenset(keys)
+    monitor.loads[B] = EngineLoad(B, 4, 1, 0, num_failures=0, mean_request_s=1.0)
+    later = {"messages": [*first, {"role": "assistant", "content": "they free"}]}
+    spec = RoutingSpec()
+    route = route_of(spec, monitor, "m", True, {}, later, "")
+    assert route is not None and route.depths == ((A, len(keys)),)
+    assert route.wait_ms == 6_000  # 3 turnovers of A's: 8 s / 4 slots
+    capped = spec.model_copy(update={"cache_wait_milliseconds": 2_500})
+    assert route_of(capped, monitor, "m", True, {}, later, "").wait_ms == 2_500  # type: ignore[union-attr]
+    off = spec.model_copy(update={"prefix_aware": False})
+    assert route_of(off, monitor, "m", True, {"x-session-id": "s"}, later, "").wait_ms == 0  # type: ignore[union-attr]

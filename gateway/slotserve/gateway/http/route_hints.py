@@ -17,7 +17,7 @@ from typing import Any
 from slotserve.contracts.pool_spec import MAX_SESSION_KEY_CHARS, RoutingSpec
 from slotserve.contracts.prefix_keys import request_chain, salt_of
 from slotserve.gateway.pools.engines import EngineMonitor
-from slotserve.gateway.pools.routing import SESSION_HEX, Route
+from slotserve.gateway.pools.routing import SESSION_HEX, Route, cache_wait_ms
 
 
 class SessionKeyError(ValueError):
@@ -59,11 +59,20 @@ def route_of(
     keys = request_chain(chat, payload, salt).keys if routing.prefix_aware else ()
     if not keys and not session:
         return None
+    depths = monitor.prefix_depths(model, keys)
+    wait_ms = 0
+    if routing.prefix_aware:
+        wait_ms = cache_wait_ms(
+            routing.cache_wait_milliseconds,
+            routing.cache_wait_turnovers,
+            monitor.offers(model),
+            dict(depths),
+        )
     return Route(
         keys=keys,
-        depths=monitor.prefix_depths(model, keys),
+        depths=depths,
         session=session,
         balance_permille=round(routing.balance_threshold * 1000),
-        wait_ms=routing.cache_wait_milliseconds if routing.prefix_aware else 0,
+        wait_ms=wait_ms,
         look_ahead=routing.look_ahead,
     )

@@ -100,6 +100,8 @@ SESSION_TTL_MS = 600_000
 # Waiting for the engine that holds a request's prefix (``waits_for_engine``): at most this long
 # (``RoutingSpec.cache_wait_milliseconds``), while at most this many behind it pass it.
 MAX_CACHE_WAIT_MS = 60_000
+# The wait while no engine of the pool has reported a mean request time (``cache_wait_ms``).
+COLD_CACHE_WAIT_MS = 2_000
 MAX_LOOK_AHEAD = 32
 RouteOutcome = Literal["prefix", "session", "load"]
 _HEX = re.compile(r"[0-9a-f]*")
@@ -169,6 +171,33 @@ def sendable_route(route: Route | None) -> Route | None:
     if len(clean.encode().encode()) > MAX_ROUTE_CHARS:
         return None
     return clean
+
+
+def cache_wait_ms(
+    cap_ms: int,
+    turnovers: float,
+    offers: Sequence[EndpointOffer],
+    depths: Mapping[str, int],
+) -> int:
+    """How long a request may wait for the full engine holding its prefix (``Route.wait_ms``):
+    ``turnovers`` of that engine's slot turnover, at most ``cap_ms``. An engine's turnover is its
+    mean request seconds over its slots, the mean time between two of its slots freeing (the
+    deepest match's engines, else every engine: a session's engine is known only to Redis).
+    While none has finished a request yet, ``COLD_CACHE_WAIT_MS``; ``turnovers`` 0: ``cap_ms``."""
+    if cap_ms <= 0 or turnovers <= 0:
+        return max(0, cap_ms)
+    sound = sound_offers(offers)
+    deepest = max((depths.get(offer.url, 0) for offer in sound), default=0)
+    holders = [o for o in sound if deepest == 0 or depths.get(o.url, 0) == deepest]
+    gaps = [
+        o.mean_request_s / o.slots_total
+        for o in holders
+        if math.isfinite(o.mean_request_s) and o.mean_request_s > 0
+    ]
+    if not gaps:
+        return min(cap_ms, COLD_CACHE_WAIT_MS)
+    wait_ms = turnovers * 1000 * sum(gaps) / len(gaps)
+    return max(1, min(cap_ms, math.ceil(wait_ms)))
 
 
 def recorded_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
