@@ -69,10 +69,43 @@ def test_engine_flags_pass_spare_rows_and_any_other_flag() -> None:
     args = prefix_routing_bench.parse_args(
         ["--prefix-cache-rows", "12", "--engine-arg=--max-waiting", "--engine-arg=64"]
     )
-    assert prefix_routing_bench.engine_flags(args) == (
-        "--max-waiting",
-        "64",
-        "--prefix-cache-rows",
-        "12",
+    flags = prefix_routing_bench.engine_flags
+    assert (
+        flags(args, "prefix")
+        == flags(args, "load")
+        == (
+            "--max-waiting",
+            "64",
+            "--prefix-cache-rows",
+            "12",
+        )
     )
-    assert prefix_routing_bench.engine_flags(prefix_routing_bench.parse_args([])) == ()
+    # "today": the pool before issue 29, one row per slot whatever the others get.
+    assert flags(args, "today") == ("--max-waiting", "64")
+    assert flags(prefix_routing_bench.parse_args([]), "prefix") == ()
+
+
+def test_targets_compare_prefix_with_each_baseline_run() -> None:
+    def cell(later: float, rate: float) -> dict[str, float]:
+        return {
+            "hit_of_ideal": 0.95,
+            "ttft_later_p50_s": later,
+            "ttft_all_p50_s": later,
+            "requests_per_s": rate,
+            "busiest_over_mean": 1.0,
+            "max_running_over_slots": 0,
+        }
+
+    cells = {"today": [cell(60.0, 0.5)], "load": [cell(45.0, 0.6)], "prefix": [cell(30.0, 0.9)]}
+    checks = {
+        name: (round(v, 2), met)
+        for name, v, met in prefix_routing_bench.target_checks("chat-wide", cells)
+    }
+    assert checks["later turns' TTFT p50, today / prefix >= 2"] == (2.0, True)
+    assert checks["later turns' TTFT p50, load / prefix >= 2"] == (1.5, False)
+    assert checks["completed req/s, prefix / load >= 1.2"] == (1.5, True)
+    system = prefix_routing_bench.target_checks(
+        "system", {"load": [cell(3.0, 1)], "prefix": [cell(1.0, 1)]}
+    )
+    assert system[0][0] == "TTFT p50, load / prefix >= 2" and system[0][2]
+    assert prefix_routing_bench.target_checks("chat", {"load": [cell(1.0, 1)]}) == []
