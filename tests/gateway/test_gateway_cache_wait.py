@@ -10,6 +10,7 @@ import random
 import time
 
 import aiohttp
+import pytest
 
 from slotserve.contracts.pool_spec import RoutingSpec
 from slotserve.contracts.prefix_keys import chat_chain
@@ -198,6 +199,10 @@ def test_the_pool_settings_reach_the_route_and_are_bounded():
     defaults = RoutingSpec()
     assert (defaults.cache_wait_milliseconds, defaults.cache_wait_turnovers) == (20_000, 3.0)
     assert defaults.look_ahead == 8
+    assert RoutingSpec.model_validate({"cacheWaitTurnovers": 1.5}).cache_wait_turnovers == 1.5
+    for bad in (-1, 33, "many"):
+        with pytest.raises(ValueError):
+            RoutingSpec.model_validate({"cacheWaitTurnovers": bad})
     fields = RoutingSpec.model_fields
     assert fields["cache_wait_milliseconds"].metadata[-1].le == MAX_CACHE_WAIT_MS
     assert fields["look_ahead"].metadata[-1].le == MAX_LOOK_AHEAD
