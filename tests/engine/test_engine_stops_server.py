@@ -116,13 +116,23 @@ def test_long_stop_strings_do_not_slow_the_neighbour(engine):
     stops = [text[: MAX_STOP_STRING_CHARS - 1 - i] + "\ufffe" for i in range(MAX_STOP_STRINGS)]
     hostile = {**plain, "stop": stops}
 
-    # Alternated, best of three each: the machine's noise only ever slows a run down.
-    normal = beside_stops = 0.0
-    for _ in range(3):
-        normal = max(normal, tokens_per_second(url, plain))
-        beside_stops = max(beside_stops, tokens_per_second(url, hostile))
-    print(f"stream: {normal:.0f} tok/s beside a plain neighbour, {beside_stops:.0f} beside stops")
-    assert beside_stops >= 0.5 * normal, (normal, beside_stops)
+    # Alternated, best of three each: the machine's noise only ever slows a run down. Beside the
+    # suite's other workers a round can still read under half (0.49x once in a fresh clone's
+    # make test on a 2-core Zen 3, where alone it reads 0.77-0.82x), so a round under the bound
+    # is measured once more, afresh: stops that really slow their neighbour fail both rounds.
+    rounds: list[tuple[float, float]] = []
+    for _ in range(2):
+        normal = beside_stops = 0.0
+        for _ in range(3):
+            normal = max(normal, tokens_per_second(url, plain))
+            beside_stops = max(beside_stops, tokens_per_second(url, hostile))
+        print(
+            f"stream: {normal:.0f} tok/s beside a plain neighbour, {beside_stops:.0f} beside stops"
+        )
+        rounds.append((normal, beside_stops))
+        if beside_stops >= 0.5 * normal:
+            break
+    assert beside_stops >= 0.5 * normal, rounds
 
     # The stops changed nothing in what the neighbour wrote.
     hostile_text = httpx.post(url + "/v1/completions", json=hostile, timeout=120).json()
