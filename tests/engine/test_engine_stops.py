@@ -103,6 +103,11 @@ def test_cost_per_piece_does_not_grow_with_the_output():
             matcher.add("aaaa")
         return (time.perf_counter() - start) / num_pieces
 
-    short, long = seconds_per_piece(1000), seconds_per_piece(20_000)
-    # Linear growth would make the long run ~20x slower per piece; allow noise only.
+    # Linear growth would make the long run ~20x slower per piece; allow noise only. Best of
+    # three each, alternated: beside a loaded suite one long run once read 3.5x (a 2-core Zen 3),
+    # and the machine's noise only ever slows a run down.
+    short = long = float("inf")
+    for _ in range(3):
+        short = min(short, seconds_per_piece(1000))
+        long = min(long, seconds_per_piece(20_000))
     assert long < 3 * short, (short, long)
