@@ -15,9 +15,12 @@ from tests.support import RedisServer
 # (--prefill-dtype / --decode-dtype auto), which moves logits by ~1e-2 against transformers'
 # fp32: the suite's many "same tokens as HF" checks ask for fp32, here and in every engine
 # process a test starts (the variables are inherited). tests/engine/test_engine_bf16_prefill.py
-# and test_engine_bf16_decode.py test bf16 and auto explicitly.
+# and test_engine_bf16_decode.py test bf16 and auto explicitly. Likewise the KV cache, fp16 by
+# default where the native kernels run (--kv-cache-dtype auto): tests/engine/
+# test_engine_kv_half.py tests it.
 os.environ.setdefault("SLOTSERVE_ENGINE_PREFILL_DTYPE", "float32")
 os.environ.setdefault("SLOTSERVE_ENGINE_DECODE_DTYPE", "float32")
+os.environ.setdefault("SLOTSERVE_ENGINE_KV_CACHE_DTYPE", "float32")
 
 
 # The files holding the suite's longest tests (each over ~15 s in CI's --durations), handed

@@ -30,6 +30,7 @@ LinearBackend = Literal["auto", "onednn", "aten", "native"]
 DecodeStep = Literal["auto", "classic", "static", "compiled"]
 OverlapSteps = Literal["auto", "on", "off"]
 PrefillDType = Literal["auto", "float32", "bfloat16"]
+KVCacheDType = Literal["auto", "float32", "float16"]
 
 
 class EngineSettings(BaseSettings):
@@ -84,6 +85,14 @@ class EngineSettings(BaseSettings):
         "fp32 layers, else float32), float32, or bfloat16 (bf16 weight copies multiplied by "
         "VDPBF16PS, rows rounded to bf16, fp32 accumulation; refused with a warning where the "
         "CPU lacks AVX512_BF16). Requests scoring their prompt (prompt logprobs) stay float32.",
+    )
+    kv_cache_dtype: KVCacheDType = Field(
+        "auto",
+        description="Keys and values as the KV cache stores them: auto (float16 where the "
+        "native CPU kernels read the cache, else the weights' dtype), float32, or float16 "
+        "(half the bytes a position: decode attention reads half as much memory and the same "
+        "memory holds twice the tokens; sums stay fp32; refused where the native kernels do "
+        "not run).",
     )
     overlap_steps: OverlapSteps = Field(
         "auto",

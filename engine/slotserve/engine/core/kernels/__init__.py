@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 # The C code's instruction-set levels (ISA_C, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 in
 # kernels.h), by name.
 ISAS = ("plain_c", "avx2_fma", "avx512", "avx512_bf16")
+# KV cache layers the attention kernels read in place: fp32, or fp16 widened as read (kv_half.c).
+CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 class Scratch(ctypes.Structure):
@@ -276,15 +278,16 @@ class NativeKernels:
     ) -> torch.Tensor:
         """Softmax attention of one query per row over its slot's first ``lens[row]`` cache
         positions, read in place. ``q``: [rows, kv_heads, group, D]; caches: [slots, kv_heads,
-        max_len, D] with slots >= rows; ``lens``: int64 [rows] (0: the row's output is zeros; at
-        most max_len positions are read)."""
+        max_len, D] with slots >= rows, both float32 or both float16 (widened as read);
+        ``lens``: int64 [rows] (0: the row's output is zeros; at most max_len positions are
+        read)."""
         rows, kv_heads, group, d = q.shape
         slots, cache_heads, max_len, cache_d = k_cache.shape
         if (
             q.dtype != torch.float32
-            or k_cache.dtype != torch.float32
+            or k_cache.dtype not in CACHE_DTYPES
             or v_cache.shape != k_cache.shape
-            or v_cache.dtype != torch.float32
+            or v_cache.dtype != k_cache.dtype
             or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
             or (cache_heads, cache_d) != (kv_heads, d)
             or slots < rows
@@ -298,6 +301,7 @@ class NativeKernels:
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            int(k_cache.dtype == torch.float16),
             rows,
             kv_heads,
             group,
@@ -337,9 +341,9 @@ class NativeKernels:
         # The other checks are decode_attention's (a cache of at least one slot per row aside).
         if (
             q.dtype != torch.float32
-            or k_cache.dtype != torch.float32
+            or k_cache.dtype not in CACHE_DTYPES
             or v_cache.shape != k_cache.shape
-            or v_cache.dtype != torch.float32
+            or v_cache.dtype != k_cache.dtype
             or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
             or tuple(k_cache.shape[1::2]) != (kv_heads, d)
             or lens.dtype != torch.int64
@@ -352,6 +356,7 @@ class NativeKernels:
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            int(k_cache.dtype == torch.float16),
             rows,
             slots.data_ptr(),
             kv_heads,

@@ -16,8 +16,13 @@
 
 #include "qgemm.h"
 
+/* Element i of a cache row: a float, or the fp16 bits of one (kv_half.c). */
+static inline float cached(const void *row, int64_t i, int half) {
+    return half ? half_value(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
 /* The plain C version (no AVX2, or d not a multiple of 8): the reference the tests compare. */
-static void head_c(const float *query, const float *keys, const float *values, int64_t len,
+static void head_c(const float *query, const void *keys, const void *values, int half, int64_t len,
                    int64_t d, int64_t group, float scale, float *scores, float *dst) {
     for (int64_t g = 0; g < group; g++) {
         const float *qg = query + g * d;
@@ -25,7 +30,7 @@ static void head_c(const float *query, const float *keys, const float *values, i
         float top = -INFINITY;
         for (int64_t t = 0; t < len; t++) {
             float acc = 0.0f;
-            for (int64_t j = 0; j < d; j++) acc += qg[j] * keys[t * d + j];
+            for (int64_t j = 0; j < d; j++) acc += qg[j] * cached(keys, t * d + j, half);
             sc[t] = scale * acc;
             top = sc[t] > top ? sc[t] : top;
         }
@@ -34,7 +39,8 @@ static void head_c(const float *query, const float *keys, const float *values, i
         const float norm = 1.0f / total;
         memset(out, 0, sizeof(float) * (size_t)d);
         for (int64_t t = 0; t < len; t++)
-            for (int64_t j = 0; j < d; j++) out[j] += sc[t] * norm * values[t * d + j];
+            for (int64_t j = 0; j < d; j++)
+                out[j] += sc[t] * norm * cached(values, t * d + j, half);
     }
 }
 
@@ -96,15 +102,21 @@ __attribute__((target("avx512f"))) static void softmax_avx512(float *sc, int64_t
                           _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sc + whole), norm));
 }
 
-/* d a multiple of 8. */
-__attribute__((target("avx2,fma"))) static void head_avx2(const float *query, const float *keys,
-                                                          const float *values, int64_t len,
-                                                          int64_t d, int64_t group, float scale,
-                                                          float *scores, float *dst) {
+/* 8 elements of a cache row from element i on: floats, or fp16 bits widened (F16C). */
+__attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline)) __m256
+load8(const void *row, int64_t i, const int half) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    return _mm256_loadu_ps((const float *)row + i);
+}
+
+/* d a multiple of 8; keys and values floats, or fp16 when `half` (a constant in each caller). */
+__attribute__((target("avx2,fma,f16c"))) static inline __attribute__((always_inline)) void
+head_avx2_of(const float *query, const void *keys, const void *values, int64_t len, int64_t d,
+             int64_t group, float scale, float *scores, float *dst, const int half) {
     const __m128 vscale = _mm_set1_ps(scale);
     int64_t t = 0;
     for (; t + 4 <= len; t += 4) {
-        const float *k0 = keys + t * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+        const int64_t k0 = t * d, k1 = k0 + d, k2 = k1 + d, k3 = k2 + d;
         int64_t g = 0;
         /* Two query heads at a time: each key vector loaded once serves both (8 accumulators,
          * 6 loads per 8 multiply-adds; one head alone does 5 per 4). */
@@ -114,13 +126,13 @@ __attribute__((target("avx2,fma"))) static void head_avx2(const float *query, co
             __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
             for (int64_t j = 0; j < d; j += 8) {
                 const __m256 va = _mm256_loadu_ps(qa + j), vb = _mm256_loadu_ps(qb + j);
-                __m256 kv = _mm256_loadu_ps(k0 + j);
+                __m256 kv = load8(keys, k0 + j, half);
                 a0 = _mm256_fmadd_ps(va, kv, a0), b0 = _mm256_fmadd_ps(vb, kv, b0);
-                kv = _mm256_loadu_ps(k1 + j);
+                kv = load8(keys, k1 + j, half);
                 a1 = _mm256_fmadd_ps(va, kv, a1), b1 = _mm256_fmadd_ps(vb, kv, b1);
-                kv = _mm256_loadu_ps(k2 + j);
+                kv = load8(keys, k2 + j, half);
                 a2 = _mm256_fmadd_ps(va, kv, a2), b2 = _mm256_fmadd_ps(vb, kv, b2);
-                kv = _mm256_loadu_ps(k3 + j);
+                kv = load8(keys, k3 + j, half);
                 a3 = _mm256_fmadd_ps(va, kv, a3), b3 = _mm256_fmadd_ps(vb, kv, b3);
             }
             _mm_storeu_ps(scores + g * len + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), vscale));
@@ -131,10 +143,10 @@ __attribute__((target("avx2,fma"))) static void head_avx2(const float *query, co
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t j = 0; j < d; j += 8) {
                 const __m256 qv = _mm256_loadu_ps(qg + j);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + j), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + j), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + j), a3);
+                a0 = _mm256_fmadd_ps(qv, load8(keys, k0 + j, half), a0);
+                a1 = _mm256_fmadd_ps(qv, load8(keys, k1 + j, half), a1);
+                a2 = _mm256_fmadd_ps(qv, load8(keys, k2 + j, half), a2);
+                a3 = _mm256_fmadd_ps(qv, load8(keys, k3 + j, half), a3);
             }
             _mm_storeu_ps(scores + g * len + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), vscale));
         }
@@ -144,7 +156,7 @@ __attribute__((target("avx2,fma"))) static void head_avx2(const float *query, co
             __m256 acc = _mm256_setzero_ps();
             for (int64_t j = 0; j < d; j += 8)
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(query + g * d + j),
-                                      _mm256_loadu_ps(keys + t * d + j), acc);
+                                      load8(keys, t * d + j, half), acc);
             scores[g * len + t] = scale * hsum(acc);
         }
     }
@@ -159,37 +171,45 @@ __attribute__((target("avx2,fma"))) static void head_avx2(const float *query, co
         for (; j + 64 <= d; j += 64) {
             __m256 acc[8];
             for (int b = 0; b < 8; b++) acc[b] = _mm256_setzero_ps();
-            const float *vj = values + j;
             for (int64_t s = 0; s < len; s++) {
                 const __m256 weight = _mm256_set1_ps(p[s]);
-                const float *row = vj + s * d;
+                const int64_t row = s * d + j;
                 for (int b = 0; b < 8; b++)
-                    acc[b] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * b), acc[b]);
+                    acc[b] = _mm256_fmadd_ps(weight, load8(values, row + 8 * b, half), acc[b]);
             }
             for (int b = 0; b < 8; b++) _mm256_storeu_ps(out + j + 8 * b, acc[b]);
         }
         for (; j < d; j += 8) {
             __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-            const float *vj = values + j;
             int64_t s = 0;
             for (; s + 2 <= len; s += 2) {
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), _mm256_loadu_ps(vj + s * d), a0);
-                a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[s + 1]), _mm256_loadu_ps(vj + (s + 1) * d),
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), load8(values, s * d + j, half), a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[s + 1]), load8(values, (s + 1) * d + j, half),
                                      a1);
             }
             for (; s < len; s++)
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), _mm256_loadu_ps(vj + s * d), a0);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), load8(values, s * d + j, half), a0);
             _mm256_storeu_ps(out + j, _mm256_add_ps(a0, a1));
         }
     }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void
+head_avx2(const float *query, const void *keys, const void *values, int half, int64_t len,
+          int64_t d, int64_t group, float scale, float *scores, float *dst) {
+    if (half)
+        head_avx2_of(query, keys, values, len, d, group, scale, scores, dst, 1);
+    else
+        head_avx2_of(query, keys, values, len, d, group, scale, scores, dst, 0);
 }
 #else
 #define HAVE_AVX2_CODE 0
 static void softmax_avx2(float *sc, int64_t len) { (void)sc, (void)len; }
 static void softmax_avx512(float *sc, int64_t len) { (void)sc, (void)len; }
-static void head_avx2(const float *query, const float *keys, const float *values, int64_t len,
-                      int64_t d, int64_t group, float scale, float *scores, float *dst) {
-    head_c(query, keys, values, len, d, group, scale, scores, dst);
+static void head_avx2(const float *query, const void *keys, const void *values, int half,
+                      int64_t len, int64_t d, int64_t group, float scale, float *scores,
+                      float *dst) {
+    head_c(query, keys, values, half, len, d, group, scale, scores, dst);
 }
 #endif
 
@@ -203,30 +223,32 @@ static int same_chunk(const int64_t *slots, const int64_t *lens, int64_t r) {
     return slots != NULL && slots[r] == slots[r + 1] && lens[r + 1] == lens[r] + 1;
 }
 
-int slotserve_attend(const float *q, const float *k, const float *v, int64_t rows,
+int slotserve_attend(const float *q, const void *k, const void *v, int kv_half, int64_t rows,
                      const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
                      int64_t max_len, const int64_t *lens, float scale, float *out, int threads,
                      struct scratch *s) {
-    return attend_rows(q, k, v, rows, slots, kv_heads, group, d, max_len, lens, scale, out, threads,
-                       s, 0);
+    return attend_rows(q, k, v, kv_half, rows, slots, kv_heads, group, d, max_len, lens, scale, out,
+                       threads, s, 0);
 }
 
-int slotserve_attend_bf16(const float *q, const float *k, const float *v, int64_t rows,
+int slotserve_attend_bf16(const float *q, const void *k, const void *v, int kv_half, int64_t rows,
                           const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
                           int64_t max_len, const int64_t *lens, float scale, float *out,
                           int threads, struct scratch *s) {
-    return attend_rows(q, k, v, rows, slots, kv_heads, group, d, max_len, lens, scale, out, threads,
-                       s, 1);
+    return attend_rows(q, k, v, kv_half, rows, slots, kv_heads, group, d, max_len, lens, scale, out,
+                       threads, s, 1);
 }
 
-int attend_rows(const float *q, const float *k, const float *v, int64_t rows, const int64_t *slots,
-                int64_t kv_heads, int64_t group, int64_t d, int64_t max_len, const int64_t *lens,
-                float scale, float *out, int threads, struct scratch *s, int bf16) {
+int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64_t rows,
+                const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d, int64_t max_len,
+                const int64_t *lens, float scale, float *out, int threads, struct scratch *s,
+                int bf16) {
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && d % 8 == 0;
     /* Chunks' rows go in blocks (attention_block.c) wherever AVX2 runs; 512 bits wide with
      * AVX-512 and d a multiple of 16. */
     const int avx512 = avx2 && slotserve_kernel_isa() >= ISA_AVX512 && d % 16 == 0;
     bf16 = bf16 && avx512 && d % 32 == 0 && slotserve_kernel_isa() >= ISA_AVX512_BF16;
+    const size_t element = kv_half ? sizeof(uint16_t) : sizeof(float);
     int64_t longest = 1, work = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t len = lens[r] < max_len ? lens[r] : max_len;
@@ -239,12 +261,19 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
      * positions on one thread). */
     const int team = work < (1 << 17) ? 1 : threads;
     /* Each thread's scores for one (row, kv head): group * longest floats; for blocks, what
-     * attention_block_work (or attention_bf16_work) says. */
-    size_t floats = (size_t)(group * longest);
+     * attention_block_work (or attention_bf16_work) says, and with an fp16 cache the block's
+     * keys and values widened to fp32 behind it (the blocks read floats; a block shares them
+     * among its rows, so widening once costs a small part of it). */
+    size_t floats = (size_t)(group * longest), widened = 0;
     if (avx2) {
         const size_t block =
             bf16 ? attention_bf16_work(d, longest) : attention_block_work(d, longest);
         floats = block > floats ? block : floats;
+        if (kv_half) {
+            floats = (floats + 15) & ~(size_t)15;
+            widened = floats;
+            floats += 2 * (size_t)(longest * d);
+        }
     }
     const size_t per_thread = (sizeof(float) * floats + 63) & ~(size_t)63;
     const size_t mark = scratch_mark(s);
@@ -273,14 +302,24 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
             const struct span span = spans[task / kv_heads];
             const int64_t r = span.first, h = task % kv_heads;
             const int64_t slot = slots == NULL ? r : slots[r];
+            const int64_t at = (slot * kv_heads + h) * max_len * d;
+            const void *keys = (const char *)k + element * (size_t)at;
+            const void *values = (const char *)v + element * (size_t)at;
             if (span.count > 1) {
-                const int64_t at = (slot * kv_heads + h) * max_len * d;
+                const float *kf = keys, *vf = values;
+                if (kv_half) {
+                    const int64_t last = lens[r + span.count - 1];
+                    float *wk = scores + widened, *wv = wk + longest * d;
+                    kv_widen(keys, last * d, wk);
+                    kv_widen(values, last * d, wv);
+                    kf = wk, vf = wv;
+                }
                 if (bf16)
-                    attention_block_bf16(q, k + at, v + at, lens, r, span.count, h, kv_heads, group,
-                                         d, scale, out, scores, softmax_avx512);
+                    attention_block_bf16(q, kf, vf, lens, r, span.count, h, kv_heads, group, d,
+                                         scale, out, scores, softmax_avx512);
                 else
-                    attention_block_f32(avx512, q, k + at, v + at, lens, r, span.count, h, kv_heads,
-                                        group, d, scale, out, scores, softmax_avx2);
+                    attention_block_f32(avx512, q, kf, vf, lens, r, span.count, h, kv_heads, group,
+                                        d, scale, out, scores, softmax_avx2);
                 continue;
             }
             const int64_t len = lens[r] < max_len ? lens[r] : max_len;
@@ -290,12 +329,13 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
                 memset(dst, 0, sizeof(float) * (size_t)(group * d));
                 continue;
             }
-            const float *keys = k + (slot * kv_heads + h) * max_len * d;
-            const float *values = v + (slot * kv_heads + h) * max_len * d;
-            if (avx2)
-                head_avx2(query, keys, values, len, d, group, scale, scores, dst);
+            if (kv_half && avx512)
+                decode_head_half512(query, keys, values, len, d, group, scale, scores, dst,
+                                    softmax_avx512);
+            else if (avx2)
+                head_avx2(query, keys, values, kv_half, len, d, group, scale, scores, dst);
             else
-                head_c(query, keys, values, len, d, group, scale, scores, dst);
+                head_c(query, keys, values, kv_half, len, d, group, scale, scores, dst);
         }
     }
     free(owned), free(owned_spans);
@@ -303,10 +343,10 @@ int attend_rows(const float *q, const float *k, const float *v, int64_t rows, co
     return 0;
 }
 
-int slotserve_decode_attention(const float *q, const float *k, const float *v, int64_t rows,
-                               int64_t kv_heads, int64_t group, int64_t d, int64_t max_len,
-                               const int64_t *lens, float scale, float *out, int threads,
-                               struct scratch *s) {
-    return slotserve_attend(q, k, v, rows, NULL, kv_heads, group, d, max_len, lens, scale, out,
-                            threads, s);
+int slotserve_decode_attention(const float *q, const void *k, const void *v, int kv_half,
+                               int64_t rows, int64_t kv_heads, int64_t group, int64_t d,
+                               int64_t max_len, const int64_t *lens, float scale, float *out,
+                               int threads, struct scratch *s) {
+    return slotserve_attend(q, k, v, kv_half, rows, NULL, kv_heads, group, d, max_len, lens, scale,
+                            out, threads, s);
 }

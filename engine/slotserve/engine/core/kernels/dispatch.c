@@ -10,7 +10,10 @@ int slotserve_kernel_group_size(void) { return GROUP; }
 static int supported_isa(void) {
 #if HAVE_AVX2_CODE
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return ISA_C;
+    /* F16C (the fp16 KV cache's conversions) comes with every AVX2 CPU; checked all the same. */
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+        !__builtin_cpu_supports("f16c"))
+        return ISA_C;
 #if defined(__x86_64__)
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))

@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 /* Raised whenever a prototype below changes: a library of another ABI is never loaded. */
-#define SLOTSERVE_KERNEL_ABI 9
+#define SLOTSERVE_KERNEL_ABI 10
 /* Quantized weights per scale (and minimum) along K, both quantized formats. */
 #define SLOTSERVE_KERNEL_GROUP 32
 
@@ -80,22 +80,23 @@ int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, co
 /* ---- attention (attention.c) ---- */
 /* Softmax attention of one query token per row over cache row slots[r] (r itself when slots is
  * NULL), positions [0, lens[r]); q and out [rows, kv_heads, group, d]; caches [slots, kv_heads,
- * max_len, d]. Returns 0, or -1 when a buffer could not be allocated. */
-int slotserve_attend(const float *q, const float *k, const float *v, int64_t rows,
+ * max_len, d] of floats, or of fp16 (IEEE half bits, read widened to fp32) when kv_half is
+ * nonzero. Returns 0, or -1 when a buffer could not be allocated. */
+int slotserve_attend(const float *q, const void *k, const void *v, int kv_half, int64_t rows,
                      const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
                      int64_t max_len, const int64_t *lens, float scale, float *out, int threads,
                      struct scratch *s);
 /* slotserve_attend with the blocks of a prefill chunk's rows in bf16 (queries, keys, values and
  * probabilities rounded to bf16, sums in fp32) where the CPU has AVX512_BF16; fp32 elsewhere. */
-int slotserve_attend_bf16(const float *q, const float *k, const float *v, int64_t rows,
+int slotserve_attend_bf16(const float *q, const void *k, const void *v, int kv_half, int64_t rows,
                           const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d,
                           int64_t max_len, const int64_t *lens, float scale, float *out,
                           int threads, struct scratch *s);
 /* slotserve_attend with row r reading cache row r. */
-int slotserve_decode_attention(const float *q, const float *k, const float *v, int64_t rows,
-                               int64_t kv_heads, int64_t group, int64_t d, int64_t max_len,
-                               const int64_t *lens, float scale, float *out, int threads,
-                               struct scratch *s);
+int slotserve_decode_attention(const float *q, const void *k, const void *v, int kv_half,
+                               int64_t rows, int64_t kv_heads, int64_t group, int64_t d,
+                               int64_t max_len, const int64_t *lens, float scale, float *out,
+                               int threads, struct scratch *s);
 
 /* ---- a whole decode step (llama_step.c) ---- */
 int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, const float *cos,

@@ -13,5 +13,6 @@
 #include "bf16_avx512.c"
 #include "attention_block.c"
 #include "attention_bf16.c"
+#include "kv_half.c"
 #include "attention.c"
 #include "llama_step.c"

@@ -34,8 +34,8 @@ struct step_layer {
     const float *bias[PRODUCTS];      /* NULL: none */
     const float *input_norm;          /* [hidden] */
     const float *post_attention_norm; /* [hidden] */
-    float *k_cache;                   /* [slots, kv_heads, max_len, head_dim] */
-    float *v_cache;
+    void *k_cache;                    /* [slots, kv_heads, max_len, head_dim]: float, or */
+    void *v_cache;                    /* fp16 bits when step_model.kv_half */
 };
 
 struct step_model {
@@ -48,6 +48,8 @@ struct step_model {
     int64_t wide_rows;
     /* Nonzero: prefill blocks of attention in bf16 (a step whose products are bf16). */
     int64_t bf16_attention;
+    /* Nonzero: the caches hold fp16 (kv_half.c). */
+    int64_t kv_half;
 };
 
 static void rms_norm_c(const float *x, const float *weight, int64_t n, float eps, float *out) {
@@ -200,15 +202,15 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
                 rope(row + nq + h * d, c, s, d);
                 const int64_t at =
                     ((slots[i] * model->kv_heads + h) * model->max_len + positions[i]) * d;
-                memcpy(layer->k_cache + at, row + nq + h * d, sizeof(float) * (size_t)d);
-                memcpy(layer->v_cache + at, row + nq + nkv + h * d, sizeof(float) * (size_t)d);
+                kv_store(layer->k_cache, at, row + nq + h * d, d, (int)model->kv_half);
+                kv_store(layer->v_cache, at, row + nq + nkv + h * d, d, (int)model->kv_half);
             }
             /* Query heads are laid out [kv_heads, group, d]: head h uses kv head h / group. */
             memcpy(query + i * nq, row, sizeof(float) * (size_t)nq);
         }
-        if (attend_rows(query, layer->k_cache, layer->v_cache, m, slots, model->kv_heads, group, d,
-                        model->max_len, lens, model->scale, attended, threads, s,
-                        (int)model->bf16_attention))
+        if (attend_rows(query, layer->k_cache, layer->v_cache, (int)model->kv_half, m, slots,
+                        model->kv_heads, group, d, model->max_len, lens, model->scale, attended,
+                        threads, s, (int)model->bf16_attention))
             goto done;
         if (product(model, l, O, attended, m, nq, hidden, narrow, threads, s)) goto done;
 #pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)

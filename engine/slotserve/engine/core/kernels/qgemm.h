@@ -32,10 +32,25 @@ void dot_panel_avx512(const float *x, int64_t m, int64_t k, const float *w, floa
                       const float *next);
 
 /* attention.c: slotserve_attend, with prefill blocks in bf16 when `bf16` (and the CPU has
- * AVX512_BF16): what a bf16 step of llama_step.c calls. */
-int attend_rows(const float *q, const float *k, const float *v, int64_t rows, const int64_t *slots,
-                int64_t kv_heads, int64_t group, int64_t d, int64_t max_len, const int64_t *lens,
-                float scale, float *out, int threads, struct scratch *s, int bf16);
+ * AVX512_BF16): what a bf16 step of llama_step.c calls. k and v: float, or fp16 bits when
+ * `kv_half`. */
+int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64_t rows,
+                const int64_t *slots, int64_t kv_heads, int64_t group, int64_t d, int64_t max_len,
+                const int64_t *lens, float scale, float *out, int threads, struct scratch *s,
+                int bf16);
+
+/* kv_half.c: the fp16 KV cache. half_bits: fp16 bits of f, nearest even, saturating at +-65504
+ * (NaN stays NaN); half_value: the float an fp16 holds. kv_store: n floats into the cache at
+ * element `at` (fp16 when `half`, else as they are); kv_widen: n fp16 values to floats.
+ * decode_head_half512 (AVX-512, d % 16 == 0): attention.c's decode head over fp16 keys and
+ * values, scores[group * len] its work. */
+uint16_t half_bits(float f);
+float half_value(uint16_t h);
+void kv_store(void *cache, int64_t at, const float *src, int64_t n, int half);
+void kv_widen(const uint16_t *src, int64_t n, float *dst);
+void decode_head_half512(const float *query, const uint16_t *keys, const uint16_t *values,
+                         int64_t len, int64_t d, int64_t group, float scale, float *scores,
+                         float *dst, void (*softmax)(float *, int64_t));
 
 /* attention_block.c: one block of a chunk's rows for one kv head, 512 bits wide when `avx512`
  * (d % 16 == 0), else AVX2 (d % 8 == 0); `work` holds attention_block_work(d, the block's last

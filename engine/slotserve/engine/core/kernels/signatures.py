@@ -31,15 +31,15 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "slotserve_gemm_bf16": (INT, [PTR, I64, I64, PTR, I64, PTR, INT, SCRATCH]),
     "slotserve_attend": (
         INT,
-        [PTR, PTR, PTR, I64, PTR, I64, I64, I64, I64, PTR, F32, PTR, INT, SCRATCH],
+        [PTR, PTR, PTR, INT, I64, PTR, I64, I64, I64, I64, PTR, F32, PTR, INT, SCRATCH],
     ),
     "slotserve_attend_bf16": (
         INT,
-        [PTR, PTR, PTR, I64, PTR, I64, I64, I64, I64, PTR, F32, PTR, INT, SCRATCH],
+        [PTR, PTR, PTR, INT, I64, PTR, I64, I64, I64, I64, PTR, F32, PTR, INT, SCRATCH],
     ),
     "slotserve_decode_attention": (
         INT,
-        [PTR, PTR, PTR, I64, I64, I64, I64, I64, PTR, F32, PTR, INT, SCRATCH],
+        [PTR, PTR, PTR, INT, I64, I64, I64, I64, I64, PTR, F32, PTR, INT, SCRATCH],
     ),
     "slotserve_llama_step": (INT, [PTR, I64, PTR, PTR, PTR, PTR, PTR, INT, SCRATCH]),
 }

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from slotserve.engine.core.kernels import NativeKernels
+from slotserve.engine.core.model.kv_dtype import to_cache
 
 ATTN_IMPLEMENTATION = "slotserve_slots"
 
@@ -83,8 +84,12 @@ def slot_attention(
     layer = module.layer_idx
     k_cache, v_cache = slot_step.k_cache[layer], slot_step.v_cache[layer]
     # key/value: [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim] rows of the cache.
-    k_cache[slot_step.write_slots, :, slot_step.write_positions] = key[0].transpose(0, 1)
-    v_cache[slot_step.write_slots, :, slot_step.write_positions] = value[0].transpose(0, 1)
+    k_cache[slot_step.write_slots, :, slot_step.write_positions] = to_cache(
+        key[0].transpose(0, 1), k_cache
+    )
+    v_cache[slot_step.write_slots, :, slot_step.write_positions] = to_cache(
+        value[0].transpose(0, 1), v_cache
+    )
 
     num_heads, head_dim = query.shape[1], query.shape[3]
     num_kv_heads = key.shape[1]
@@ -107,8 +112,8 @@ def slot_attention(
         else:
             attn = _decode_attention(
                 q_rows,
-                k_cache[:rows, :, :kv_len],
-                v_cache[:rows, :, :kv_len],
+                k_cache[:rows, :, :kv_len].to(q.dtype),
+                v_cache[:rows, :, :kv_len].to(q.dtype),
                 slot_step.decode_mask,
                 scale,
             )
@@ -120,8 +125,9 @@ def slot_attention(
         n = chunk.num_tokens
         q_chunk = q[:, chunk.token_start : chunk.token_start + n, :]  # [H, n, D]
         q_fold = q_chunk.reshape(num_kv_heads, group * n, head_dim).unsqueeze(0)
-        k = k_cache[chunk.slot : chunk.slot + 1, :, : chunk.kv_len]
-        v = v_cache[chunk.slot : chunk.slot + 1, :, : chunk.kv_len]
+        # An fp16 cache (kv_dtype.py) is widened here: a copy of the chunk's span per layer.
+        k = k_cache[chunk.slot : chunk.slot + 1, :, : chunk.kv_len].to(q.dtype)
+        v = v_cache[chunk.slot : chunk.slot + 1, :, : chunk.kv_len].to(q.dtype)
         if chunk.mask is None:
             # Whole prompt from position 0; folded rows are (head-in-group, token): plain causal
             # does not apply across the fold, so expand the heads instead (prefill is rare).

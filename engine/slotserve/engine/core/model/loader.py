@@ -28,6 +28,7 @@ from slotserve.engine.core.memory import (
 )
 from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.core.model.calibration import CalibrationCache
+from slotserve.engine.core.model.kv_dtype import kv_dtype_record, pick_kv_dtype
 from slotserve.engine.core.model.prepare import is_static, prepare_model
 from slotserve.engine.core.model.quantize import check_device
 from slotserve.engine.core.model.runner import ModelRunner, ModelShape, check_window
@@ -197,6 +198,9 @@ def build_runner(
         else find_kernels(device, dtype, home, quantization=settings.quantization)
     )
     model, tokenizer = load_model(source, device, dtype)
+    kv_dtype = pick_kv_dtype(
+        settings.kv_cache_dtype, model_dtype=dtype, kernels=kernels, static=static
+    )
     if static:
         fuse_before_sizing(model)  # the free memory read below is then what stays free
     shape = ModelShape.from_config(model.config)
@@ -231,7 +235,7 @@ def build_runner(
     size = size_kv_cache(
         max_batch_size=settings.max_batch_size,
         max_model_len=max_model_len,
-        bytes_per_token=shape.kv_bytes_per_token(dtype),
+        bytes_per_token=shape.kv_bytes_per_token(kv_dtype),
         budget_bytes=budget,
         kv_cache_tokens=settings.kv_cache_tokens,
     )
@@ -239,7 +243,7 @@ def build_runner(
         problem = spare_rows_problem(
             num_rows=num_rows,
             max_model_len=max_model_len,
-            bytes_per_token=shape.kv_bytes_per_token(dtype),
+            bytes_per_token=shape.kv_bytes_per_token(kv_dtype),
             budget_bytes=budget,
         )
         if problem is not None:
@@ -267,8 +271,10 @@ def build_runner(
         prefill_dtype=settings.prefill_dtype,
         decode_dtype=settings.decode_dtype,
     )
+    prepared.calibrations.append(kv_dtype_record(kv_dtype, settings.kv_cache_dtype))
     runner = ModelRunner(
         prepared,
+        kv_dtype=kv_dtype,
         num_slots=num_rows,
         max_rows=size.num_slots,
         max_model_len=max_model_len,

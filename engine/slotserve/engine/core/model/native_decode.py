@@ -91,6 +91,7 @@ class StepModel(ctypes.Structure):
         ("wide", WideProduct),
         ("wide_rows", ctypes.c_int64),
         ("bf16_attention", ctypes.c_int64),
+        ("kv_half", ctypes.c_int64),
     ]
 
 
@@ -105,6 +106,13 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 def _fp32(tensor: torch.Tensor, what: str) -> torch.Tensor:
     if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise NotSupported(f"{what} is not a contiguous float32 CPU tensor")
+    return tensor
+
+
+def _cache(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """A cache layer the C code reads and writes in place: fp32, or fp16 (kv_half.c)."""
+    if tensor.dtype not in (torch.float32, torch.float16) or not tensor.is_contiguous():
+        raise NotSupported(f"{what} is not a contiguous fp32 or fp16 CPU tensor")
     return tensor
 
 
@@ -187,8 +195,8 @@ class NativeDecodeStep:
             entry.post_attention_norm = _fp32(
                 layer.post_attention_layernorm.weight, "a norm weight"
             ).data_ptr()
-            entry.k_cache = _fp32(k_cache[index], "the key cache").data_ptr()
-            entry.v_cache = _fp32(v_cache[index], "the value cache").data_ptr()
+            entry.k_cache = _cache(k_cache[index], "the key cache").data_ptr()
+            entry.v_cache = _cache(v_cache[index], "the value cache").data_ptr()
             scales.add(float(attention.scaling))
         if {type(norm).__name__ for norm in norms} - NORM_CLASSES:
             raise NotSupported("a norm is not an RMSNorm")
@@ -207,6 +215,7 @@ class NativeDecodeStep:
             scale=scales.pop(),
             final_norm=_fp32(decoder.norm.weight, "the final norm weight").data_ptr(),
             layers=layers,
+            kv_half=int(k_cache[0].dtype == torch.float16),
         )
         self._layers = layers  # the struct points into it
         # The same layers on the packed bf16 weights (use_packed_bf16), for steps with the gate

@@ -97,17 +97,20 @@ class ModelRunner:
         max_rows: int | None = None,
         static_warm_up: bool = True,
         overlap_steps: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """``num_slots`` KV rows of ``max_model_len`` positions on ``prepared``'s device, of
         which at most ``max_rows`` (default all) decode in one step: rows beyond are prefix
         cache (``prefix_cache_rows``);
         ``overlap_steps``: the engine launches static steps before collecting the previous
         one's; ``static_warm_up``: compile the static step's buckets now (benchmarks compile
-        the one they use)."""
+        the one they use); ``kv_dtype``: the cache's (default the weights'; float16 only where
+        the native kernels run, kv_dtype.py)."""
         model = prepared.model
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = kv_dtype or self.dtype
         self.shape = ModelShape.from_config(model.config)
         check_window(model.config, max_model_len)
         self.num_slots = num_slots
@@ -181,7 +184,7 @@ class ModelRunner:
             self._num_finite[row] = target
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        return torch.empty(shape, dtype=self.kv_dtype, device=self.device)
 
     @torch.inference_mode()
     def copy_prefixes(self, copies: Seq[SlotCopy]) -> None:
