@@ -17,6 +17,7 @@ decode runs; and logits over the vocabulary (49,152 for SmolLM2) are held for on
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -93,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         help="also score a slotserve engine with these product dtypes (prefill and decode), "
         "--step and --prefill-step tokens a step: the engine's own kernels, bf16 ones included",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        choices=["float32", "float16"],
+        default=["float32"],
+        help="each --engine dtype with each of these KV caches (float16: the default where the "
+        "native kernels run)",
+    )
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--step", type=int, default=STEP, help="tokens per forward call")
@@ -123,16 +132,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"  bf16-prefill: {args.prefill_step} tokens a call, loaded in {seconds:.1f} s")
         del candidate
-    for dtype in args.engine:
-        for label, step in (("", args.step), ("-prefill", args.prefill_step)):
-            reference_scores = (
-                ref_scores if step == args.step else score(reference, token_ids, window, step)
-            )
-            engine, seconds = load_engine(str(source), dtype, window, step)
-            mode = f"engine-{'bf16' if dtype == 'bfloat16' else 'fp32'}{label}"
-            rows[mode] = compare(reference_scores, engine_score(engine, token_ids, window, step))
-            print(f"  {mode}: {step} tokens a step, loaded in {seconds:.1f} s")
-            del engine
+    prefill_scores = score(reference, token_ids, window, args.prefill_step) if args.engine else None
+    for dtype, kv, (label, step) in itertools.product(
+        args.engine, args.kv_cache_dtype, (("", args.step), ("-prefill", args.prefill_step))
+    ):
+        reference_scores = ref_scores if step == args.step else prefill_scores
+        assert reference_scores is not None
+        engine, seconds = load_engine(str(source), dtype, window, step, kv)
+        kv_label = "-kv16" if kv == "float16" else ""
+        mode = f"engine-{'bf16' if dtype == 'bfloat16' else 'fp32'}{kv_label}{label}"
+        rows[mode] = compare(reference_scores, engine_score(engine, token_ids, window, step))
+        print(f"  {mode}: {step} tokens a step, loaded in {seconds:.1f} s")
+        del engine
     Console(width=120).print(quality_table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"model": args.model, "text": str(args.text), "quality": rows}

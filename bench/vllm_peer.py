@@ -97,10 +97,14 @@ SERVERS = {
         "slotserve fp32 prefill", "slotserve", flags=("--prefill-dtype", "float32")
     ),
     "slotserve-int4": ServerSpec("slotserve int4", "slotserve", flags=("--quantization", "int4")),
+    # The KV cache as it was before fp16 became the default where the native kernels run.
+    "slotserve-kv32": ServerSpec(
+        "slotserve fp32 KV", "slotserve", flags=("--kv-cache-dtype", "float32")
+    ),
 }
 # vLLM in fp32 only when asked (`--servers vllm-fp32 slotserve`): slower than its bf16 where the
 # CPU has bf16 units, and another ~2 minutes of start-up.
-DEFAULT_SERVERS = [name for name in SERVERS if name != "vllm-fp32"]
+DEFAULT_SERVERS = [name for name in SERVERS if name not in ("vllm-fp32", "slotserve-kv32")]
 
 
 def default_venv() -> Path:
@@ -283,7 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2", help="name or local folder")
     parser.add_argument(
         "--servers", nargs="+", choices=list(SERVERS), default=DEFAULT_SERVERS, metavar="SERVER",
-        help=f"any of {', '.join(SERVERS)} (default: all but vllm-fp32, in that order)",
+        help=f"any of {', '.join(SERVERS)} (default: all but vllm-fp32 and slotserve-kv32, in that order)",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: C = 1, 8; ~170 tokens")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
