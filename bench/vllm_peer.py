@@ -285,9 +285,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--venv", type=Path, default=None, help="default: $SLOTSERVE_HOME/vllm-venv"
     )
     parser.add_argument("--model", default="smollm2", help="name or local folder")
+    by_name = ", ".join(name for name in SERVERS if name not in DEFAULT_SERVERS)
     parser.add_argument(
         "--servers", nargs="+", choices=list(SERVERS), default=DEFAULT_SERVERS, metavar="SERVER",
-        help=f"any of {', '.join(SERVERS)} (default: all but vllm-fp32 and slotserve-kv32, in that order)",
+        help=f"any of {', '.join(SERVERS)} (default: all in order but {by_name})",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: C = 1, 8; ~170 tokens")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
