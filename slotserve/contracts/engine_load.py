@@ -47,3 +47,6 @@ class EngineLoadReport(BaseModel):
     )
     # Choices made at load (e.g. linear_backend) and what each cost; for people, not gateways.
     calibrations: list[dict[str, object]] = Field(default_factory=list)
+    kv_cache_dtype: str = Field(
+        "", description="What the KV cache stores keys and values in; empty from older engines."
+    )

@@ -371,6 +371,7 @@ class LLMEngine:
             prefix_cache_queries_total=self.kv_cache.num_prefix_query_tokens,
             prefix_cache_hits_total=self.kv_cache.num_prefix_hit_tokens,
             calibrations=tuple(self.runner.calibrations),
+            kv_cache_dtype=self.runner.kv_cache_dtype,
             row_request_ids=(
                 ()
                 if self.kv_cache.prefix_cache is None

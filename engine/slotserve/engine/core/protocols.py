@@ -106,6 +106,11 @@ class Runner(Launcher, Protocol):
     @property
     def calibrations(self) -> Sequence[CalibrationRecord]: ...
 
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What the KV cache stores keys and values in (``float16``, ``float32``, ...)."""
+        ...
+
     def copy_prefixes(self, copies: Sequence[SlotCopy]) -> None: ...
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[int | SequenceError]:

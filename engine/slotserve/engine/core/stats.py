@@ -82,6 +82,8 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
     # What was calibrated at load (measured, or read from the calibration cache), and its cost.
     calibrations: tuple[CalibrationRecord, ...] = ()
+    # What the KV cache stores keys and values in (kv_cache_dtype, as chosen at load).
+    kv_cache_dtype: str = ""
     # Per slot row, the request whose tokens it holds for reuse (prefix caching; None: none).
     row_request_ids: tuple[str | None, ...] = ()
     # KV rows: the slots, and the spare rows of prefix_cache_rows beyond them (0: not reported).

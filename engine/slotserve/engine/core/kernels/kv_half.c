@@ -160,26 +160,17 @@ head_pass(const float *query, const uint16_t *keys, const uint16_t *values, int6
     for (; j < d; j += 16) values_pass(scores, values, len, d, j, dst, heads, 1);
 }
 
-KV_AVX512 static void head_pass_1(const float *q, const uint16_t *k, const uint16_t *v, int64_t len,
-                                  int64_t d, float scale, float *sc, float *dst,
-                                  void (*softmax)(float *, int64_t)) {
-    head_pass(q, k, v, len, d, scale, sc, dst, softmax, 1);
-}
-KV_AVX512 static void head_pass_2(const float *q, const uint16_t *k, const uint16_t *v, int64_t len,
-                                  int64_t d, float scale, float *sc, float *dst,
-                                  void (*softmax)(float *, int64_t)) {
-    head_pass(q, k, v, len, d, scale, sc, dst, softmax, 2);
-}
-KV_AVX512 static void head_pass_3(const float *q, const uint16_t *k, const uint16_t *v, int64_t len,
-                                  int64_t d, float scale, float *sc, float *dst,
-                                  void (*softmax)(float *, int64_t)) {
-    head_pass(q, k, v, len, d, scale, sc, dst, softmax, 3);
-}
-KV_AVX512 static void head_pass_4(const float *q, const uint16_t *k, const uint16_t *v, int64_t len,
-                                  int64_t d, float scale, float *sc, float *dst,
-                                  void (*softmax)(float *, int64_t)) {
-    head_pass(q, k, v, len, d, scale, sc, dst, softmax, 4);
-}
+/* head_pass for a count of heads known when compiled (its accumulators stay in registers). */
+#define HEAD_PASS_OF(heads)                                                                        \
+    KV_AVX512 static void head_pass_##heads(const float *q, const uint16_t *k, const uint16_t *v,  \
+                                            int64_t len, int64_t d, float scale, float *sc,        \
+                                            float *dst, void (*softmax)(float *, int64_t)) {       \
+        head_pass(q, k, v, len, d, scale, sc, dst, softmax, heads);                                \
+    }
+HEAD_PASS_OF(1)
+HEAD_PASS_OF(2)
+HEAD_PASS_OF(3)
+HEAD_PASS_OF(4)
 
 void decode_head_half512(const float *query, const uint16_t *keys, const uint16_t *values,
                          int64_t len, int64_t d, int64_t group, float scale, float *scores,

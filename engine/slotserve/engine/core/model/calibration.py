@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 # "built": made at load rather than chosen (the native kernels compiled, weights quantized);
 # "rule": the CPU-feature rule decided (the measurements disagreed, waited for a CPU, or
 # contradicted the rule without being confirmed).
-CalibrationSource = Literal["measured", "cached", "built", "rule", "asked"]
+CalibrationSource = Literal["measured", "cached", "built", "rule"]
 
 # A trial whose threads spent more than this share of their time waiting for a CPU (runnable,
 # not running) measured the neighbours as much as the candidates.

@@ -18,12 +18,16 @@ import torch
 
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.core.kernels import NativeKernels
-from slotserve.engine.core.model.calibration import CalibrationRecord
 from slotserve.engine.settings import KVCacheDType
 
 # fp16's largest finite value: keys and values beyond it are stored as +-HALF_MAX (kv_half.c),
 # not inf, which would turn every score of their row into NaN.
 HALF_MAX = 65504.0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float16`` for ``torch.float16``: how settings, logs and ``/load`` spell a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 def pick_kv_dtype(
@@ -46,15 +50,9 @@ def pick_kv_dtype(
     why = (
         "the native CPU kernels (fp32 weights, the classic decode step, a C compiler)"
         if chosen == torch.float16
-        else f"weights of that dtype (these are {str(model_dtype).removeprefix('torch.')})"
+        else f"weights of that dtype (these are {dtype_name(model_dtype)})"
     )
     raise UnsupportedSettingError(f"kv_cache_dtype {wanted} needs {why}")
-
-
-def kv_dtype_record(dtype: torch.dtype, wanted: KVCacheDType) -> CalibrationRecord:
-    """The choice as the load log and ``/load`` report the engine's other choices."""
-    name = str(dtype).removeprefix("torch.")
-    return CalibrationRecord("kv_cache_dtype", name, "rule" if wanted == "auto" else "asked", 0.0)
 
 
 def to_cache(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from slotserve.engine.core.memory import (
 )
 from slotserve.engine.core.memory import available_memory_bytes as host_available_memory_bytes
 from slotserve.engine.core.model.calibration import CalibrationCache
-from slotserve.engine.core.model.kv_dtype import kv_dtype_record, pick_kv_dtype
+from slotserve.engine.core.model.kv_dtype import pick_kv_dtype
 from slotserve.engine.core.model.prepare import is_static, prepare_model
 from slotserve.engine.core.model.quantize import check_device
 from slotserve.engine.core.model.runner import ModelRunner, ModelShape, check_window
@@ -271,7 +271,6 @@ def build_runner(
         prefill_dtype=settings.prefill_dtype,
         decode_dtype=settings.decode_dtype,
     )
-    prepared.calibrations.append(kv_dtype_record(kv_dtype, settings.kv_cache_dtype))
     runner = ModelRunner(
         prepared,
         kv_dtype=kv_dtype,
@@ -314,7 +313,7 @@ def _log_load(
         )
     logger.info(
         "loaded %s on %s/%s in %.1f s (%d calibrations, %.2f s): %d slots, %d KV rows"
-        " (prefix_cache_rows) x %d positions, KV budget %d tokens",
+        " (prefix_cache_rows) x %d positions, KV budget %d tokens, KV cache in %s",
         source,
         device,
         dtype,
@@ -325,4 +324,5 @@ def _log_load(
         runner.num_slots,
         runner.max_model_len,
         kv_tokens,
+        runner.kv_cache_dtype,
     )

@@ -22,6 +22,7 @@ from slotserve.engine.core.generation_defaults import eos_token_ids
 from slotserve.engine.core.logprobs import SampledLogprobs
 from slotserve.engine.core.model.attention import SlotStep
 from slotserve.engine.core.model.calibration import CalibrationRecord
+from slotserve.engine.core.model.kv_dtype import dtype_name
 from slotserve.engine.core.model.prepare import PreparedModel
 from slotserve.engine.core.model.prompt_logprobs import record_prompt_logprobs
 from slotserve.engine.core.model.sampling import Sampler
@@ -111,6 +112,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_dtype or self.dtype
+        self.kv_cache_dtype = dtype_name(self.kv_dtype)  # as /load reports it
         self.shape = ModelShape.from_config(model.config)
         check_window(model.config, max_model_len)
         self.num_slots = num_slots
