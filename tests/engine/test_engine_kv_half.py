@@ -27,6 +27,7 @@ from tests.engine.engine_core_support import (
     model_runner,
     run_staggered,
 )
+from tests.engine.test_engine_quantize import run_engine
 
 TEXT = Path(__file__).parents[2] / "bench" / "data" / "quality_text.txt"
 
@@ -243,3 +244,19 @@ def test_the_engine_reports_its_cache_dtype_and_sizes_the_cache_by_it(sharp_dir,
         assert engine.stats().kv_cache_dtype == dtype  # what /load reports
         slots[dtype] = engine.kv_cache.num_slots
     assert slots == {"float32": 2, "float16": 5}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kv-cache-dtype", "float16", "--dtype", "bfloat16"], "needs the native CPU kernels"),
+        (["--kv-cache-dtype", "float32", "--dtype", "bfloat16"], "needs weights of that dtype"),
+    ],
+    ids=["fp16-without-kernels", "fp32-under-bf16-weights"],
+)
+def test_a_cache_dtype_the_load_cannot_run_exits_2_with_one_line(tiny_model_dir, args, message):
+    done = run_engine(["--model", str(tiny_model_dir), *args], {})
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if "cannot start" in line]
+    assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr

@@ -197,10 +197,11 @@ def build_runner(
         if static and settings.quantization == "none"
         else find_kernels(device, dtype, home, quantization=settings.quantization)
     )
-    model, tokenizer = load_model(source, device, dtype)
+    # Before the model loads: a cache dtype this load cannot run is refused at once.
     kv_dtype = pick_kv_dtype(
         settings.kv_cache_dtype, model_dtype=dtype, kernels=kernels, static=static
     )
+    model, tokenizer = load_model(source, device, dtype)
     if static:
         fuse_before_sizing(model)  # the free memory read below is then what stays free
     shape = ModelShape.from_config(model.config)
