@@ -49,7 +49,9 @@ TORCH_SOURCE = re.compile(r"^(Processing|Downloading|Using cached|Collecting) \S
 TEXT = Path(__file__).with_name("data") / "quality_text.txt"
 STARTUP_LOG = {
     "vllm": re.compile(r"Torch threads|OMP threads|KV cache size|init engine|ISA|AMX|thread_bind"),
-    "slotserve": re.compile(r"native kernels|prefill products|calibrated at load|quantiz|natively"),
+    "slotserve": re.compile(
+        r"native kernels|prefill products|calibrated at load|quantiz|natively|KV cache in"
+    ),
 }
 SETTINGS = (
     "concurrency", "prompt_tokens", "new_tokens", "requests_per_client", "race_prompts",
