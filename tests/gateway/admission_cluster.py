@@ -78,8 +78,10 @@ class Cluster:
 
 @pytest.fixture(params=["memory", "redis"])
 async def cluster(request):
+    """A cluster over each backend; a test module may set ``CLUSTER_LEASE_TTL_S`` for its own."""
     redis_url = request.getfixturevalue("redis_server").url if request.param == "redis" else None
-    cl = Cluster(request.param, redis_url)
+    ttl = getattr(request.module, "CLUSTER_LEASE_TTL_S", LEASE_TTL_S)
+    cl = Cluster(request.param, redis_url, lease_ttl_s=ttl)
     try:
         yield cl
     finally:

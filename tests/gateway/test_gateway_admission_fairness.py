@@ -20,7 +20,7 @@ import pytest
 
 from slotserve.gateway.admission.front import Admission, Lease
 from slotserve.gateway.admission.types import PoolPolicy
-from tests.gateway.admission_cluster import Cluster, waiting_count
+from tests.gateway.admission_cluster import waiting_count
 
 A_WAITING, B_WAITING = 20, 2  # A offers ten times what B does
 NUM_GRANTS = 24
@@ -29,18 +29,8 @@ NUM_GRANTS = 24
 # granted early. With six test workers on two slow cores a stall past the clusters' usual 1 s
 # happened once (a fresh clone's make test on a Zen 3). These count the fair order, not liveness
 # (test_gateway_admission.py and test_gateway_redis_faults.py do): 3 s, three times the TTL that
-# stall outlasted.
-STALL_PROOF_TTL_S = 3.0
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def cluster(request):
-    redis_url = request.getfixturevalue("redis_server").url if request.param == "redis" else None
-    cl = Cluster(request.param, redis_url, lease_ttl_s=STALL_PROOF_TTL_S)
-    try:
-        yield cl
-    finally:
-        await cl.close()
+# stall outlasted (read by admission_cluster's `cluster` fixture).
+CLUSTER_LEASE_TTL_S = 3.0
 
 
 async def _until(check: Callable[[], bool], what: str) -> None:
@@ -83,6 +73,7 @@ class Tenants:
 
 @pytest.mark.parametrize(("weight_a", "weight_b"), [(1, 1), (1, 3)])
 async def test_a_flooding_tenant_leaves_the_other_its_weighted_share(cluster, weight_a, weight_b):
+    assert cluster.lease_ttl_s == CLUSTER_LEASE_TTL_S  # the fixture read this module's TTL
     pool = cluster.serve(
         PoolPolicy("m", max_queue_size=256, queue_timeout_s=60, preempt_for_share=False),
         ("http://a", 2, 0.0),
