@@ -160,6 +160,10 @@ head_pass(const float *query, const uint16_t *keys, const uint16_t *values, int6
     for (; j < d; j += 16) values_pass(scores, values, len, d, j, dst, heads, 1);
 }
 
+typedef void (*head_pass_fn)(const float *q, const uint16_t *k, const uint16_t *v, int64_t len,
+                             int64_t d, float scale, float *sc, float *dst,
+                             void (*softmax)(float *, int64_t));
+
 /* head_pass for a count of heads known when compiled (its accumulators stay in registers). */
 #define HEAD_PASS_OF(heads)                                                                        \
     KV_AVX512 static void head_pass_##heads(const float *q, const uint16_t *k, const uint16_t *v,  \
@@ -175,23 +179,13 @@ HEAD_PASS_OF(4)
 void decode_head_half512(const float *query, const uint16_t *keys, const uint16_t *values,
                          int64_t len, int64_t d, int64_t group, float scale, float *scores,
                          float *dst, void (*softmax)(float *, int64_t)) {
+    /* By the number of heads in the pass, 1 .. HEAD_PASS. */
+    static const head_pass_fn passes[HEAD_PASS] = {head_pass_1, head_pass_2, head_pass_3,
+                                                   head_pass_4};
     for (int64_t g = 0; g < group; g += HEAD_PASS) {
-        const float *q = query + g * d;
-        float *sc = scores + g * len, *out = dst + g * d;
-        switch (group - g < HEAD_PASS ? group - g : HEAD_PASS) {
-        case 1:
-            head_pass_1(q, keys, values, len, d, scale, sc, out, softmax);
-            break;
-        case 2:
-            head_pass_2(q, keys, values, len, d, scale, sc, out, softmax);
-            break;
-        case 3:
-            head_pass_3(q, keys, values, len, d, scale, sc, out, softmax);
-            break;
-        default:
-            head_pass_4(q, keys, values, len, d, scale, sc, out, softmax);
-            break;
-        }
+        const int64_t heads = group - g < HEAD_PASS ? group - g : HEAD_PASS;
+        passes[heads - 1](query + g * d, keys, values, len, d, scale, scores + g * len, dst + g * d,
+                          softmax);
     }
 }
 #define HAVE_F16C_CODE 1

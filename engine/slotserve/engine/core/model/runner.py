@@ -112,7 +112,6 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_dtype or self.dtype
-        self.kv_cache_dtype = dtype_name(self.kv_dtype)  # as /load reports it
         self.shape = ModelShape.from_config(model.config)
         check_window(model.config, max_model_len)
         self.num_slots = num_slots
@@ -170,6 +169,11 @@ class ModelRunner:
                 self.static.warm_up(full=self.device.type == "cuda")
         # Per sampling chunk of the last step: its logprobs, for rows that asked (else None).
         self.last_logprobs: list[SampledLogprobs | None] = []
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The cache's dtype as ``/load`` and the load log spell it (``float16``, ...)."""
+        return dtype_name(self.kv_dtype)
 
     def _ensure_finite(self, rows: Iterable[int], kv_len: int) -> None:
         """Zero ``rows`` of the cache from their finite extent up to ``kv_len`` (rounded up to
