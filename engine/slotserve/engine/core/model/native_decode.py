@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slotserve.engine.core.kernels import NativeKernels
+from slotserve.engine.core.kernels import CACHE_DTYPES, NativeKernels
 from slotserve.engine.core.model.fusion import FusedGatedMLP, QKVPart
 from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear, onednn_bf16
 from slotserve.engine.core.model.native_rows_watch import STEP_OBSERVER
@@ -111,7 +111,11 @@ def _fp32(tensor: torch.Tensor, what: str) -> torch.Tensor:
 
 def _cache(tensor: torch.Tensor, what: str) -> torch.Tensor:
     """A cache layer the C code reads and writes in place: fp32, or fp16 (kv_half.c)."""
-    if tensor.dtype not in (torch.float32, torch.float16) or not tensor.is_contiguous():
+    if (
+        tensor.dtype not in CACHE_DTYPES
+        or not tensor.is_contiguous()
+        or tensor.device.type != "cpu"
+    ):
         raise NotSupported(f"{what} is not a contiguous fp32 or fp16 CPU tensor")
     return tensor
 
