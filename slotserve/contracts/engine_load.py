@@ -50,3 +50,8 @@ class EngineLoadReport(BaseModel):
     kv_cache_dtype: str = Field(
         "", description="What the KV cache stores keys and values in; empty from older engines."
     )
+    max_batched_tokens: int = Field(
+        0,
+        description="The per-step token budget in force (the setting, or the device's default: "
+        "1024 on CPU, 2048 on GPU); 0 from older engines.",
+    )

@@ -22,7 +22,13 @@ MAX_PRIORITY_LEVELS = 9  # x-slotserve-priority is 1 (first) .. 9
 DEFAULT_POLICY: BatchingPolicy = "continuous"
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS = 100
+# The per-step token budget of a pool that leaves it unset, by device. A GPU needs thousands of
+# rows a step to keep its products busy (DESIGN.md's 2,048). A CPU's products reach their rate at
+# a few hundred rows, and every prompt of a step gets its first token when the whole step ends,
+# so half the budget there halves time to first token under a burst at the same throughput
+# (docs/engine.md, "Step budget": measured against vLLM's CPU build).
 DEFAULT_MAX_BATCHED_TOKENS = 2048
+CPU_MAX_BATCHED_TOKENS = 1024
 
 Policy = Annotated[BatchingPolicy, Field(description="static | dynamic | continuous (default).")]
 MaxBatchSize = Annotated[
@@ -47,8 +53,19 @@ PreferredBatchSizes = Annotated[
 # a small batch one token each per step, so it is a typo, not a tuning. The engine took 1 before
 # and now refuses what the CRD refuses (the API does not loosen to match a looser copy).
 MaxBatchedTokens = Annotated[
-    int, Field(ge=16, le=1_048_576, description="Per-step token budget (chunked prefill).")
+    int,
+    Field(
+        ge=16,
+        le=1_048_576,
+        description="Per-step token budget (chunked prefill); unset: 1024 on CPU, 2048 on GPU.",
+    ),
 ]
+
+
+def default_max_batched_tokens(device_type: str) -> int:
+    """The step budget of an engine on ``device_type`` ("cpu", "cuda", "mps") when unset."""
+    return CPU_MAX_BATCHED_TOKENS if device_type == "cpu" else DEFAULT_MAX_BATCHED_TOKENS
+
 
 # Far more than any memory holds at a useful max_model_len; bounds the bookkeeping a typo asks for.
 MAX_PREFIX_CACHE_ROWS = 4096
@@ -88,7 +105,7 @@ class BatchingSpec(WireModel):
     max_batch_size: MaxBatchSize = DEFAULT_MAX_BATCH_SIZE
     max_queue_delay_microseconds: MaxQueueDelayMicroseconds = DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS
     preferred_batch_sizes: PreferredBatchSizes = Field(default_factory=list)
-    max_batched_tokens: MaxBatchedTokens = DEFAULT_MAX_BATCHED_TOKENS
+    max_batched_tokens: MaxBatchedTokens | None = None  # by device: default_max_batched_tokens
 
     @model_validator(mode="after")
     def _preferred_sizes_fit(self) -> BatchingSpec:

@@ -136,6 +136,7 @@ def test_model_list_and_slot_headers(client, engine):
         "prefix_keys": [],  # a one-character prompt fills no 512-character block
         "prefix_cache_rows": 2,  # one KV row per slot: no spare rows by default
         "kv_cache_dtype": "float32",  # the suite pins it (tests/conftest.py)
+        "max_batched_tokens": 1024,  # unset: a CPU's step budget
     }
     assert 0.0 <= load["kv_cache_usage"] <= 1.0
     # The completion above held a slot for a moment: the gateway's Retry-After reads this.

@@ -101,25 +101,27 @@ def test_preferred_batch_sizes_must_fit_the_slots_everywhere() -> None:
 
 def test_engine_scheduler_and_crd_start_from_the_same_defaults() -> None:
     spec, settings, config = BatchingSpec(), EngineSettings(), SchedulerConfig()
-    defaults = (
-        spec.policy,
-        spec.max_batch_size,
-        spec.max_batched_tokens,
-        spec.max_queue_delay_microseconds,
+    defaults = (spec.policy, spec.max_batch_size, spec.max_queue_delay_microseconds)
+    assert defaults == ("continuous", 32, 100)  # DESIGN.md's InferencePool sketch
+    assert (settings.policy, settings.max_batch_size, settings.max_queue_delay_microseconds) == (
+        defaults
     )
-    assert defaults == ("continuous", 32, 2048, 100)  # DESIGN.md's InferencePool sketch
-    assert (
-        settings.policy,
-        settings.max_batch_size,
-        settings.max_batched_tokens,
-        settings.max_queue_delay_microseconds,
-    ) == defaults
     assert (
         config.policy,
         config.max_batch_size,
-        config.max_batched_tokens,
         round(config.max_queue_delay_seconds * 1e6),
     ) == defaults
+    # The step budget is the device's unless set: DESIGN.md's 2,048 on a GPU, 1,024 on a CPU.
+    assert spec.max_batched_tokens is None and settings.max_batched_tokens is None
+    assert "default" not in crd_batching_schema()["properties"]["maxBatchedTokens"]
+    assert settings.step_token_budget("cuda") == config.max_batched_tokens == 2048
+    assert settings.step_token_budget("mps") == 2048
+    assert settings.step_token_budget("cpu") == 1024
+    assert EngineSettings(max_batched_tokens=4096).step_token_budget("cpu") == 4096
+    # Unset, the pod gets no flag: the engine decides on its device.
+    unset = engine_argv(EngineLaunch(model="m", served_model_name="m", batching=BatchingSpec()))
+    assert "--max-batched-tokens" not in unset
+    assert parse_engine_argv(unset).max_batched_tokens is None
 
 
 def parse_engine_argv(argv: list[str]) -> EngineSettings:

@@ -9,7 +9,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from slotserve.contracts.pool_spec import (
     DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_MAX_BATCHED_TOKENS,
     DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS,
     DEFAULT_POLICY,
     BatchingSpec,
@@ -19,6 +18,7 @@ from slotserve.contracts.pool_spec import (
     Policy,
     PreferredBatchSizes,
     PrefixCacheRows,
+    default_max_batched_tokens,
     preferred_sizes_fit,
     prefix_cache_rows_fit,
 )
@@ -52,7 +52,7 @@ class EngineSettings(BaseSettings):
     max_batch_size: MaxBatchSize = DEFAULT_MAX_BATCH_SIZE
     max_queue_delay_microseconds: MaxQueueDelayMicroseconds = DEFAULT_MAX_QUEUE_DELAY_MICROSECONDS
     preferred_batch_sizes: PreferredBatchSizes = Field(default_factory=list)
-    max_batched_tokens: MaxBatchedTokens = DEFAULT_MAX_BATCHED_TOKENS
+    max_batched_tokens: MaxBatchedTokens | None = None  # by device: step_token_budget
     max_model_len: int | None = Field(None, ge=2, description="Prompt + output tokens at most.")
     kv_cache_tokens: int | None = Field(None, ge=2, description="KV capacity in tokens.")
     kv_cache_memory_fraction: float = Field(0.5, gt=0.0, le=1.0)
@@ -154,6 +154,10 @@ class EngineSettings(BaseSettings):
     def num_kv_rows(self) -> int:
         """KV rows to allocate: ``prefix_cache_rows``, or one per slot when 0."""
         return max(self.prefix_cache_rows, self.max_batch_size)
+
+    def step_token_budget(self, device_type: str) -> int:
+        """``max_batched_tokens``, or the default for ``device_type`` when unset."""
+        return self.max_batched_tokens or default_max_batched_tokens(device_type)
 
     @classmethod
     def from_batching(cls, batching: BatchingSpec, **overrides: object) -> EngineSettings:

@@ -90,7 +90,7 @@ class LLMEngine:
         config = SchedulerConfig(
             policy=settings.policy,
             max_batch_size=num_slots,
-            max_batched_tokens=settings.max_batched_tokens,
+            max_batched_tokens=settings.step_token_budget(runner.device_type),
             max_queue_delay_seconds=settings.max_queue_delay_microseconds / 1e6,
             preferred_batch_sizes=tuple(settings.preferred_batch_sizes),
         )
@@ -372,6 +372,7 @@ class LLMEngine:
             prefix_cache_hits_total=self.kv_cache.num_prefix_hit_tokens,
             calibrations=tuple(self.runner.calibrations),
             kv_cache_dtype=self.runner.kv_cache_dtype,
+            max_batched_tokens=scheduler.config.max_batched_tokens,
             row_request_ids=(
                 ()
                 if self.kv_cache.prefix_cache is None

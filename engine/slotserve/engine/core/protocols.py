@@ -99,6 +99,11 @@ class Runner(Launcher, Protocol):
     def max_model_len(self) -> int: ...
 
     @property
+    def device_type(self) -> str:
+        """Where the model runs: ``cpu``, ``cuda`` or ``mps`` (device-dependent defaults)."""
+        ...
+
+    @property
     def overlap_steps(self) -> bool:
         """Whether the engine overlaps static decode steps (the runner then launches them)."""
         ...

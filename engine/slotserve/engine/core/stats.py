@@ -84,6 +84,8 @@ class EngineStats:
     calibrations: tuple[CalibrationRecord, ...] = ()
     # What the KV cache stores keys and values in (kv_cache_dtype, as chosen at load).
     kv_cache_dtype: str = ""
+    # The per-step token budget in force (max_batched_tokens, or the device's default).
+    max_batched_tokens: int = 0
     # Per slot row, the request whose tokens it holds for reuse (prefix caching; None: none).
     row_request_ids: tuple[str | None, ...] = ()
     # KV rows: the slots, and the spare rows of prefix_cache_rows beyond them (0: not reported).

@@ -254,6 +254,7 @@ async def _load(request: web.Request) -> web.Response:
         mean_request_seconds=round(state.metrics.mean_request_seconds, 6),
         calibrations=[record.as_dict() for record in stats.calibrations],
         kv_cache_dtype=stats.kv_cache_dtype,
+        max_batched_tokens=stats.max_batched_tokens,
         prefix_keys=state.prefix_rows.report(stats.row_request_ids),
         prefix_cache_rows=stats.num_kv_rows,
     )

@@ -228,7 +228,7 @@ def build_runner(
         headroom = headroom_bytes(
             model.config,
             dtype,
-            max_batched_tokens=settings.max_batched_tokens,
+            max_batched_tokens=settings.step_token_budget(device.type),
             max_model_len=max_model_len,
             num_slots=settings.max_batch_size,
         )
@@ -280,7 +280,9 @@ def build_runner(
         max_model_len=max_model_len,
         overlap_steps=pick_overlap_steps(settings.overlap_steps, decode_step, device),
     )
-    _log_load(runner, source, device, dtype, time.perf_counter() - load_start, size.num_tokens)
+    seconds = time.perf_counter() - load_start
+    step_tokens = settings.step_token_budget(device.type)
+    _log_load(runner, source, device, dtype, seconds, size.num_tokens, step_tokens)
     return runner, tokenizer, size.num_tokens
 
 
@@ -291,6 +293,7 @@ def _log_load(
     dtype: torch.dtype,
     seconds: float,
     kv_tokens: int,
+    step_tokens: int,
 ) -> None:
     if runner.static is not None:
         logger.info(
@@ -314,7 +317,8 @@ def _log_load(
         )
     logger.info(
         "loaded %s on %s/%s in %.1f s (%d calibrations, %.2f s): %d slots, %d KV rows"
-        " (prefix_cache_rows) x %d positions, KV budget %d tokens, KV cache in %s",
+        " (prefix_cache_rows) x %d positions, KV budget %d tokens, KV cache in %s,"
+        " %d-token steps",
         source,
         device,
         dtype,
@@ -326,4 +330,5 @@ def _log_load(
         runner.max_model_len,
         kv_tokens,
         runner.kv_cache_dtype,
+        step_tokens,
     )

@@ -175,6 +175,11 @@ class ModelRunner:
         """The cache's dtype as ``/load`` and the load log spell it (``float16``, ...)."""
         return dtype_name(self.kv_dtype)
 
+    @property
+    def device_type(self) -> str:
+        """``cpu``, ``cuda`` or ``mps``: where the model runs."""
+        return self.device.type
+
     def _ensure_finite(self, rows: Iterable[int], kv_len: int) -> None:
         """Zero ``rows`` of the cache from their finite extent up to ``kv_len`` (rounded up to
         a block). Invariant: past a row's extent nothing valid was ever written, so zeroing
