@@ -224,11 +224,12 @@ def build_runner(
         else available_memory_bytes(device, memory)
     )
     budget = settings.kv_cache_memory_fraction * available
+    step_tokens = settings.step_token_budget(device.type)
     if device.type == "cuda" and settings.kv_cache_tokens is None:
         headroom = headroom_bytes(
             model.config,
             dtype,
-            max_batched_tokens=settings.step_token_budget(device.type),
+            max_batched_tokens=step_tokens,
             max_model_len=max_model_len,
             num_slots=settings.max_batch_size,
         )
@@ -281,7 +282,6 @@ def build_runner(
         overlap_steps=pick_overlap_steps(settings.overlap_steps, decode_step, device),
     )
     seconds = time.perf_counter() - load_start
-    step_tokens = settings.step_token_budget(device.type)
     _log_load(runner, source, device, dtype, seconds, size.num_tokens, step_tokens)
     return runner, tokenizer, size.num_tokens
 
