@@ -45,6 +45,12 @@ class EngineLoadReport(BaseModel):
         description="The engine's KV rows: its slots, and any spare rows beyond them that keep "
         "finished prefixes for reuse (the engine's prefix_cache_rows); 0 from older engines.",
     )
+    prefix_rows_free: int = Field(
+        0,
+        description="KV rows that hold nothing yet, less the requests waiting for a slot: the "
+        "gateway sends a request whose prefix no engine holds where it evicts nobody's; 0 from "
+        "older engines.",
+    )
     # Choices made at load (e.g. linear_backend) and what each cost; for people, not gateways.
     calibrations: list[dict[str, object]] = Field(default_factory=list)
     kv_cache_dtype: str = Field(

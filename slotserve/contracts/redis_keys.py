@@ -222,6 +222,10 @@ class ScriptArgs:
         return "".join(lines)
 
 
+# The values of one offer in a dispatching script's ARGV: url, slots_total, load_score, rows_free.
+OFFER_ARGS = 4
+
+
 @dataclass(frozen=True)
 class DispatchArgs(ScriptArgs):
     """The first arguments of every dispatching script (the gateway's
@@ -229,8 +233,8 @@ class DispatchArgs(ScriptArgs):
 
     :meth:`argv` builds them and :meth:`lua_locals` binds each to a Lua local named after its
     field in capitals (numbers through ``tonumber``), so neither side counts positions by
-    hand. ``num_offers`` triples (url,
-    slots_total, load_score) follow, then each script's own arguments.
+    hand. ``num_offers`` offers of ``OFFER_ARGS`` values (url, slots_total, load_score,
+    rows_free) follow, then each script's own arguments.
     """
 
     prefix: str

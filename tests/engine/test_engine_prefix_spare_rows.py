@@ -181,7 +181,7 @@ def test_the_runner_holds_the_rows_and_decodes_the_slots(sharp_dir):
     assert engine.limits.num_slots == 2
 
 
-async def test_load_reports_the_keys_of_spare_rows(tiny_model_dir):
+async def test_load_reports_the_keys_and_the_empty_rows_of_spare_rows(tiny_model_dir):
     from slotserve.engine.core.async_engine import AsyncEngine
     from slotserve.engine.http.server import create_app
 
@@ -200,12 +200,16 @@ async def test_load_reports_the_keys_of_spare_rows(tiny_model_dir):
         await asyncio.wait_for(wait_ready(client), timeout=30)
         histories = [[{"role": "user", "content": f"Question {index}: name a colour."}]
                      for index in range(3)]  # fmt: skip
+        empty = [(await (await client.get("/load")).json())["prefix_rows_free"]]
         for history in histories:  # one slot: each finishes before the next starts
             resp = await client.post(
                 "/v1/chat/completions",
                 json={"model": "tiny", "messages": history, "max_tokens": 2, "temperature": 0},
             )
             assert resp.status == 200, await resp.text()
+            empty.append((await (await client.get("/load")).json())["prefix_rows_free"])
+        # Each conversation took an empty row (the gateway places new prefixes by this count).
+        assert empty == [3, 2, 1, 0]
         load = await (await client.get("/load")).json()
         assert (load["slots_total"], load["prefix_cache_rows"]) == (1, 3)
         keys = set(load["prefix_keys"])

@@ -137,8 +137,11 @@ def test_model_list_and_slot_headers(client, engine):
         "prefix_cache_rows": 2,  # one KV row per slot: no spare rows by default
         "kv_cache_dtype": "float32",  # the suite pins it (tests/conftest.py)
         "max_batched_tokens": 1024,  # unset: a CPU's step budget
+        "prefix_rows_free": load["prefix_rows_free"],
     }
     assert 0.0 <= load["kv_cache_usage"] <= 1.0
+    # The completion above left its tokens in a row: at most one of the two rows is empty.
+    assert 0 <= load["prefix_rows_free"] <= 1
     # The completion above held a slot for a moment: the gateway's Retry-After reads this.
     assert load["mean_request_seconds"] > 0
     # linear_backend=auto was decided at load (measured, or read from the calibration cache):

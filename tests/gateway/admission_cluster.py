@@ -41,10 +41,15 @@ class Cluster:
         self.pools: dict[str, PoolPolicy] = {}
         self.replicas: list[Admission] = []
 
-    def serve(self, pool: PoolPolicy, *endpoints: tuple[str, int, float]) -> PoolPolicy:
-        """Serve ``pool`` on endpoints given as (url, slots, engine load score)."""
+    def serve(
+        self, pool: PoolPolicy, *endpoints: tuple[str, int, float] | tuple[str, int, float, int]
+    ) -> PoolPolicy:
+        """Serve ``pool`` on endpoints given as (url, slots, engine load score[, empty rows])."""
         self.pools[pool.name] = pool
-        self.offers[pool.name] = [EndpointOffer(url, slots, load) for url, slots, load in endpoints]
+        self.offers[pool.name] = [
+            EndpointOffer(url, slots, load, rows_free=rows[0] if rows else 0)
+            for url, slots, load, *rows in endpoints
+        ]
         return pool
 
     async def replica(self) -> Admission:

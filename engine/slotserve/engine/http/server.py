@@ -257,6 +257,9 @@ async def _load(request: web.Request) -> web.Response:
         max_batched_tokens=stats.max_batched_tokens,
         prefix_keys=state.prefix_rows.report(stats.row_request_ids),
         prefix_cache_rows=stats.num_kv_rows,
+        prefix_rows_free=max(
+            0, sum(rid is None for rid in stats.row_request_ids) - stats.num_waiting
+        ),
     )
     return web.json_response(report.model_dump(mode="json"), headers=slot_headers(stats))
 

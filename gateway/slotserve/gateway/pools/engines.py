@@ -7,9 +7,9 @@ good report.
 
 Engines are untrusted input: a report longer than ``MAX_LOAD_REPORT_BYTES``, or with values no
 engine reports (slots outside 0..1024, a load that is not a finite number, NaN, more than 2,048
-prefix keys or one that is not 16 hex digits), makes the engine
-broken: offered to nobody for ``BROKEN_HOLD_S``, whatever it reports meanwhile; so does an
-answer or stream that breaks the proxy's limits (``mark_broken``).
+prefix keys or one that is not 16 hex digits, more empty rows than a prefix cache holds),
+makes the engine broken: offered to nobody for ``BROKEN_HOLD_S``, whatever it reports
+meanwhile; so does an answer or stream that breaks the proxy's limits (``mark_broken``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ import aiohttp
 from slotserve.contracts.engine_load import EngineLoadReport
 from slotserve.contracts.prefix_keys import deepest_match, is_key
 from slotserve.gateway.pools.config import PoolRegistry
-from slotserve.gateway.pools.routing import MAX_ROUTE_DEPTHS, EndpointOffer, load_score
+from slotserve.gateway.pools.routing import (
+    MAX_OFFER_ROWS,
+    MAX_ROUTE_DEPTHS,
+    EndpointOffer,
+    load_score,
+)
 
 log = logging.getLogger(__name__)
 FAILURES_BEFORE_DOWN = 2
@@ -58,6 +63,9 @@ def parse_load_report(data: bytes) -> EngineLoadReport:
     counts = (report.slots_total, report.running, report.waiting)
     if not 0 <= report.slots_total <= MAX_REPORTED_SLOTS or min(counts) < 0:
         raise BadReportError(f"slots_total {report.slots_total} (at most {MAX_REPORTED_SLOTS})")
+    if not 0 <= report.prefix_rows_free <= MAX_OFFER_ROWS:
+        rows = report.prefix_rows_free
+        raise BadReportError(f"prefix_rows_free {rows} (at most {MAX_OFFER_ROWS})")
     if not all(is_key(key) for key in report.prefix_keys):
         raise BadReportError("a prefix key that is not 16 hex digits")
     return report
@@ -79,6 +87,7 @@ class EngineLoad:
     broken_until: float = 0.0  # monotonic: broke the gateway's limits, offered to nobody
     # The prefix keys its slot rows hold (its last report): prefix-aware routing's index.
     prefix_keys: frozenset[str] = frozenset()
+    rows_free: int = 0  # KV rows holding nothing yet (its report's prefix_rows_free)
 
     @property
     def usable(self) -> bool:
@@ -127,7 +136,9 @@ class EngineMonitor:
                 score = load_score(
                     load.running, load.waiting, load.kv_cache_usage, load.slots_total
                 )
-                offers.append(EndpointOffer(url, load.slots_total, score, load.mean_request_s))
+                offers.append(
+                    EndpointOffer(url, load.slots_total, score, load.mean_request_s, load.rows_free)
+                )
         return offers
 
     def prefix_depths(self, model: str, keys: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
@@ -200,6 +211,7 @@ class EngineMonitor:
             load.draining = report.draining
             load.mean_request_s = max(0.0, report.mean_request_seconds)
             load.prefix_keys = frozenset(report.prefix_keys)
+            load.rows_free = report.prefix_rows_free
         except BadReportError as exc:
             if time.monotonic() >= load.broken_until:
                 log.warning("engine %s is broken: %s; marked down", url, exc)

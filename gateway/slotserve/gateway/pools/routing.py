@@ -12,10 +12,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from slotserve.contracts.pool_spec import MAX_PREFIX_CACHE_ROWS
 from slotserve.contracts.prefix_keys import MAX_PREFIX_KEYS
 
 # An engine's slots as offered: MaxBatchSize's bound (admission.types.MAX_ENGINE_SLOTS).
 MAX_OFFER_SLOTS = 1024
+# An engine's empty KV rows as offered: the prefix cache's bound (pool_spec.MAX_PREFIX_CACHE_ROWS).
+MAX_OFFER_ROWS = MAX_PREFIX_CACHE_ROWS
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class EndpointOffer:
     load_score: float
     # The engine's recent mean seconds a request holds a slot (its /load; 0: none finished).
     mean_request_s: float = 0.0
+    # KV rows that hold nothing yet, less the requests waiting there for a slot (its /load's
+    # prefix_rows_free): a request whose prefix no engine holds fills one without evicting.
+    rows_free: int = 0
 
 
 def load_score(running: int, waiting: int, kv_cache_usage: float, slots_total: int) -> float:
@@ -43,13 +49,16 @@ def offer_is_sound(offer: EndpointOffer) -> bool:
     """Whether an offer can be routed to: 1..MAX_OFFER_SLOTS slots, a finite load. Engines are
     untrusted input; an offer that is not sound is left out by both backends alike (the Lua
     scripts skip the same ones), so NaN never orders endpoints and no slot count is unbounded."""
-    slots = offer.slots_total
+    slots, rows = offer.slots_total, offer.rows_free
     return (
         isinstance(slots, int)
         and not isinstance(slots, bool)
         and 1 <= slots <= MAX_OFFER_SLOTS
         and isinstance(offer.load_score, int | float)
         and math.isfinite(offer.load_score)
+        and isinstance(rows, int)
+        and not isinstance(rows, bool)
+        and 0 <= rows <= MAX_OFFER_ROWS
     )
 
 
@@ -103,7 +112,7 @@ MAX_CACHE_WAIT_MS = 60_000
 # The wait while no engine of the pool has reported a mean request time (``cache_wait_ms``).
 COLD_CACHE_WAIT_MS = 2_000
 MAX_LOOK_AHEAD = 32
-RouteOutcome = Literal["prefix", "session", "load"]
+RouteOutcome = Literal["prefix", "session", "rows", "load"]
 _HEX = re.compile(r"[0-9a-f]*")
 
 
@@ -226,8 +235,10 @@ def pick_endpoint(
 ) -> tuple[EndpointOffer, RouteOutcome, int]:
     """Among ``ranked`` (``rank_endpoints``: room for the request, least loaded first; not
     empty), the engine a route prefers: the deepest matched prefix (``depths``, url -> keys
-    matched), else the session's engine (``session_url``), each only while within the route's
-    balance of the least loaded; else the least loaded. Returns it, why, and its depth."""
+    matched), else the session's engine (``session_url``), else the engine with the most empty
+    rows (``EndpointOffer.rows_free``: the request's prefix evicts nobody's there), each only
+    while within the route's balance of the least loaded; else the least loaded. Returns it,
+    why, and its depth."""
     least = ranked[0]
     if route is None:
         return least, "load", 0
@@ -249,6 +260,12 @@ def pick_endpoint(
     for offer in ranked:
         if session_url and offer.url == session_url and balanced(offer):
             return offer, "session", 0
+    best_rows = 0
+    for offer in ranked:  # ties on rows: the first, least loaded
+        if offer.rows_free > best_rows and balanced(offer):
+            best, best_rows = offer, offer.rows_free
+    if best is not None:
+        return best, "rows", 0
     return least, "load", 0
 
 
@@ -262,15 +279,18 @@ def waits_for_engine(
     least: EndpointOffer,
 ) -> bool:
     """Whether a request would rather wait than go where there is room: the engines holding its
-    deepest match among all ``offers`` (none matched: its session's engine) are all full, and
+    deepest match among all ``offers`` (none matched: its session's engine; no session either,
+    the engines with the most empty rows while no engine with room has one) are all full, and
     one of them would be within the route's balance of ``least`` (the least loaded engine with
     room) once ``need`` slots free there. The caller bounds the wait (``Route.wait_ms``) and lets
     the requests behind it pass meanwhile (``lua/cache_wait.py``)."""
     deepest = max((depths.get(offer.url, 0) for offer in offers), default=0)
     if deepest > 0:
         holders = [offer for offer in offers if depths.get(offer.url, 0) == deepest]
+    elif session_url:
+        holders = [offer for offer in offers if offer.url == session_url]
     else:
-        holders = [offer for offer in offers if session_url and offer.url == session_url]
+        holders = roomiest_full(offers, inflight, need)
     if any(inflight.get(offer.url, 0) + need <= offer.slots_total for offer in holders):
         return False
     least_used = inflight.get(least.url, 0)
@@ -285,3 +305,18 @@ def waits_for_engine(
         )
         for offer in holders
     )
+
+
+def roomiest_full(
+    offers: Sequence[EndpointOffer], inflight: Mapping[str, int], need: int
+) -> list[EndpointOffer]:
+    """The engines with the most empty rows, when no engine with room for ``need`` slots has
+    one (else none: the request fills an empty row where it can go now). A request whose prefix
+    no engine holds would otherwise take a row from a conversation that is coming back."""
+    if any(
+        offer.rows_free > 0 and inflight.get(offer.url, 0) + need <= offer.slots_total
+        for offer in offers
+    ):
+        return []
+    most = max((offer.rows_free for offer in offers), default=0)
+    return [offer for offer in offers if most > 0 and offer.rows_free == most]

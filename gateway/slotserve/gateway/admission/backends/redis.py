@@ -194,7 +194,7 @@ class RedisBackend:
             num_offers=len(offers),
         ).argv()
         for offer in offers:  # sound ones only (``routing.sound_offers``); the scripts re-check
-            args += [offer.url, offer.slots_total, repr(float(offer.load_score))]
+            args += [offer.url, offer.slots_total, repr(float(offer.load_score)), offer.rows_free]
         return args
 
     async def _dispatch(

@@ -2,10 +2,10 @@
 checked, the offers, and the steps they share (the queue's head, grants, dispatch, the reply).
 
 The shared arguments are ``redis_keys.DispatchArgs`` (bound to Lua locals by the contract, each
-checked here before a script's first write); then the offers, N triples (url, slots_total,
-load_score); ``REST`` is the index of the script's own first argument. Numbers are read and
-written as ``values.py`` does, fair order is ``fair.py``'s, the epoch ``epoch.py``'s and slot
-accounting ``slots.py``'s.
+checked here before a script's first write); then the offers, ``OFFER_ARGS`` values each (url,
+slots_total, load_score, rows_free); ``REST`` is the index of the script's own first argument.
+Numbers are read and written as ``values.py`` does, fair order is ``fair.py``'s, the epoch
+``epoch.py``'s and slot accounting ``slots.py``'s.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import fields
 
 from slotserve.contracts.pool_spec import MAX_PRIORITY_LEVELS
 from slotserve.contracts.redis_keys import (
+    OFFER_ARGS,
     POOL_KEY_NAMES,
     DispatchArgs,
     Keys,
@@ -81,18 +82,24 @@ PRELUDE = (
     + r"""local FIRST_OFFER = """
     + str(DispatchArgs.first_offer_index())
     + r"""
-if not INVALID and FIRST_OFFER + NUM_OFFERS * 3 - 1 > #ARGV then INVALID = 'num_offers' end
+local OFFER_ARGS = """
+    + str(OFFER_ARGS)
+    + r"""
+if not INVALID and FIRST_OFFER + NUM_OFFERS * OFFER_ARGS - 1 > #ARGV then
+  INVALID = 'num_offers'
+end
 -- Offers that are not sound are skipped (routing.sound_offers); MOST_SLOTS: the largest engine.
 local OFFERS, MOST_SLOTS = {}, 0
 for i = 0, (INVALID and 0 or NUM_OFFERS) - 1 do
-  local b = FIRST_OFFER + i * 3
+  local b = FIRST_OFFER + i * OFFER_ARGS
   local slots, load = int_arg(ARGV[b + 1], 1, MAX_OFFER_SLOTS), finite_arg(ARGV[b + 2])
-  if slots and load then
-    OFFERS[#OFFERS + 1] = {url = ARGV[b], slots = slots, load = load}
+  local rows = int_arg(ARGV[b + 3], 0, MAX_OFFER_ROWS)
+  if slots and load and rows then
+    OFFERS[#OFFERS + 1] = {url = ARGV[b], slots = slots, load = load, rows = rows}
     MOST_SLOTS = math.max(MOST_SLOTS, slots)
   end
 end
-local REST = FIRST_OFFER + (INVALID and 0 or NUM_OFFERS) * 3
+local REST = FIRST_OFFER + (INVALID and 0 or NUM_OFFERS) * OFFER_ARGS
 local DEMOTION_OFFSET, MAX_LEVEL, PROMISE_WINDOW_US, PROMISE_GRACE_US = """
     + f"{DEMOTION_OFFSET_US}, {MAX_PRIORITY_LEVELS}, {PROMISE_WINDOW_US}, {PROMISE_GRACE_US}"
     + f"\nlocal PROMISE_MEMORY = {PROMISE_MEMORY}"

@@ -7,13 +7,15 @@ that waits keeps it in ``P:{pool}:routes`` until it is granted or dropped. When 
 the engines' matches are joined by the recent routings (``P:{pool}:routed:{key}``: each of its
 keys routed to an engine in the last ``ROUTED_TTL_MS`` counts its depth there), the deepest
 within the balance wins, else its session's engine (``P:{pool}:session:{id}``) within the
-balance, else the least loaded; then its first and deepest keys and its session are recorded
+balance, else the one with the most empty rows (the offers' ``rows``) within the balance, else
+the least loaded; then its first and deepest keys and its session are recorded
 for the engine chosen (``route_granted``, by the step that grants).
 
-A route that may wait (``Route.may_wait``) and whose engines holding its deepest match are all
-full waits for them (``routing.waits_for_engine``), from the first step that found it so (kept in
-``P:{pool}:route_waits``) for at most its ``wait_ms``; ``cache_wait.py`` lets the requests behind
-it pass meanwhile.
+A route that may wait (``Route.may_wait``) and whose engines holding its deepest match (none: its
+session's engine; no session: the engines with empty rows while those with room have none) are
+all full waits for them (``routing.waits_for_engine``), from the first step that found it so
+(kept in ``P:{pool}:route_waits``) for at most its ``wait_ms``; ``cache_wait.py`` lets the
+requests behind it pass meanwhile.
 
 A route that does not read is no route (never an error): a route only prefers among the engines
 that have room, so no value in it can put a request on a full engine. The in-process twin is
@@ -122,23 +124,48 @@ local function route_granted(route, url)
   end
 end
 
+-- routing.roomiest_full: the engines (`all`) with the most empty rows while none with room for
+-- `need` slots has one, else none.
+local function roomiest_full(all, need)
+  local most = 0
+  for _, c in ipairs(all) do
+    if c.rows > 0 and c.used + need <= c.slots then return {} end
+    most = math.max(most, c.rows)
+  end
+  local out = {}
+  for _, c in ipairs(all) do
+    if most > 0 and c.rows == most then out[#out + 1] = c end
+  end
+  return out
+end
+
 -- routing.waits_for_engine: the engines (`all`, every sound offer) holding the deepest match
--- (none: the session's engine, `session()`) are all full, and one would be within the balance
--- of `least` once `need` slots freed there.
+-- (none: the session's engine, `session()`; no session either: roomiest_full) are all full, and
+-- one would be within the balance of `least` once `need` slots freed there.
 local function waits_for_engine(all, least, route, depths, session, need)
   local deepest = 0
   for _, c in ipairs(all) do deepest = math.max(deepest, depths[c.url] or 0) end
-  local session_url = deepest == 0 and session() or nil
-  local waits = false
-  for _, c in ipairs(all) do
-    local holds = (deepest > 0 and (depths[c.url] or 0) == deepest)
-      or (deepest == 0 and session_url and c.url == session_url)
-    if holds then
-      if c.used + need <= c.slots then return false end
-      if need <= c.slots and ((c.slots - need) * least.slots - least.used * c.slots) * 1000
-          <= route.balance * c.slots * least.slots then
-        waits = true
+  local holders = {}
+  if deepest > 0 then
+    for _, c in ipairs(all) do
+      if (depths[c.url] or 0) == deepest then holders[#holders + 1] = c end
+    end
+  else
+    local session_url = session()
+    if session_url then
+      for _, c in ipairs(all) do
+        if c.url == session_url then holders[#holders + 1] = c end
       end
+    else
+      holders = roomiest_full(all, need)
+    end
+  end
+  local waits = false
+  for _, c in ipairs(holders) do
+    if c.used + need <= c.slots then return false end
+    if need <= c.slots and ((c.slots - need) * least.slots - least.used * c.slots) * 1000
+        <= route.balance * c.slots * least.slots then
+      waits = true
     end
   end
   return waits
@@ -182,6 +209,14 @@ local function pick_routed(least, eligible, all, route, better, need, rid, now)
     local url = session()
     for _, c in ipairs(eligible) do
       if url and c.url == url and balanced(c) then pick = c end
+    end
+  end
+  if not pick then
+    local rows = 0
+    for _, c in ipairs(eligible) do
+      if c.rows > 0 and balanced(c) and (c.rows > rows or (c.rows == rows and better(c, pick))) then
+        pick, rows = c, c.rows
+      end
     end
   end
   return pick or least, false

@@ -13,8 +13,9 @@ for long however many requests wait (the rest goes on the next tick).
 
 Dispatching scripts share one argument layout, ``redis_keys.DispatchArgs`` (the prefix, pool,
 calling replica, TTLs, known epoch, sweep batch, maxQueueSize and number of endpoint offers N),
-then N triples (url, slots_total, load_score), then the script's own arguments: one dataclass
-per script (``args.py``, ``SCRIPT_ARGS``) whose fields the script reads as ``ARG_*`` locals.
+then N offers (url, slots_total, load_score, rows_free), then the script's own arguments: one
+dataclass per script (``args.py``, ``SCRIPT_ARGS``) whose fields the script reads as ``ARG_*``
+locals.
 Each reply is parsed by ``replies.py``. The batching policy and its delay do not reach Redis:
 the engine forms batches.
 

@@ -41,7 +41,8 @@ local function best_endpoint(need, route, rid, now)
   local best, eligible, all = nil, {}, {}
   for _, o in ipairs(OFFERS) do
     local used = tonumber(redis.call('HGET', K_INFLIGHT, o.url) or '0')
-    local c = {url = o.url, load = o.load, ratio = used / o.slots, used = used, slots = o.slots}
+    local c = {url = o.url, load = o.load, ratio = used / o.slots, used = used, slots = o.slots,
+               rows = o.rows}
     all[#all + 1] = c
     if used + need <= o.slots then
       eligible[#eligible + 1] = c
