@@ -84,9 +84,9 @@ def test_rows_no_engine_can_have_make_the_offer_unsound_and_the_report_broken():
     good = {"slots_total": 4, "prefix_rows_free": 3}
     assert parse_load_report(json.dumps(good).encode()).prefix_rows_free == 3
     assert parse_load_report(b'{"slots_total": 4}').prefix_rows_free == 0  # an older engine
-    for rows in (-1, MAX_PREFIX_CACHE_ROWS + 1, 1e300):
+    for bad in (-1, MAX_PREFIX_CACHE_ROWS + 1, 1e300):
         with pytest.raises(BadReportError):
-            parse_load_report(json.dumps({"slots_total": 4, "prefix_rows_free": rows}).encode())
+            parse_load_report(json.dumps({"slots_total": 4, "prefix_rows_free": bad}).encode())
 
 
 async def test_a_first_turn_goes_where_it_evicts_nobody(cluster):
