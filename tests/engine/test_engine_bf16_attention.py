@@ -1,7 +1,8 @@
 """Prefill attention in bf16 (issue 24): the blocks of a chunk's rows with queries, keys, values
 and probabilities rounded to bf16 and fp32 sums, against a float64 reference that rounds the
-same values; chunks across several blocks, at an offset into the cache, of odd lengths. Below
-AVX512_BF16 the same call is the fp32 attention, bit for bit."""
+same values; chunks across several blocks, at an offset into the cache, of odd lengths; on the
+VDPBF16PS blocks and, where the CPU has them, the AMX tiles. Below AVX512_BF16 the same call is
+the fp32 attention, bit for bit."""
 
 from __future__ import annotations
 
@@ -45,10 +46,23 @@ def reference(q, k, v, lens) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("start,rows", [(0, 40), (0, 300), (450, 129), (3, 5), (601, 2)])
-def test_bf16_blocks_match_the_rounded_reference(kernels, start, rows):
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def bf16_unit(request, kernels: NativeKernels):
+    """Each bf16 attention this CPU runs: the VDPBF16PS blocks, and the AMX tiles' where it has
+    them (attention_amx.c)."""
     if "avx512_bf16" not in kernels.supported_isas:
         pytest.skip("this CPU has no AVX512_BF16")
+    on = kernels.set_amx(request.param == "amx")
+    try:
+        if on != (request.param == "amx"):
+            pytest.skip("this CPU (or its kernel) gives no AMX tiles")
+        yield request.param
+    finally:
+        kernels.set_amx(True)
+
+
+@pytest.mark.parametrize("start,rows", [(0, 40), (0, 300), (450, 129), (3, 5), (601, 2), (0, 17)])
+def test_bf16_blocks_match_the_rounded_reference(kernels, bf16_unit, start, rows):
     q, k, v, slots, lens = chunk(start, rows, seed=start + rows)
     got = kernels.slot_attention(q, k, v, slots, lens, SCALE, bf16=True)
     fp32 = kernels.slot_attention(q, k, v, slots, lens, SCALE)
@@ -57,6 +71,20 @@ def test_bf16_blocks_match_the_rounded_reference(kernels, start, rows):
     assert (got.double() - expected).abs().max().item() < 2e-3
     assert (got - fp32).abs().max().item() > 0  # bf16 did run
     assert (got - fp32).abs().max().item() < 5e-2
+
+
+def test_the_amx_tiles_and_vdpbf16ps_agree(kernels):
+    if not kernels.set_amx(True):
+        pytest.skip("this CPU (or its kernel) gives no AMX tiles")
+    q, k, v, slots, lens = chunk(200, 333, seed=11)
+    tiles = kernels.slot_attention(q, k, v, slots, lens, SCALE, bf16=True)
+    kernels.set_amx(False)
+    try:
+        vectors = kernels.slot_attention(q, k, v, slots, lens, SCALE, bf16=True)
+    finally:
+        kernels.set_amx(True)
+    # The same roundings; only the order of the fp32 sums differs.
+    assert 0 < (tiles - vectors).abs().max().item() < 1e-3
 
 
 def test_below_avx512_bf16_the_call_is_the_fp32_attention(kernels):

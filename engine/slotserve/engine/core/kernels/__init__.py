@@ -127,6 +127,17 @@ class NativeKernels:
         """Every instruction set this CPU can run the kernels with, narrowest first."""
         return list(ISAS[: self._lib.slotserve_kernel_supported_isa() + 1])
 
+    @property
+    def amx(self) -> bool:
+        """Whether bf16 prefill attention runs on AMX tiles (``attention_amx.c``): the CPU has
+        AMX-BF16, the OS granted the tiles, ``avx512_bf16`` is in use and it is not turned off."""
+        return bool(self._lib.slotserve_kernel_amx())
+
+    def set_amx(self, enabled: bool) -> bool:
+        """Turn the AMX attention on (where it can run) or off (tests, benchmarks); returns
+        :attr:`amx`."""
+        return bool(self._lib.slotserve_kernel_set_amx(int(enabled)))
+
     def set_isa(self, isa: str) -> str:
         """Run ``isa``, or the widest this CPU has below it (tests, benchmarks); returns it."""
         return ISAS[self._lib.slotserve_kernel_set_isa(ISAS.index(isa))]
@@ -457,6 +468,7 @@ def load_kernels(home: Path) -> NativeKernels:
             "avx512": "AVX-512 fp32 panels, AVX2/FMA elsewhere",
             "avx2_fma": "AVX2/FMA",
             "plain_c": "plain C (no AVX2/FMA on this CPU)",
-        }[kernels.isa],
+        }[kernels.isa]
+        + (", AMX-BF16 prefill attention" if kernels.amx else ""),
     )
     return kernels

@@ -248,6 +248,7 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
      * AVX-512 and d a multiple of 16. */
     const int avx512 = avx2 && slotserve_kernel_isa() >= ISA_AVX512 && d % 16 == 0;
     bf16 = bf16 && avx512 && d % 32 == 0 && slotserve_kernel_isa() >= ISA_AVX512_BF16;
+    const int amx = bf16 && slotserve_kernel_amx();
     const size_t element = kv_half ? sizeof(uint16_t) : sizeof(float);
     int64_t longest = 1, work = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -266,8 +267,9 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
      * among its rows, so widening once costs a small part of it). */
     size_t floats = (size_t)(group * longest), widened = 0;
     if (avx2) {
-        const size_t block =
-            bf16 ? attention_bf16_work(d, longest) : attention_block_work(d, longest);
+        const size_t block = amx    ? attention_amx_work(d, longest)
+                             : bf16 ? attention_bf16_work(d, longest)
+                                    : attention_block_work(d, longest);
         floats = block > floats ? block : floats;
         if (kv_half) {
             floats = (floats + 15) & ~(size_t)15;
@@ -314,7 +316,10 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
                     kv_widen(values, last * d, wv);
                     kf = wk, vf = wv;
                 }
-                if (bf16)
+                if (amx)
+                    attention_block_amx(q, kf, vf, lens, r, span.count, h, kv_heads, group, d,
+                                        scale, out, scores, softmax_avx512);
+                else if (bf16)
                     attention_block_bf16(q, kf, vf, lens, r, span.count, h, kv_heads, group, d,
                                          scale, out, scores, softmax_avx512);
                 else

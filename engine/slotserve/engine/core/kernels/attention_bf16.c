@@ -41,10 +41,10 @@ size_t attention_bf16_work(int64_t d, int64_t longest) {
 }
 
 /* Keys [0, last) into kp (zeros up to stride) and values into vp (zeros up to stride); d a
- * multiple of 32. */
-ATTENTION_BF16_TARGET static void pack_block(const float *keys, const float *values, int64_t last,
-                                             int64_t stride, int64_t d, uint16_t *kp, uint16_t *vp,
-                                             uint16_t *rows) {
+ * multiple of 32, stride of 16 (attention_amx.c's tiles read these layouts as they are). */
+ATTENTION_BF16_TARGET void attention_bf16_pack(const float *keys, const float *values, int64_t last,
+                                               int64_t stride, int64_t d, uint16_t *kp,
+                                               uint16_t *vp, uint16_t *rows) {
     const int64_t pairs = d / 2, groups = d / 16;
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t t = 0; t < stride; t++)
@@ -157,7 +157,7 @@ ATTENTION_BF16_TARGET void attention_block_bf16(const float *q, const float *key
     uint16_t *qb = rows + d * stride;
     uint16_t *pb = qb + ATTENTION_QUADS * d;
     float *scores = (float *)(((uintptr_t)(pb + ATTENTION_QUADS * stride) + 63) & ~(uintptr_t)63);
-    pack_block(keys, values, last, stride, d, kp, vp, rows);
+    attention_bf16_pack(keys, values, last, stride, d, kp, vp, rows);
     const int64_t queries = count * group;
     for (int64_t first = 0; first < queries; first += ATTENTION_QUADS) {
         float *outs[ATTENTION_QUADS];
@@ -218,6 +218,10 @@ ATTENTION_BF16_TARGET void attention_block_bf16(const float *q, const float *key
     }
 }
 #else
+void attention_bf16_pack(const float *keys, const float *values, int64_t last, int64_t stride,
+                         int64_t d, uint16_t *kp, uint16_t *vp, uint16_t *rows) {
+    (void)keys, (void)values, (void)last, (void)stride, (void)d, (void)kp, (void)vp, (void)rows;
+}
 size_t attention_bf16_work(int64_t d, int64_t longest) {
     (void)d, (void)longest;
     return 0;

@@ -13,6 +13,7 @@
 #include "bf16_avx512.c"
 #include "attention_block.c"
 #include "attention_bf16.c"
+#include "attention_amx.c"
 #include "kv_half.c"
 #include "attention.c"
 #include "llama_step.c"

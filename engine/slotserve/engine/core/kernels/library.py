@@ -63,6 +63,7 @@ SOURCES = (
     HERE / "bf16_avx512.c",
     HERE / "attention_block.c",
     HERE / "attention_bf16.c",
+    HERE / "attention_amx.c",
     HERE / "kv_half.c",
     HERE / "attention.c",
     HERE / "llama_step.c",

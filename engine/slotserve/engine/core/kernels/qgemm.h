@@ -66,10 +66,22 @@ void attention_block_f32(int avx512, const float *q, const float *keys, const fl
  * floats, 64-byte aligned. `softmax` normalises scores[0, len) in place. */
 #define ATTENTION_QUADS 4
 size_t attention_bf16_work(int64_t d, int64_t longest);
+/* Keys [0, last) packed for scoring (kp) and values for the weighted sum (vp), zeros up to
+ * `stride` (a multiple of 16), through `rows` (d * stride bf16 of room). */
+void attention_bf16_pack(const float *keys, const float *values, int64_t last, int64_t stride,
+                         int64_t d, uint16_t *kp, uint16_t *vp, uint16_t *rows);
 void attention_block_bf16(const float *q, const float *keys, const float *values,
                           const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                           int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
                           float *work, void (*softmax)(float *scores, int64_t len));
+
+/* attention_amx.c: attention_bf16.c's block on AMX tiles (TDPBF16PS), where
+ * slotserve_kernel_amx() says they run; `work` holds attention_amx_work(d, longest) floats. */
+size_t attention_amx_work(int64_t d, int64_t longest);
+void attention_block_amx(const float *q, const float *keys, const float *values,
+                         const int64_t *lens, int64_t r0, int64_t count, int64_t h,
+                         int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
+                         float *work, void (*softmax)(float *scores, int64_t len));
 
 #pragma GCC visibility pop
 

@@ -20,6 +20,8 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "slotserve_kernel_isa": (INT, []),
     "slotserve_kernel_supported_isa": (INT, []),
     "slotserve_kernel_set_isa": (INT, [INT]),
+    "slotserve_kernel_amx": (INT, []),
+    "slotserve_kernel_set_amx": (INT, [INT]),
     "slotserve_kernel_fallback_allocations": (ctypes.c_uint64, []),
     "slotserve_kernel_set_prefetch": (None, [I64]),
     "slotserve_quantize_q8": (None, [PTR, I64, I64, PTR, PTR, INT]),

@@ -1,0 +1,246 @@
+/* Prefill attention on AMX tiles (TDPBF16PS), for bf16 steps on CPUs with AMX-BF16: the block of
+ * attention_bf16.c (the same packed keys and values, the same roundings to bf16, every sum in
+ * fp32), sixteen queries a tile instead of four queries a vector.
+ *
+ * Why: on an Intel Xeon with AMX the prefill products already run on the tiles through oneDNN,
+ * and the VDPBF16PS blocks were left with 44% of a 1,000-token prefill race's time (perf, 2 vCPUs,
+ * 2026-12-06) where their multiply-adds are ~14% of the race's; vLLM's CPU backend runs its
+ * prefill attention on the tiles too. A tile product multiplies 16 x 32 by 32 x 16 in one
+ * instruction, sixteen times VDPBF16PS's work.
+ *
+ * The packed layouts are the tiles' as they are: kp[t / 16][d / 2][16][2] is, for 16 keys and
+ * 16 dimension pairs, a B tile of 16 rows of 64 bytes (the keys' pairs side by side), and
+ * vp[t / 2][d / 16][16][2] is, for 16 position pairs and 16 dimensions, a B tile whose rows are
+ * d / 16 x 64 bytes apart. Queries (A: 16 rows of 32 dimensions) and probabilities (A: 16 rows
+ * of 32 positions) are rows of bf16 in the work buffer.
+ *
+ * Linux lets a process use the tiles' 8 KB of state only once it asked (arch_prctl
+ * ARCH_REQ_XCOMP_PERM, as oneDNN does); a CPU or kernel without them keeps the VDPBF16PS blocks. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "gemm.h"
+
+#define AMX_ROWS 16 /* queries a tile holds */
+
+static int amx_usable = -1; /* unknown until first asked */
+static int amx_wanted = 1;  /* tests and benchmarks turn it off */
+
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+#define AMX_TARGET                                                                                 \
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,"   \
+                          "avx2")))
+
+static int amx_probe(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return 0; /* AMX-BF16, AMX-TILE */
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Tiles 0-3: sums (16 x 16 floats); 4: A (16 rows of 32 bf16); 5: B (16 rows of 32 bf16). */
+AMX_TARGET static void tiles_configure(void) {
+    struct tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 6; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* Scores of the 16 queries in qb (rows of d bf16) against `vectors` groups of 16 packed keys,
+ * four groups a pass, into scores (rows `stride` floats apart). */
+AMX_TARGET static void tiles_score(const uint16_t *qb, const uint16_t *kp, int64_t d,
+                                   int64_t vectors, float *scores, int64_t stride) {
+    const int64_t pairs = d / 2, steps = d / 32, group = pairs * 32;
+    for (int64_t g = 0; g < vectors; g += 4) {
+        const int64_t w = vectors - g < 4 ? vectors - g : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < steps; s++) {
+            _tile_loadd(4, qb + 32 * s, d * 2);
+            const uint16_t *keys = kp + g * group + 16 * s * 32;
+            _tile_loadd(5, keys, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (w > 1) {
+                _tile_loadd(5, keys + group, 64);
+                _tile_dpbf16ps(1, 4, 5);
+            }
+            if (w > 2) {
+                _tile_loadd(5, keys + 2 * group, 64);
+                _tile_dpbf16ps(2, 4, 5);
+            }
+            if (w > 3) {
+                _tile_loadd(5, keys + 3 * group, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        float *at = scores + 16 * g;
+        _tile_stored(0, at, stride * 4);
+        if (w > 1) _tile_stored(1, at + 16, stride * 4);
+        if (w > 2) _tile_stored(2, at + 32, stride * 4);
+        if (w > 3) _tile_stored(3, at + 48, stride * 4);
+    }
+}
+
+/* The 16 queries' outputs (rows of d floats in acc): probabilities pb (rows `stride` bf16 apart)
+ * over positions [0, span), span a multiple of 32, times the packed values. */
+AMX_TARGET static void tiles_sum(const uint16_t *pb, const uint16_t *vp, int64_t stride, int64_t d,
+                                 int64_t span, float *acc) {
+    const int64_t groups = d / 16;
+    for (int64_t j = 0; j < groups; j += 4) {
+        const int64_t w = groups - j < 4 ? groups - j : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t t = 0; t < span; t += 32) {
+            _tile_loadd(4, pb + t, stride * 2);
+            const uint16_t *values = vp + ((t / 2) * groups + j) * 32;
+            _tile_loadd(5, values, groups * 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (w > 1) {
+                _tile_loadd(5, values + 32, groups * 64);
+                _tile_dpbf16ps(1, 4, 5);
+            }
+            if (w > 2) {
+                _tile_loadd(5, values + 64, groups * 64);
+                _tile_dpbf16ps(2, 4, 5);
+            }
+            if (w > 3) {
+                _tile_loadd(5, values + 96, groups * 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        float *at = acc + 16 * j;
+        _tile_stored(0, at, d * 4);
+        if (w > 1) _tile_stored(1, at + 16, d * 4);
+        if (w > 2) _tile_stored(2, at + 32, d * 4);
+        if (w > 3) _tile_stored(3, at + 48, d * 4);
+    }
+}
+
+/* A query's scores [0, len) times `scale`, normalised (softmax) and rounded to bf16 (nearest
+ * even) into pb, zeros over [len, span): three passes over the row where scaling, softmax_avx512
+ * and the rounding took five (the softmax was the race's largest part once the tiles ran). */
+AMX_TARGET static void probabilities(const float *scores, int64_t len, int64_t span, float scale,
+                                     float *exps, uint16_t *pb) {
+    __m512 top16 = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < len; t += 16) {
+        const int64_t left = len - t;
+        const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        top16 = _mm512_mask_max_ps(top16, keep, top16, _mm512_maskz_loadu_ps(keep, scores + t));
+    }
+    /* scale > 0 (1 / sqrt(d)), so the largest scaled score is the largest score scaled. */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * scale);
+    __m512 total16 = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        const int64_t left = len - t;
+        const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, scores + t), vscale, vtop);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive512(x));
+        _mm512_storeu_ps(exps + t, e);
+        total16 = _mm512_add_ps(total16, e);
+    }
+    const __m512 norm = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total16));
+    for (int64_t t = 0; t < span; t += 16) {
+        const __m512 p =
+            t < len ? _mm512_mul_ps(_mm512_loadu_ps(exps + t), norm) : _mm512_setzero_ps();
+        _mm256_storeu_si256((__m256i *)(pb + t), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+}
+
+int slotserve_kernel_amx(void) {
+    if (amx_usable < 0) amx_usable = amx_probe();
+    return amx_usable && amx_wanted && slotserve_kernel_isa() >= ISA_AVX512_BF16;
+}
+
+size_t attention_amx_work(int64_t d, int64_t longest) {
+    const size_t stride = (size_t)((longest + 31) & ~(int64_t)31);
+    /* kp, vp and the keys' rows: d * stride bf16 each; qb: 16 * d bf16; pb: 16 * stride bf16;
+     * scores: 16 * stride floats; acc: 16 * d floats (in floats, with room to align). */
+    return 3 * (size_t)d * stride / 2 + (size_t)(AMX_ROWS * d) / 2 + (size_t)AMX_ROWS * stride / 2 +
+           (size_t)AMX_ROWS * stride + (size_t)AMX_ROWS * (size_t)d + 32;
+}
+
+AMX_TARGET void attention_block_amx(const float *q, const float *keys, const float *values,
+                                    const int64_t *lens, int64_t r0, int64_t count, int64_t h,
+                                    int64_t kv_heads, int64_t group, int64_t d, float scale,
+                                    float *out, float *work,
+                                    void (*softmax)(float *scores, int64_t len)) {
+    (void)softmax; /* probabilities() fuses its own with the scaling and the rounding */
+    const int64_t last = lens[r0 + count - 1];
+    const int64_t stride = (last + 31) & ~(int64_t)31;
+    uint16_t *kp = (uint16_t *)work;
+    uint16_t *vp = kp + d * stride;
+    uint16_t *rows = vp + d * stride;
+    uint16_t *qb = rows + d * stride;
+    uint16_t *pb = qb + AMX_ROWS * d;
+    float *scores = (float *)(((uintptr_t)(pb + AMX_ROWS * stride) + 63) & ~(uintptr_t)63);
+    float *acc = scores + AMX_ROWS * stride;
+    attention_bf16_pack(keys, values, last, stride, d, kp, vp, rows);
+    tiles_configure();
+    const int64_t queries = count * group;
+    for (int64_t first = 0; first < queries; first += AMX_ROWS) {
+        float *outs[AMX_ROWS];
+        int64_t len[AMX_ROWS], upto = 0;
+        const int64_t real = queries - first < AMX_ROWS ? queries - first : AMX_ROWS;
+        for (int i = 0; i < AMX_ROWS; i++) {
+            /* Past the last query, repeat it (its results are not written). */
+            const int64_t index = i < real ? first + i : queries - 1;
+            const int64_t r = r0 + index / group, g = index % group;
+            const float *qi = q + ((r * kv_heads + h) * group + g) * d;
+            for (int64_t j = 0; j < d; j++) qb[i * d + j] = bf16_bits(qi[j]);
+            outs[i] = out + ((r * kv_heads + h) * group + g) * d;
+            len[i] = lens[r];
+            upto = len[i] > upto ? len[i] : upto;
+        }
+        tiles_score(qb, kp, d, (upto + 15) / 16, scores, stride);
+        const int64_t span = (upto + 31) & ~(int64_t)31;
+        for (int i = 0; i < AMX_ROWS; i++)
+            probabilities(scores + i * stride, len[i], span, scale, scores + i * stride,
+                          pb + i * stride);
+        tiles_sum(pb, vp, stride, d, span, acc);
+        for (int64_t i = 0; i < real; i++) memcpy(outs[i], acc + i * d, sizeof(float) * (size_t)d);
+    }
+    _tile_release();
+}
+#else
+int slotserve_kernel_amx(void) {
+    amx_usable = 0;
+    return 0;
+}
+size_t attention_amx_work(int64_t d, int64_t longest) {
+    (void)d, (void)longest;
+    return 0;
+}
+void attention_block_amx(const float *q, const float *keys, const float *values,
+                         const int64_t *lens, int64_t r0, int64_t count, int64_t h,
+                         int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
+                         float *work, void (*softmax)(float *scores, int64_t len)) {
+    (void)q, (void)keys, (void)values, (void)lens, (void)r0, (void)count, (void)h;
+    (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work, (void)softmax;
+}
+#endif
+
+int slotserve_kernel_set_amx(int enabled) {
+    amx_wanted = enabled != 0;
+    return slotserve_kernel_amx();
+}
