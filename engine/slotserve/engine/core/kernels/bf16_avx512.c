@@ -142,6 +142,15 @@ int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, in
     scratch_release(s, mark);
     return 0;
 }
+
+BF16_TARGET static void widen_from_bf16(const uint16_t *in, int64_t count, float *out) {
+    int64_t j = 0;
+    for (; j + 16 <= count; j += 16) {
+        const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(in + j)));
+        _mm512_storeu_ps(out + j, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+    }
+    for (; j < count; j++) out[j] = bf16_value(in[j]);
+}
 #else
 int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
                      int threads, struct scratch *s) {
@@ -149,3 +158,50 @@ int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, in
     return -1; /* never dispatched */
 }
 #endif
+
+/* Spans of this many values a thread: big enough that a thread's wake-up is a small part. */
+#define CONVERT_SPAN 16384
+
+void bf16_round(const float *x, int64_t count, uint16_t *out, int threads) {
+    const int64_t spans = (count + CONVERT_SPAN - 1) / CONVERT_SPAN;
+#if defined(__x86_64__)
+    const int vector = slotserve_kernel_isa() >= ISA_AVX512_BF16;
+#else
+    const int vector = 0;
+#endif
+#pragma omp parallel for num_threads(threads) if (spans > 1)
+    for (int64_t i = 0; i < spans; i++) {
+        const int64_t at = i * CONVERT_SPAN;
+        const int64_t len = count - at < CONVERT_SPAN ? count - at : CONVERT_SPAN;
+#if defined(__x86_64__)
+        if (vector) {
+            round_to_bf16(x + at, len, out + at);
+            continue;
+        }
+#endif
+        for (int64_t j = 0; j < len; j++) out[at + j] = bf16_bits(x[at + j]);
+    }
+    (void)vector;
+}
+
+void bf16_widen(const uint16_t *in, int64_t count, float *out, int threads) {
+    const int64_t spans = (count + CONVERT_SPAN - 1) / CONVERT_SPAN;
+#if defined(__x86_64__)
+    const int vector = slotserve_kernel_isa() >= ISA_AVX512_BF16;
+#else
+    const int vector = 0;
+#endif
+#pragma omp parallel for num_threads(threads) if (spans > 1)
+    for (int64_t i = 0; i < spans; i++) {
+        const int64_t at = i * CONVERT_SPAN;
+        const int64_t len = count - at < CONVERT_SPAN ? count - at : CONVERT_SPAN;
+#if defined(__x86_64__)
+        if (vector) {
+            widen_from_bf16(in + at, len, out + at);
+            continue;
+        }
+#endif
+        for (int64_t j = 0; j < len; j++) out[at + j] = bf16_value(in[at + j]);
+    }
+    (void)vector;
+}

@@ -59,6 +59,14 @@ static inline uint16_t bf16_bits(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* bf16 bits as the float they stand for (exact). */
+static inline float bf16_value(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 static inline void prefetch_span(const void *start, int64_t bytes);
 
 /* The weights (and scales, minimums) of channels [c, c + count). */

@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 /* Raised whenever a prototype below changes: a library of another ABI is never loaded. */
-#define SLOTSERVE_KERNEL_ABI 11
+#define SLOTSERVE_KERNEL_ABI 12
 /* Quantized weights per scale (and minimum) along K, both quantized formats. */
 #define SLOTSERVE_KERNEL_GROUP 32
 
@@ -37,11 +37,14 @@ struct scratch {
 struct step_model;
 
 /* A product the caller computes for the step when it has at least step_model.wide_rows rows:
- * y[m,n] = x[m,k] . W^T for product `which` (q/k/v, o, gate/up, down) of layer `layer`, bias
- * left to the step. The engine passes one that runs bf16 GEMMs through torch's oneDNN (AMX or
- * AVX512_BF16) for prefill chunks. Returns 0, or nonzero when it failed. */
-typedef int (*slotserve_wide_product)(int64_t layer, int64_t which, const float *x, int64_t m,
-                                      int64_t k, float *y, int64_t n);
+ * y[m,n] = x[m,k] . W^T in bf16 for product `which` (q/k/v, o, gate/up, down) of layer `layer`,
+ * bias left to the step; x and y are bf16 bits, m a multiple of 16 whose rows past the step's
+ * are zeros (the step rounds its rows and widens the result with AVX-512, where torch's
+ * conversions took a tenth of a prefill on an AMX Xeon). The engine passes one that runs bf16
+ * GEMMs through torch's oneDNN (AMX or AVX512_BF16) for prefill chunks. Returns 0, or nonzero
+ * when it failed. */
+typedef int (*slotserve_wide_product)(int64_t layer, int64_t which, const uint16_t *x, int64_t m,
+                                      int64_t k, uint16_t *y, int64_t n);
 
 /* ---- the library itself (dispatch.c) ---- */
 int slotserve_kernel_abi(void);        /* SLOTSERVE_KERNEL_ABI */

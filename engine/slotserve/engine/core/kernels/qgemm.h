@@ -75,6 +75,11 @@ void attention_block_bf16(const float *q, const float *keys, const float *values
                           int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
                           float *work, void (*softmax)(float *scores, int64_t len));
 
+/* bf16_avx512.c: `count` floats rounded to bf16 (nearest even) and bf16 widened to floats, on
+ * `threads` threads, VCVTNE2PS2BF16 / shifts where the ISA in use is ISA_AVX512_BF16. */
+void bf16_round(const float *x, int64_t count, uint16_t *out, int threads);
+void bf16_widen(const uint16_t *in, int64_t count, float *out, int threads);
+
 /* attention_amx.c: attention_bf16.c's block on AMX tiles (TDPBF16PS), where
  * slotserve_kernel_amx() says they run; `work` holds attention_amx_work(d, longest) floats. */
 size_t attention_amx_work(int64_t d, int64_t longest);

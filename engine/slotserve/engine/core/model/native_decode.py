@@ -34,7 +34,7 @@ from torch import nn
 
 from slotserve.engine.core.kernels import CACHE_DTYPES, NativeKernels
 from slotserve.engine.core.model.fusion import FusedGatedMLP, QKVPart
-from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear, onednn_bf16
+from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear
 from slotserve.engine.core.model.native_rows_watch import STEP_OBSERVER
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2Dec
 NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 
 _Pointers = ctypes.c_void_p * PRODUCTS
-# kernels.h's slotserve_wide_product: (layer, which, x, m, k, y, n) -> 0 or nonzero.
+# kernels.h's slotserve_wide_product: (layer, which, x, m, k, y, n) -> 0 or nonzero; x and y
+# bf16, m a multiple of 16 (the step pads and converts).
 WideProduct = ctypes.CFUNCTYPE(
     ctypes.c_int,
     ctypes.c_int64,
@@ -280,24 +281,25 @@ class NativeDecodeStep:
         # Called from inside slotserve_llama_step (ctypes takes the GIL back for it).
         try:
             weight = self._bf16[layer * PRODUCTS + which]
-            rows, out = self._floats(x, m * k), self._floats(y, m * n)
-            out.view(m, n).copy_(onednn_bf16(rows.view(m, k), weight))
+            rows, out = self._halves(x, m * k), self._halves(y, m * n)
+            torch.mm(rows.view(m, k), weight.t(), out=out.view(m, n))  # oneDNN, as F.linear
             self.wide_products += 1
             return 0
         except BaseException as error:  # an exception must not unwind through the C frames
             self._wide_error = error
             return 1
 
-    def _floats(self, address: int, count: int) -> torch.Tensor:
-        """``count`` floats at ``address``: a view of the workspace's tensor, where the step's
-        buffers come from once it has grown (a slice; a ctypes array type per call cost more
-        than the product at small shapes), else of the memory itself."""
+    def _halves(self, address: int, count: int) -> torch.Tensor:
+        """``count`` bf16 values at ``address``: a view of the workspace's tensor, where the
+        step's buffers come from once it has grown (a slice; a ctypes array type per call cost
+        more than the product at small shapes), else of the memory itself."""
         block = self.kernels.workspace.buffer
         if block is not None:
             offset = address - block.data_ptr()
-            if offset >= 0 and offset % 4 == 0 and offset + 4 * count <= block.numel():
-                return block[offset : offset + 4 * count].view(torch.float32)
-        return torch.frombuffer((ctypes.c_float * count).from_address(address), dtype=torch.float32)
+            if offset >= 0 and offset % 2 == 0 and offset + 2 * count <= block.numel():
+                return block[offset : offset + 2 * count].view(torch.bfloat16)
+        memory = (ctypes.c_uint16 * count).from_address(address)
+        return torch.frombuffer(memory, dtype=torch.bfloat16)
 
     @property
     def max_rows(self) -> int:
