@@ -56,23 +56,32 @@ def test_packing_lays_each_column_pair_of_16_channels_side_by_side():
 @pytest.mark.parametrize(
     "m,k,n",
     [(1, 576, 96), (3, 576, 64), (4, 1536, 40), (5, 64, 9), (17, 96, 130), (64, 128, 68),
-     (100, 64, 33), (2, 40, 6), (300, 34, 50), (9, 2, 16)],
+     (100, 64, 33), (2, 40, 6), (300, 34, 50), (9, 2, 16), (16, 576, 960), (33, 64, 48),
+     (47, 1536, 576), (64, 96, 16)],
 )  # fmt: skip
 def test_bf16_products_match_the_reference_on_every_instruction_set(kernels, m, k, n):
+    """Every instruction set this CPU runs, and the AMX tiles (gemm_amx.c: 16 rows or more, k a
+    multiple of 32, n of 16) where it has them."""
     torch.manual_seed(m * 1000 + n)
     x = torch.randn(m, k)
     weight = torch.randn(n, k).to(torch.bfloat16)
     packed = pack_bf16(weight)
     expected = reference(x, weight)
     scale = expected.abs().max().item()
+    units = [(isa, False) for isa in kernels.supported_isas]
+    if kernels.set_amx(True):
+        units.append((kernels.isa, True))
     try:
-        for isa in kernels.supported_isas:
+        for isa, amx in units:
             assert kernels.set_isa(isa) == isa
+            assert kernels.set_amx(amx) == amx
             got = kernels.gemm_bf16(x, packed, n)
             # Exact products, fp32 sums in another order: a few ulps of the largest output.
-            assert (got - expected).abs().max().item() <= 2e-6 * scale * max(1, k / 64) ** 0.5
+            error = (got - expected).abs().max().item()
+            assert error <= 2e-6 * scale * max(1, k / 64) ** 0.5, (isa, amx)
     finally:
         kernels.set_isa(ISAS[-1])
+        kernels.set_amx(True)
 
 
 def test_bf16_products_round_rows_to_nearest_even_and_keep_nan_and_inf(kernels):

@@ -17,31 +17,39 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slotserve.engine.core.kernels import ISAS, load_kernels
 from slotserve.engine.core.model import bf16_prefill
 from slotserve.engine.core.model.native_linear import NativeLinear, onednn_bf16
 from slotserve.engine.core.params import SamplingParams
+from slotserve.settings import CommonSettings
 from tests.engine.engine_core_support import make_engine, model_runner
 
 
-def claim_cpu(monkeypatch: pytest.MonkeyPatch, *, amx: bool) -> None:
-    """This CPU as one with AVX512_BF16, with or without AMX, whatever it has: with AMX prefill's
-    wide bf16 products go to oneDNN; without, where the kernels run AVX512_BF16, they are the
-    kernels' own on packed weights (elsewhere oneDNN's)."""
+def claim_cpu(monkeypatch: pytest.MonkeyPatch, *, onednn: bool) -> None:
+    """This CPU as one with bf16 units, whatever it has. ``onednn``: its kernels multiply no bf16
+    (the instruction set lowered to ``avx512``), so prefill's wide bf16 products go to oneDNN;
+    else, where the kernels run AVX512_BF16, they are the kernels' own on packed weights."""
     real = bf16_prefill.cpu_identity()
     flags = [flag for flag in real["cpu_flags"].split() if not flag.startswith("amx")]
-    flags += ["avx512_bf16", "amx_bf16"] if amx else ["avx512_bf16"]
+    flags += ["avx512_bf16", "amx_bf16"] if onednn else ["avx512_bf16"]
     claimed = {**real, "cpu_flags": " ".join(flags)}
     monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: claimed)
 
 
 @pytest.fixture
 def bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    claim_cpu(monkeypatch, amx=False)
+    claim_cpu(monkeypatch, onednn=False)
 
 
 @pytest.fixture
-def amx_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    claim_cpu(monkeypatch, amx=True)
+def onednn_cpu(monkeypatch: pytest.MonkeyPatch):
+    claim_cpu(monkeypatch, onednn=True)
+    kernels = load_kernels(CommonSettings().home)
+    kernels.set_isa("avx512")
+    try:
+        yield
+    finally:
+        kernels.set_isa(ISAS[-1])
 
 
 def kernels_run_bf16() -> bool:
@@ -55,7 +63,9 @@ def decoder_layers(engine) -> list[NativeLinear]:
     return bf16_prefill.decoder_linears(model_runner(engine).model)
 
 
-def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(tiny_model_dir, amx_cpu):
+def test_prefill_chunks_multiply_in_bf16_and_decode_steps_stay_native_fp32(
+    tiny_model_dir, onednn_cpu
+):
     engine = make_engine(
         tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native", max_batch_size=2
     )
@@ -109,7 +119,7 @@ def test_without_amx_prefill_multiplies_on_the_native_kernels_packed_weights(
     (decode_dtype float32 here) and a scored prompt stay fp32."""
     if not kernels_run_bf16():
         pytest.skip("the kernels do not run AVX512_BF16 on this CPU")
-    claim_cpu(monkeypatch, amx=False)  # an AMX CPU would take oneDNN's route
+    claim_cpu(monkeypatch, onednn=False)
     engine = make_engine(
         tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native", max_batch_size=2
     )
@@ -137,13 +147,14 @@ def test_without_amx_prefill_multiplies_on_the_native_kernels_packed_weights(
 
 
 @pytest.mark.parametrize("route", ["onednn", "packed"])
-def test_native_and_module_bf16_prefill_agree(tiny_model_dir, monkeypatch, route):
+def test_native_and_module_bf16_prefill_agree(tiny_model_dir, request, route):
     """The native step with bf16 products and the layers' torch path with them compute the
     same step (up to fp32 rounding order around the products), on either route: oneDNN's
-    GEMMs (an AMX CPU) or the native kernels on packed weights (AVX512_BF16 without AMX)."""
+    GEMMs (kernels that multiply no bf16) or the native kernels on packed weights (the AMX
+    tiles from 16 rows where the CPU has them, VDPBF16PS)."""
     if route == "packed" and not kernels_run_bf16():
         pytest.skip("the kernels do not run AVX512_BF16 on this CPU")
-    claim_cpu(monkeypatch, amx=route == "onednn")
+    request.getfixturevalue("onednn_cpu" if route == "onednn" else "bf16_cpu")
     prompts = [[(i * 13 + 5 * j) % 4000 + 50 for i in range(70 + 9 * j)] for j in range(3)]
     figures = []
     for native in (True, False):
@@ -163,7 +174,7 @@ def test_native_and_module_bf16_prefill_agree(tiny_model_dir, monkeypatch, route
             assert logprob == pytest.approx(theirs[token], abs=2e-3)
 
 
-def test_a_failing_bf16_product_fails_the_step_with_its_own_error(tiny_model_dir, amx_cpu):
+def test_a_failing_bf16_product_fails_the_step_with_its_own_error(tiny_model_dir, onednn_cpu):
     engine = make_engine(tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native")
     step = model_runner(engine).native_step
     assert step is not None
@@ -310,12 +321,14 @@ def test_layers_stay_native_for_bf16_prefill_where_aten_wins_every_decode_size(
     assert model_runner(fp32).native_step is None and not decoder_layers(fp32)  # as before
 
 
-def test_on_amx_bf16_decode_steps_of_16_rows_or_more_go_to_onednn(tiny_model_dir, amx_cpu):
-    """On an AMX CPU with bf16 decode, a decode step's products of AMX_ROWS rows or more run on
-    oneDNN's tiles (the bf16 callback), narrower ones on the packed kernels; the layers' own
-    path splits at the same row count."""
-    if not kernels_run_bf16():
-        pytest.skip("the kernels do not run AVX512_BF16 on this CPU")
+def test_on_amx_products_of_16_rows_or_more_run_on_the_tiles_with_fp32_results(tiny_model_dir):
+    """On an AMX CPU the packed bf16 weights serve every product, prefill's and decode's and
+    the output projection's: no plain bf16 copy, no oneDNN callback; from 16 rows the tiles
+    (gemm_amx.c) multiply them, with the same results as VDPBF16PS up to the fp32 summation
+    order (oneDNN's bf16 results had cost the bf16 path 2 points of greedy agreement)."""
+    kernels = load_kernels(CommonSettings().home)
+    if not kernels.amx:
+        pytest.skip("this CPU (or its kernel) gives no AMX tiles")
     engine = make_engine(
         tiny_model_dir,
         prefill_dtype="bfloat16",
@@ -325,40 +338,32 @@ def test_on_amx_bf16_decode_steps_of_16_rows_or_more_go_to_onednn(tiny_model_dir
     )
     runner = model_runner(engine)
     step = runner.native_step
-    assert step is not None and step.bf16_products and step.max_rows == 20
+    assert step is not None and not step.bf16_products  # no oneDNN callback
     layers = decoder_layers(engine)
-    assert all(layer.weight_bf16 is not None for layer in layers)
-    assert all(layer.weight_packed is not None for layer in layers)
-    assert {layer.onednn_rows() for layer in layers} == {bf16_prefill.AMX_ROWS} == {16}
-    assert step.onednn_rows == 16
-    logits = runner.logits  # the output projection, native under bf16 decode
-    assert isinstance(logits, NativeLinear) and logits.onednn_rows() == 16
-    assert logits.weight_bf16 is not None and logits.weight_packed is not None
+    assert all(layer.weight_packed is not None and layer.weight_bf16 is None for layer in layers)
+    logits = runner.logits
+    assert isinstance(logits, NativeLinear) and logits.weight_packed is not None
+    assert logits.weight_bf16 is None
 
     layer = layers[0]
-    assert layer.weight_bf16 is not None and layer.weight_packed is not None
-    assert runner.bf16_gate is not None
+    assert layer.weight_packed is not None and runner.bf16_gate is not None
     runner.bf16_gate.on = True
-    for num_rows, onednn in ((15, False), (16, True), (20, True)):
+    for num_rows in (15, 16, 20, 40):
         rows = torch.randn(num_rows, layer.in_features)
         got = layer(rows) - (layer.bias if layer.bias is not None else 0)
-        expected = (
-            F.linear(rows.to(torch.bfloat16), layer.weight_bf16).float()
-            if onednn
-            else step.kernels.gemm_bf16(rows, layer.weight_packed, layer.out_features)
-        )
-        assert torch.allclose(got, expected, atol=1e-6), num_rows
+        kernels.set_amx(False)
+        try:
+            vectors = kernels.gemm_bf16(rows, layer.weight_packed, layer.out_features)
+        finally:
+            kernels.set_amx(True)
+        torch.testing.assert_close(got, vectors, rtol=1e-5, atol=1e-5)
 
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for batch, decode_on_onednn in ((15, False), (16, True)):
-        for i in range(batch):
-            engine.add_request(f"b{batch}-{i}", [50 + i, 60 + i], params)
-        engine.step()  # every prompt in one prefill step (2 x batch rows: oneDNN)
-        before = step.wide_products
-        while engine.has_unfinished():
-            engine.step()  # three decode steps of `batch` rows
-        assert (step.wide_products - before == 3 * 4 * 2) == decode_on_onednn, batch
-        assert (step.wide_products == before) != decode_on_onednn, batch
+    for i in range(16):
+        engine.add_request(f"r{i}", [50 + i, 60 + i], params)
+    while engine.has_unfinished():
+        engine.step()  # a prefill step of 32 rows, then decode steps of 16
+    assert step.wide_products == 0
 
 
 @pytest.mark.parametrize("num_rows", [1, 15, 16, 17, 40])

@@ -469,6 +469,10 @@ def load_kernels(home: Path) -> NativeKernels:
             "avx2_fma": "AVX2/FMA",
             "plain_c": "plain C (no AVX2/FMA on this CPU)",
         }[kernels.isa]
-        + (", AMX-BF16 prefill attention" if kernels.amx else ""),
+        + (
+            ", AMX-BF16 tiles (bf16 products of 16 rows or more, prefill attention)"
+            if kernels.amx
+            else ""
+        ),
     )
     return kernels

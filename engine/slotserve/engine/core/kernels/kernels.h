@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 /* Raised whenever a prototype below changes: a library of another ABI is never loaded. */
-#define SLOTSERVE_KERNEL_ABI 12
+#define SLOTSERVE_KERNEL_ABI 13
 /* Quantized weights per scale (and minimum) along K, both quantized formats. */
 #define SLOTSERVE_KERNEL_GROUP 32
 
@@ -53,9 +53,10 @@ int slotserve_kernel_isa(void);
 int slotserve_kernel_supported_isa(void);
 /* Use `level` (ISA_C, ISA_AVX2, ISA_AVX512) or the widest below it this CPU has; returns it. */
 int slotserve_kernel_set_isa(int level);
-/* attention_amx.c: whether bf16 prefill attention runs on AMX tiles (the CPU has AMX-BF16, the
- * kernel granted the tiles' state, the ISA in use is ISA_AVX512_BF16 and no test turned it off);
- * set_amx turns it on or off and returns what runs. */
+/* attention_amx.c: whether bf16 products of 16 rows or more (gemm_amx.c) and bf16 prefill
+ * attention run on AMX tiles (the CPU has AMX-BF16, the kernel granted the tiles' state, the
+ * ISA in use is ISA_AVX512_BF16 and no test turned them off); set_amx turns them on or off and
+ * returns what runs. */
 int slotserve_kernel_amx(void);
 int slotserve_kernel_set_amx(int enabled);
 /* Buffers taken from malloc because a workspace was missing or short (process-wide). */

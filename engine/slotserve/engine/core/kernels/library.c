@@ -14,6 +14,7 @@
 #include "attention_block.c"
 #include "attention_bf16.c"
 #include "attention_amx.c"
+#include "gemm_amx.c"
 #include "kv_half.c"
 #include "attention.c"
 #include "llama_step.c"

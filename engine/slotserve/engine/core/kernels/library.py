@@ -64,6 +64,7 @@ SOURCES = (
     HERE / "attention_block.c",
     HERE / "attention_bf16.c",
     HERE / "attention_amx.c",
+    HERE / "gemm_amx.c",
     HERE / "kv_half.c",
     HERE / "attention.c",
     HERE / "llama_step.c",

@@ -373,10 +373,13 @@ static int gemm_wide(const float *x, int64_t m, int64_t k, struct weights w, int
 static int gemm_panels(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
                        int threads, struct scratch *s);
 
-/* bf16 weights: VDPBF16PS where the CPU has it; elsewhere (and as the tests' reference) x is
- * rounded to bf16 and the weights widened to fp32, the same products summed in another order. */
+/* bf16 weights: AMX tiles from AMX_GEMM_ROWS rows where the CPU has them, VDPBF16PS where it
+ * has AVX512_BF16; elsewhere (and as the tests' reference) x is rounded to bf16 and the weights
+ * widened to fp32, the same products summed in another order. */
 static int gemm_bf16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
                      int threads, struct scratch *s) {
+    if (m >= AMX_GEMM_ROWS && k % 32 == 0 && n % 16 == 0 && slotserve_kernel_amx())
+        return gemm_bf16_amx(x, m, k, (const uint16_t *)w.data, n, y, threads, s);
     if (slotserve_kernel_isa() >= ISA_AVX512_BF16)
         return gemm_bf16_avx512(x, m, k, (const uint16_t *)w.data, n, y, threads, s);
     const size_t mark = scratch_mark(s);

@@ -80,6 +80,12 @@ void attention_block_bf16(const float *q, const float *keys, const float *values
 void bf16_round(const float *x, int64_t count, uint16_t *out, int threads);
 void bf16_widen(const uint16_t *in, int64_t count, float *out, int threads);
 
+/* gemm_amx.c: gemm_bf16_avx512's product on AMX tiles, fp32 results; k % 32 == 0, n % 16 == 0,
+ * where slotserve_kernel_amx() says the tiles run. */
+#define AMX_GEMM_ROWS 16
+int gemm_bf16_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                  int threads, struct scratch *s);
+
 /* attention_amx.c: attention_bf16.c's block on AMX tiles (TDPBF16PS), where
  * slotserve_kernel_amx() says they run; `work` holds attention_amx_work(d, longest) floats. */
 size_t attention_amx_work(int64_t d, int64_t longest);

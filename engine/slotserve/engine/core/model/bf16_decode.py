@@ -11,12 +11,12 @@ SmolLM2's gate/up products of 30 layers (weights streamed from memory, best of 9
 and 10.1 / 10.8 / 15.0 ms through oneDNN in bf16. Where
 the CPU lacks the instruction the kernels would widen bf16 to fp32 (slower than fp32 itself),
 so ``auto`` stays fp32 there and an explicit ``bfloat16`` warns once and stays fp32. On a CPU
-with AMX the decoder's products of 16 rows or more (``bf16_prefill.AMX_ROWS``) go to oneDNN's
-tiles instead, decode steps' included: there the packed kernels lead below 16 rows (0.65x
-oneDNN's time at 8) and trail above (1.48x at 32), measured on an Intel Xeon with AMX.
+with AMX the kernels multiply products of 16 rows or more on the tiles (``kernels/gemm_amx.c``,
+the same packed weights, fp32 results), decode steps' included: there VDPBF16PS had trailed
+oneDNN's tiles above 16 rows (1.48x its time at 32) and the tiles match oneDNN.
 
 What it costs: a packed bf16 copy of the decoder's weights (shared with bf16 prefill when both
-are on, unless prefill's go to oneDNN on an AMX CPU) and of the output projection, and the rows
+are on) and of the output projection, and the rows
 rounded to bf16 before each product, as bf16 prefill does; its quality against fp32 is measured
 by ``bench/quant_quality.py`` (docs/engine.md has the figures). Steps that score a prompt
 (prompt logprobs) run in fp32: the runner turns the shared :class:`Bf16Gate` off for them.
@@ -92,7 +92,8 @@ def install_bf16_decode(
             nbytes += layer.weight_packed.numel() * 2
         layer.bf16_gate = gate
     logger.info(
-        "decode products in bfloat16 (VDPBF16PS): %d layers, %.0f MB of bf16 weights added",
+        "decode products in bfloat16 (%s): %d layers, %.0f MB of bf16 weights added",
+        "VDPBF16PS, AMX tiles from 16 rows" if layers[0].kernels.amx else "VDPBF16PS",
         len(layers),
         nbytes / 1e6,
     )
