@@ -53,12 +53,14 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* Tiles 0-3: sums (16 x 16 floats); 4: A (16 rows of 32 bf16); 5: B (16 rows of 32 bf16). */
-AMX_TARGET static void tiles_configure(void) {
+/* All eight tiles 16 rows of 64 bytes (a sum: 16 x 16 floats; an operand: 16 x 32 bf16): here
+ * sums in 0-3, queries or probabilities in 4, keys or values in 5; gemm_amx.c's sums in 0-3,
+ * rows in 4-5, weights in 6-7. */
+AMX_TARGET void amx_tiles_configure(void) {
     struct tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int t = 0; t < 6; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
     _tile_loadconfig(&config);
 }
 
@@ -196,7 +198,7 @@ AMX_TARGET void attention_block_amx(const float *q, const float *keys, const flo
     float *scores = (float *)(((uintptr_t)(pb + AMX_ROWS * stride) + 63) & ~(uintptr_t)63);
     float *acc = scores + AMX_ROWS * stride;
     attention_bf16_pack(keys, values, last, stride, d, kp, vp, rows);
-    tiles_configure();
+    amx_tiles_configure();
     const int64_t queries = count * group;
     for (int64_t first = 0; first < queries; first += AMX_ROWS) {
         float *outs[AMX_ROWS];
@@ -223,6 +225,7 @@ AMX_TARGET void attention_block_amx(const float *q, const float *keys, const flo
     _tile_release();
 }
 #else
+void amx_tiles_configure(void) {}
 int slotserve_kernel_amx(void) {
     amx_usable = 0;
     return 0;

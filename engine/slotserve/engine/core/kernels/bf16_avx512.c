@@ -162,7 +162,9 @@ int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, in
 /* Spans of this many values a thread: big enough that a thread's wake-up is a small part. */
 #define CONVERT_SPAN 16384
 
-void bf16_round(const float *x, int64_t count, uint16_t *out, int threads) {
+/* floats <-> bf16 over `count` values, a span a task: `narrow` rounds floats to bf16 bits (f to
+ * h), else h is widened into f. */
+static void bf16_convert(float *f, uint16_t *h, int64_t count, int narrow, int threads) {
     const int64_t spans = (count + CONVERT_SPAN - 1) / CONVERT_SPAN;
 #if defined(__x86_64__)
     const int vector = slotserve_kernel_isa() >= ISA_AVX512_BF16;
@@ -175,33 +177,27 @@ void bf16_round(const float *x, int64_t count, uint16_t *out, int threads) {
         const int64_t len = count - at < CONVERT_SPAN ? count - at : CONVERT_SPAN;
 #if defined(__x86_64__)
         if (vector) {
-            round_to_bf16(x + at, len, out + at);
+            if (narrow)
+                round_to_bf16(f + at, len, h + at);
+            else
+                widen_from_bf16(h + at, len, f + at);
             continue;
         }
 #endif
-        for (int64_t j = 0; j < len; j++) out[at + j] = bf16_bits(x[at + j]);
+        for (int64_t j = at; j < at + len; j++) {
+            if (narrow)
+                h[j] = bf16_bits(f[j]);
+            else
+                f[j] = bf16_value(h[j]);
+        }
     }
     (void)vector;
 }
 
+void bf16_round(const float *x, int64_t count, uint16_t *out, int threads) {
+    bf16_convert((float *)x, out, count, 1, threads); /* x is only read */
+}
+
 void bf16_widen(const uint16_t *in, int64_t count, float *out, int threads) {
-    const int64_t spans = (count + CONVERT_SPAN - 1) / CONVERT_SPAN;
-#if defined(__x86_64__)
-    const int vector = slotserve_kernel_isa() >= ISA_AVX512_BF16;
-#else
-    const int vector = 0;
-#endif
-#pragma omp parallel for num_threads(threads) if (spans > 1)
-    for (int64_t i = 0; i < spans; i++) {
-        const int64_t at = i * CONVERT_SPAN;
-        const int64_t len = count - at < CONVERT_SPAN ? count - at : CONVERT_SPAN;
-#if defined(__x86_64__)
-        if (vector) {
-            widen_from_bf16(in + at, len, out + at);
-            continue;
-        }
-#endif
-        for (int64_t j = 0; j < len; j++) out[at + j] = bf16_value(in[at + j]);
-    }
-    (void)vector;
+    bf16_convert(out, (uint16_t *)in, count, 0, threads); /* in is only read */
 }

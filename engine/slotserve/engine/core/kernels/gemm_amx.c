@@ -25,20 +25,6 @@
     __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,"   \
                           "avx2")))
 
-struct gemm_tiles {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-GEMM_AMX_TARGET static void gemm_tiles_configure(void) {
-    struct gemm_tiles config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
-}
-
 /* Rows [row, row + 32) of xb (bf16, k columns, padded with zero rows) against blocks b and b + 1
  * (`two`: b + 1 exists) into `out` (32 rows, stride `ld` floats). */
 GEMM_AMX_TARGET static inline __attribute__((always_inline)) void
@@ -75,7 +61,7 @@ GEMM_AMX_TARGET static void gemm_amx_blocks(const uint16_t *xb, int64_t m, int64
 #pragma omp parallel num_threads(threads)
     {
         float tail[32 * 32];
-        gemm_tiles_configure();
+        amx_tiles_configure();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             const int64_t b = 2 * p;

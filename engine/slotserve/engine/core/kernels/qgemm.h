@@ -86,6 +86,9 @@ void bf16_widen(const uint16_t *in, int64_t count, float *out, int threads);
 int gemm_bf16_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
                   int threads, struct scratch *s);
 
+/* attention_amx.c: the tiles' configuration both AMX files use (each thread loads it before its
+ * first tile instruction and releases the tiles after its last). */
+void amx_tiles_configure(void);
 /* attention_amx.c: attention_bf16.c's block on AMX tiles (TDPBF16PS), where
  * slotserve_kernel_amx() says they run; `work` holds attention_amx_work(d, longest) floats. */
 size_t attention_amx_work(int64_t d, int64_t longest);
