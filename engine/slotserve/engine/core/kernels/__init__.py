@@ -129,12 +129,13 @@ class NativeKernels:
 
     @property
     def amx(self) -> bool:
-        """Whether bf16 prefill attention runs on AMX tiles (``attention_amx.c``): the CPU has
-        AMX-BF16, the OS granted the tiles, ``avx512_bf16`` is in use and it is not turned off."""
+        """Whether the AMX tiles run bf16 products of 16 rows or more (``gemm_amx.c``) and bf16
+        prefill attention (``attention_amx.c``): the CPU has AMX-BF16, the OS granted the tiles,
+        ``avx512_bf16`` is in use and they are not turned off."""
         return bool(self._lib.slotserve_kernel_amx())
 
     def set_amx(self, enabled: bool) -> bool:
-        """Turn the AMX attention on (where it can run) or off (tests, benchmarks); returns
+        """Turn the AMX tiles on (where they can run) or off (tests, benchmarks); returns
         :attr:`amx`."""
         return bool(self._lib.slotserve_kernel_set_amx(int(enabled)))
 

@@ -318,7 +318,7 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
                 }
                 if (amx)
                     attention_block_amx(q, kf, vf, lens, r, span.count, h, kv_heads, group, d,
-                                        scale, out, scores, softmax_avx512);
+                                        scale, out, scores);
                 else if (bf16)
                     attention_block_bf16(q, kf, vf, lens, r, span.count, h, kv_heads, group, d,
                                          scale, out, scores, softmax_avx512);

@@ -185,9 +185,7 @@ size_t attention_amx_work(int64_t d, int64_t longest) {
 AMX_TARGET void attention_block_amx(const float *q, const float *keys, const float *values,
                                     const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                                     int64_t kv_heads, int64_t group, int64_t d, float scale,
-                                    float *out, float *work,
-                                    void (*softmax)(float *scores, int64_t len)) {
-    (void)softmax; /* probabilities() fuses its own with the scaling and the rounding */
+                                    float *out, float *work) {
     const int64_t last = lens[r0 + count - 1];
     const int64_t stride = (last + 31) & ~(int64_t)31;
     uint16_t *kp = (uint16_t *)work;
@@ -237,9 +235,9 @@ size_t attention_amx_work(int64_t d, int64_t longest) {
 void attention_block_amx(const float *q, const float *keys, const float *values,
                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                          int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
-                         float *work, void (*softmax)(float *scores, int64_t len)) {
+                         float *work) {
     (void)q, (void)keys, (void)values, (void)lens, (void)r0, (void)count, (void)h;
-    (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work, (void)softmax;
+    (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work;
 }
 #endif
 

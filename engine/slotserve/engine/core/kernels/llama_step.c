@@ -95,49 +95,26 @@ __attribute__((target("avx2,fma"))) static void silu_mul_avx2(const float *gate,
     }
 }
 
-/* 16 values from element j on: floats, or bf16 bits widened (exactly). */
-__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline)) __m512
-load16(const void *row, int64_t j, const int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)row + j);
-    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + j));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 /* silu_mul_avx2 16 lanes wide (the same operations lane by lane, so the same results), n a
- * multiple of 16: a twentieth of a 1,000-token prefill on a Zen 5 in 8 lanes. `bf16`: gate and
- * up are the bf16 result of the caller's product (wide_product), widened here rather than in a
- * pass of their own (that pass was 4% of a prefill on an AMX Xeon). */
-__attribute__((target("avx512f,avx512bw,avx512dq"))) static inline
-    __attribute__((always_inline)) void
-    silu_mul_wide(const void *gate, const void *up, int64_t n, float *out, const int bf16) {
+ * multiple of 16: a twentieth of a 1,000-token prefill on a Zen 5 in 8 lanes. */
+__attribute__((target("avx512f,avx512dq"))) static void
+silu_mul_avx512(const float *gate, const float *up, int64_t n, float *out) {
     const __m512 sign = _mm512_set1_ps(-0.0f), one = _mm512_set1_ps(1.0f);
     for (int64_t j = 0; j < n; j += 16) {
-        const __m512 g = load16(gate, j, bf16);
+        const __m512 g = _mm512_loadu_ps(gate + j);
         const __m512 e = exp_nonpositive512(_mm512_or_ps(g, sign)); /* -|g| */
         const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
         const __m512 sigmoid =
             _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
-        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), load16(up, j, bf16)));
+        _mm512_storeu_ps(out + j,
+                         _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + j)));
     }
-}
-
-__attribute__((target("avx512f,avx512bw,avx512dq"))) static void
-silu_mul_avx512(const float *gate, const float *up, int64_t n, float *out) {
-    silu_mul_wide(gate, up, n, out, 0);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512dq"))) static void
-silu_mul_bf16(const uint16_t *gate, const uint16_t *up, int64_t n, float *out) {
-    silu_mul_wide(gate, up, n, out, 1);
 }
 #define HAVE_AVX2_CODE 1
 #else
 #define HAVE_AVX2_CODE 0
 static void silu_mul_avx512(const float *gate, const float *up, int64_t n, float *out) {
     silu_mul_c(gate, up, n, out);
-}
-static void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, int64_t n, float *out) {
-    (void)gate, (void)up, (void)n, (void)out; /* never called: wide products need x86 */
 }
 static void rms_norm_avx2(const float *x, const float *weight, int64_t n, float eps, float *out) {
     rms_norm_c(x, weight, n, eps, out);
@@ -166,23 +143,21 @@ static void rope(float *head, const float *cos, const float *sin, int64_t d) {
 }
 
 /* The caller's bf16 product (kernels.h's slotserve_wide_product): the rows rounded to bf16,
- * padded with zero rows to a multiple of 16 (oneDNN builds a kernel per shape); the result in
- * bf16 into `raw` (room for m rounded up to 16 rows) when not NULL, else widened into y. */
+ * padded with zero rows to a multiple of 16 (oneDNN builds a kernel per shape), the result
+ * widened into y. */
 static int wide_product(const struct step_model *model, int64_t l, int which, const float *x,
-                        int64_t m, int64_t k, int64_t n, float *y, uint16_t *raw, int threads,
-                        struct scratch *s) {
+                        int64_t m, int64_t k, int64_t n, float *y, int threads, struct scratch *s) {
     const int64_t rows = (m + 15) & ~(int64_t)15;
     const size_t mark = scratch_mark(s);
     void *owned[2] = {NULL};
     uint16_t *xb = scratch_take(s, sizeof(uint16_t) * (size_t)(rows * k), &owned[0]);
-    uint16_t *yb =
-        raw != NULL ? raw : scratch_take(s, sizeof(uint16_t) * (size_t)(rows * n), &owned[1]);
+    uint16_t *yb = scratch_take(s, sizeof(uint16_t) * (size_t)(rows * n), &owned[1]);
     int status = -1;
     if (xb != NULL && yb != NULL) {
         bf16_round(x, m * k, xb, threads);
         memset(xb + m * k, 0, sizeof(uint16_t) * (size_t)((rows - m) * k));
         if (model->wide(l, which, xb, rows, k, yb, n) == 0) {
-            if (raw == NULL) bf16_widen(yb, m * n, y, threads);
+            bf16_widen(yb, m * n, y, threads);
             status = 0;
         }
     }
@@ -195,7 +170,7 @@ static int product(const struct step_model *model, int64_t l, int which, const f
                    int64_t k, int64_t n, float *y, int threads, struct scratch *s) {
     const struct step_layer *layer = &model->layers[l];
     if (model->wide != NULL && m >= model->wide_rows) {
-        if (wide_product(model, l, which, x, m, k, n, y, NULL, threads, s) != 0) return -1;
+        if (wide_product(model, l, which, x, m, k, n, y, threads, s) != 0) return -1;
     } else {
         struct weights w = {(enum kind)layer->kind[which], layer->data[which], layer->scale[which],
                             layer->minimum[which]};
@@ -269,25 +244,11 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
         for (int64_t i = 0; i < m; i++)
             rms_norm(x + i * hidden, layer->post_attention_norm, hidden, model->eps,
                      normed + i * hidden, avx2);
-        /* The caller's bf16 gate/up result is read as it is (`wide` has room for its padded
-         * rows: m * widest floats hold (m + 15) * 2 * inter bf16 from 15 rows on). */
-        const int raw = avx512 && model->wide != NULL && m >= model->wide_rows && m >= 15 &&
-                        layer->bias[GATE_UP] == NULL;
-        if (raw) {
-            if (wide_product(model, l, GATE_UP, normed, m, hidden, 2 * inter, NULL,
-                             (uint16_t *)wide, threads, s))
-                goto done;
-        } else if (product(model, l, GATE_UP, normed, m, hidden, 2 * inter, wide, threads, s))
-            goto done;
+        if (product(model, l, GATE_UP, normed, m, hidden, 2 * inter, wide, threads, s)) goto done;
 #pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
         for (int64_t i = 0; i < m; i++) {
-            float *act = narrow + i * inter;
-            if (raw) {
-                const uint16_t *gate = (const uint16_t *)wide + i * 2 * inter;
-                silu_mul_bf16(gate, gate + inter, inter, act);
-                continue;
-            }
             const float *gate = wide + i * 2 * inter, *up = gate + inter;
+            float *act = narrow + i * inter;
             if (avx512)
                 silu_mul_avx512(gate, up, inter, act);
             else if (avx2)

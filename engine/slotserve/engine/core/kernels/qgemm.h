@@ -90,12 +90,13 @@ int gemm_bf16_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, int64
  * first tile instruction and releases the tiles after its last). */
 void amx_tiles_configure(void);
 /* attention_amx.c: attention_bf16.c's block on AMX tiles (TDPBF16PS), where
- * slotserve_kernel_amx() says they run; `work` holds attention_amx_work(d, longest) floats. */
+ * slotserve_kernel_amx() says they run, its softmax fused with the scaling and the rounding;
+ * `work` holds attention_amx_work(d, longest) floats. */
 size_t attention_amx_work(int64_t d, int64_t longest);
 void attention_block_amx(const float *q, const float *keys, const float *values,
                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                          int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
-                         float *work, void (*softmax)(float *scores, int64_t len));
+                         float *work);
 
 #pragma GCC visibility pop
 

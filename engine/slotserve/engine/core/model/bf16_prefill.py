@@ -124,18 +124,16 @@ def install_bf16_prefill(
             if "amx_bf16" in units:
                 layer.amx_rows = AMX_ROWS
         layer.bf16_gate = gate
+    if not packed:
+        route = f"oneDNN from {layers[0].onednn_rows()} rows"
+    elif kernels is not None and kernels.amx:
+        route = "native kernels, AMX tiles from 16 rows"
+    else:
+        route = "native kernels, VDPBF16PS"
     logger.info(
         "prefill products in bfloat16 on %s (%s): %d decoder layers, %.0f MB of bf16 weights",
         "+".join(units),
-        (
-            (
-                "native kernels, AMX tiles from 16 rows"
-                if kernels.amx
-                else "native kernels, VDPBF16PS"
-            )
-            if packed and kernels is not None
-            else f"oneDNN from {layers[0].onednn_rows()} rows"
-        ),
+        route,
         len(layers),
         nbytes / 1e6,
     )
