@@ -77,7 +77,13 @@ def test_lm_eval_scoring_request_with_token_ids_and_a_batch(engine):
     assert reply.status_code == 200, reply.text
     body = reply.json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 0, "total_tokens": 7}
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 0,
+        "total_tokens": 7,
+        # Prompt logprobs need every prompt token computed: nothing comes from the cache.
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     for choice, prompt in zip(body["choices"], prompts, strict=True):
         logprobs = choice["logprobs"]
         assert choice["finish_reason"] == "length"

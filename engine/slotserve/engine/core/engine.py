@@ -332,6 +332,7 @@ class LLMEngine:
             num_generated_tokens=seq.num_generated_tokens,
             metrics=RequestMetrics.from_sequence(seq),
             error=seq.error,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def _record(self, plan: StepPlan, now: float) -> None:

@@ -94,6 +94,7 @@ class KVCacheManager:
             copies = choice.copies
             self.prefix_cache.occupy(choice.slot, seq)
             if seq.num_preemptions == 0:
+                seq.num_cached_tokens = choice.num_cached_tokens
                 self.num_prefix_query_tokens += seq.num_tokens
                 self.num_prefix_hit_tokens += choice.num_cached_tokens
         seq.num_kv_tokens = seq.num_tokens

@@ -60,6 +60,8 @@ class Sequence:
     slot: int | None = None
     num_kv_tokens: int = 0
     num_preemptions: int = 0
+    # Tokens reused from the prefix cache at its first admission (not after a preemption).
+    num_cached_tokens: int = 0
     # The request's random generator (a torch.Generator, created by the runner on first use).
     generator: Any = None
     # The structured-output matcher (llguidance), when the request has a grammar.

@@ -49,6 +49,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated_tokens: int
     metrics: RequestMetrics | None = None
+    # Prompt tokens its slot row held when it was first admitted (its usage's cached_tokens).
+    num_cached_tokens: int = 0
     error: SequenceError | None = None  # with finish_reason "error": why, for the client
     logprobs: list[TokenLogprobs] | None = None  # one per token of ``text``, when asked for
     # With ``prompt_logprobs``, on the request's first token's output: one entry per prompt

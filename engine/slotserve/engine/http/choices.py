@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.http.openai_responses import TokenCounts
 
 if TYPE_CHECKING:
     from slotserve.engine.core.async_engine import AsyncEngine, RequestStream
@@ -80,10 +81,19 @@ class Choices:
             raise
         return cls(streams, n)
 
-    def num_prompt_tokens(self, outputs: list[RequestOutput]) -> int:
-        """The prompt tokens of a request whose choices' outputs are ``outputs`` (by index): each
-        prompt counted once, as OpenAI does."""
-        return sum(output.num_prompt_tokens for output in outputs[:: self.per_prompt])
+    def finals(self) -> list[RequestOutput]:
+        """Every choice's final output, by index, once all have finished (``record``)."""
+        return [output for output in self.final_outputs if output is not None]
+
+    def counts(self, outputs: list[RequestOutput]) -> TokenCounts:
+        """The usage of a request whose choices' final outputs are ``outputs`` (by index): each
+        prompt counted once, as OpenAI does (and its cached tokens with it)."""
+        firsts = outputs[:: self.per_prompt]
+        return TokenCounts(
+            prompt=sum(output.num_prompt_tokens for output in firsts),
+            generated=sum(output.num_generated_tokens for output in outputs),
+            cached=sum(output.num_cached_tokens for output in firsts),
+        )
 
     def record(self, state: ServerState, index: int, output: RequestOutput) -> None:
         self.finished[index] = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import BaseModel
 
@@ -26,6 +26,7 @@ from slotserve.engine.http.openai_responses import (
     CompletionChoice,
     CompletionResponse,
     PromptLogprobEntry,
+    TokenCounts,
     Usage,
 )
 
@@ -76,12 +77,10 @@ class OutputFormat:
     ) -> bytes:
         raise NotImplementedError
 
-    def usage_chunk(self, num_prompt_tokens: int, num_generated_tokens: int) -> bytes:
+    def usage_chunk(self, counts: TokenCounts) -> bytes:
         raise NotImplementedError
 
-    def response(
-        self, choices: list[ChoiceOutput], num_prompt_tokens: int, num_generated_tokens: int
-    ) -> str:
+    def response(self, choices: list[ChoiceOutput], counts: TokenCounts) -> str:
         raise NotImplementedError
 
 
@@ -230,21 +229,18 @@ class CompletionFormat(OutputFormat):
     ) -> bytes:
         return sse_event(self._body([self._choice(index, text, finish_reason, logprobs)], None))
 
-    def _usage(self, num_prompt_tokens: int, num_generated_tokens: int) -> Usage:
-        return Usage.of(num_prompt_tokens, 0 if self.options.score_only else num_generated_tokens)
+    def _usage(self, counts: TokenCounts) -> Usage:
+        return Usage.of(replace(counts, generated=0) if self.options.score_only else counts)
 
-    def usage_chunk(self, num_prompt_tokens: int, num_generated_tokens: int) -> bytes:
-        return sse_event(self._body([], self._usage(num_prompt_tokens, num_generated_tokens)))
+    def usage_chunk(self, counts: TokenCounts) -> bytes:
+        return sse_event(self._body([], self._usage(counts)))
 
-    def response(
-        self, choices: list[ChoiceOutput], num_prompt_tokens: int, num_generated_tokens: int
-    ) -> str:
+    def response(self, choices: list[ChoiceOutput], counts: TokenCounts) -> str:
         out = [
             self._choice(index, choice.text, choice.finish_reason, choice.logprobs)
             for index, choice in enumerate(choices)
         ]
-        usage = self._usage(num_prompt_tokens, num_generated_tokens)
-        return self._body(out, usage).model_dump_json()
+        return self._body(out, self._usage(counts)).model_dump_json()
 
 
 def cumulative_offsets(tokens: list[str]) -> list[int]:
@@ -288,12 +284,10 @@ class ChatFormat(OutputFormat):
         )
         return self._chunk([choice], None)
 
-    def usage_chunk(self, num_prompt_tokens: int, num_generated_tokens: int) -> bytes:
-        return self._chunk([], Usage.of(num_prompt_tokens, num_generated_tokens))
+    def usage_chunk(self, counts: TokenCounts) -> bytes:
+        return self._chunk([], Usage.of(counts))
 
-    def response(
-        self, choices: list[ChoiceOutput], num_prompt_tokens: int, num_generated_tokens: int
-    ) -> str:
+    def response(self, choices: list[ChoiceOutput], counts: TokenCounts) -> str:
         out = [
             ChatChoice(
                 index=index,
@@ -303,15 +297,13 @@ class ChatFormat(OutputFormat):
             )
             for index, choice in enumerate(choices)
         ]
-        return self._response_json(out, num_prompt_tokens, num_generated_tokens)
+        return self._response_json(out, counts)
 
-    def _response_json(
-        self, choices: list[ChatChoice], num_prompt_tokens: int, num_generated_tokens: int
-    ) -> str:
+    def _response_json(self, choices: list[ChatChoice], counts: TokenCounts) -> str:
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=Usage.of(num_prompt_tokens, num_generated_tokens),
+            usage=Usage.of(counts),
         ).model_dump_json()

@@ -81,8 +81,7 @@ async def collect(
             ChoiceOutput("".join(text), final.finish_reason, entries)
             for text, final, entries in zip(texts, done, logprobs, strict=True)
         ],
-        choices.num_prompt_tokens(done),  # each prompt counted once, as OpenAI does
-        sum(final.num_generated_tokens for final in done),
+        choices.counts(done),
     )
     return web.json_response(text=body, headers=slot_headers(engine.stats()))
 
@@ -109,7 +108,6 @@ async def stream_sse(
         for index in range(len(choices.streams)):
             if first := fmt.first_chunk(index):
                 await response.write(first)
-        num_prompt_tokens = num_generated_tokens = 0
         async for index, output in choices.outputs():
             fmt.observe(index, output)
             if not output.finished:
@@ -126,11 +124,8 @@ async def stream_sse(
             await response.write(
                 fmt.chunk(output.text, output.finish_reason, output.logprobs, index)
             )
-            if index % choices.per_prompt == 0:  # each prompt counted once
-                num_prompt_tokens += output.num_prompt_tokens
-            num_generated_tokens += output.num_generated_tokens
         if include_usage:
-            await response.write(fmt.usage_chunk(num_prompt_tokens, num_generated_tokens))
+            await response.write(fmt.usage_chunk(choices.counts(choices.finals())))
         await response.write(DONE_EVENT)
         await response.write_eof()
     except ConnectionError:

@@ -3,6 +3,7 @@ the model list and the error body."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -16,17 +17,34 @@ def _is_none(value: object) -> bool:
     return value is None
 
 
+@dataclass(frozen=True)
+class TokenCounts:
+    """A request's tokens as its usage reports them: prompt tokens (each prompt counted once),
+    generated tokens, and the prompt tokens its slot rows already held (not prefilled)."""
+
+    prompt: int
+    generated: int
+    cached: int = 0
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's field: the prompt tokens served from the prefix cache (the engine's rows).
+    prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_generated_tokens: int) -> Usage:
+    def of(cls, counts: TokenCounts) -> Usage:
         return cls(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_generated_tokens,
-            total_tokens=num_prompt_tokens + num_generated_tokens,
+            prompt_tokens=counts.prompt,
+            completion_tokens=counts.generated,
+            total_tokens=counts.prompt + counts.generated,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached),
         )
 
 

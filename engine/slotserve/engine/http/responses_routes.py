@@ -27,6 +27,7 @@ from slotserve.engine.core.logprobs import TokenLogprobs
 from slotserve.engine.core.sequence import FinishReason
 from slotserve.engine.http.http_state import STATE, ApiError
 from slotserve.engine.http.openai_format import ChoiceOutput, OutputFormat
+from slotserve.engine.http.openai_responses import TokenCounts
 from slotserve.engine.http.openai_routes import _admit, _parse_body, run_chat
 from slotserve.engine.http.responses_api import ResponsesRequest
 from slotserve.engine.http.tool_calls import ToolCall, ToolPlan
@@ -118,13 +119,13 @@ class ResponsesFormat(OutputFormat):
         }
 
     @staticmethod
-    def _usage(num_prompt_tokens: int, num_generated_tokens: int) -> dict[str, Any]:
+    def _usage(counts: TokenCounts) -> dict[str, Any]:
         return {
-            "input_tokens": num_prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": num_generated_tokens,
+            "input_tokens": counts.prompt,
+            "input_tokens_details": {"cached_tokens": counts.cached},
+            "output_tokens": counts.generated,
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": num_prompt_tokens + num_generated_tokens,
+            "total_tokens": counts.prompt + counts.generated,
         }
 
     def _message(self, text: str, status: str) -> dict[str, Any]:
@@ -162,13 +163,11 @@ class ResponsesFormat(OutputFormat):
         output = [self._message(text, status)] if text or not calls else []
         return output + [self._call(call, "completed") for call in calls]
 
-    def response(
-        self, choices: list[ChoiceOutput], num_prompt_tokens: int, num_generated_tokens: int
-    ) -> str:
+    def response(self, choices: list[ChoiceOutput], counts: TokenCounts) -> str:
         (choice,) = choices
         text, calls = self._split(choice.text, choice.finish_reason)
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        usage = self._usage(num_prompt_tokens, num_generated_tokens)
+        usage = self._usage(counts)
         return json.dumps(self._response(status, self._output(text, calls, status), usage))
 
     # -- the stream -----------------------------------------------------------------------------
@@ -280,9 +279,9 @@ class ResponsesFormat(OutputFormat):
         self._final = (items, finish_reason)
         return out
 
-    def usage_chunk(self, num_prompt_tokens: int, num_generated_tokens: int) -> bytes:
+    def usage_chunk(self, counts: TokenCounts) -> bytes:
         items, finish_reason = self._final or ([], None)
         status = "incomplete" if finish_reason == "length" else "completed"
-        usage = self._usage(num_prompt_tokens, num_generated_tokens)
+        usage = self._usage(counts)
         final = self._response(status, items, usage)
         return self._emit(f"response.{status}", response=final)

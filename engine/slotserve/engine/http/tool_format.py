@@ -18,6 +18,7 @@ from slotserve.engine.http.openai_responses import (
     ChatChunkChoice,
     ChatDelta,
     ChatMessageOut,
+    TokenCounts,
 )
 from slotserve.engine.http.tool_calls import ToolCall, ToolCallDelta, ToolPlan
 
@@ -72,9 +73,7 @@ class ToolChatFormat(ChatFormat):
             [ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)], None
         )
 
-    def response(
-        self, choices: list[ChoiceOutput], num_prompt_tokens: int, num_generated_tokens: int
-    ) -> str:
+    def response(self, choices: list[ChoiceOutput], counts: TokenCounts) -> str:
         out = []
         for index, choice in enumerate(choices):
             content, calls = self._split(choice.text, choice.finish_reason)
@@ -92,4 +91,4 @@ class ToolChatFormat(ChatFormat):
                     else None,
                 )
             )
-        return self._response_json(out, num_prompt_tokens, num_generated_tokens)
+        return self._response_json(out, counts)
