@@ -116,7 +116,14 @@ async def run_chat(
             history.append({"role": "user", "content": text})
             headers = {SESSION_HEADER: conv.id} if args.session_header else None
             answer = await run.send(
-                gateways, list(history), args.chat_new_tokens, turn > 0, headers, args
+                gateways,
+                list(history),
+                args.chat_new_tokens,
+                turn > 0,
+                headers,
+                args,
+                conv.id,
+                turn,
             )
             if answer is None:
                 return  # the conversation cannot go on without its answer
@@ -193,6 +200,7 @@ ROWS = (
     ("hit share (engines' counters)", "hit_share", "{:.1%}"),
     ("ideal share (history / prompt)", "ideal_share", "{:.1%}"),
     ("hit share / ideal", "hit_of_ideal", "{:.2f}"),
+    ("requests served < half their ideal reuse", "missed_turns", "{:.0f}"),
     ("TTFT p50 first turns, s", "ttft_first_p50_s", "{:.2f}"),
     ("TTFT p90 first turns, s", "ttft_first_p90_s", "{:.2f}"),
     ("TTFT p50 later turns, s", "ttft_later_p50_s", "{:.2f}"),
@@ -217,7 +225,7 @@ def print_table(workload: str, cells: dict[str, list[dict[str, Any]]]) -> None:
     for label, key, fmt in ROWS:
         values = [median_of(cells[r], key) for r in routings]
         text = "".join(f"{fmt.format(v):>10}" for v in values)
-        if key not in ("num_errors", "max_running_over_slots"):
+        if key not in ("num_errors", "max_running_over_slots", "missed_turns"):
             text += "".join(f"{values[-1] / v:>15.2f}" if v else f"{'':>15}" for v in values[:-1])
         print(f"{label:<40}{text}")
     for name, value, met in target_checks(workload, cells):
@@ -393,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
                             f"({cell['num_errors']} errors), "
                             f"hit share {cell['hit_share']:.1%} of ideal {cell['ideal_share']:.1%}"
                         )
+                        by_turn = cell["hit_of_ideal_by_turn"]
+                        turns = ", ".join(
+                            f"{turn} {share:.2f}" for turn, share in by_turn.items() if share
+                        )
+                        missed = cell["missed_turns"]
+                        print(f"    served / ideal by turn: {turns}; {missed} under half the ideal")
         finally:
             stack.stop()
             redis.stop()

@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from slotserve.contracts.headers import QUEUE_WAIT_MS_HEADER
 from slotserve.engine.core.prefix_cache import MIN_REUSE_TOKENS
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "quality_text.txt"
@@ -145,6 +146,8 @@ class ChatAnswer:
     latency_s: float
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # usage.prompt_tokens_details: what the engine's rows held
+    queue_wait_ms: float | None = None  # the gateway's x-slotserve-queue-wait-ms
 
 
 class RequestFailed(Exception):
@@ -171,6 +174,7 @@ async def stream_chat(
     async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
         if resp.status != 200:
             raise RequestFailed(resp.status, await resp.text())
+        queue_wait = resp.headers.get(QUEUE_WAIT_MS_HEADER)
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data: {"):
@@ -194,4 +198,6 @@ async def stream_chat(
         latency_s=ended - started,
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         completion_tokens=int(usage.get("completion_tokens", 0)),
+        cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
+        queue_wait_ms=float(queue_wait) if queue_wait is not None else None,
     )

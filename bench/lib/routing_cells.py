@@ -27,10 +27,15 @@ class Sent:
     sequence: int  # the order requests were sent in
     messages: Messages
     later_turn: bool
+    label: str = ""  # its conversation (chat workloads)
+    turn: int = 0
+    sent_at_s: float = 0.0  # since the run's first request
     answer: str | None = None
     ttft_s: float = 0.0
     prompt_tokens: int = 0  # the server's usage figure
     completion_tokens: int = 0
+    cached_tokens: int = 0  # the engine's usage: prompt tokens its rows held
+    queue_wait_ms: float | None = None
     error: str = ""
 
 
@@ -46,6 +51,7 @@ class CellRun:
     sampler: LoadSampler | None = None
     _session: aiohttp.ClientSession | None = None
     _turn: itertools.count[int] = field(default_factory=itertools.count)
+    _started: float | None = None
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[None]:
@@ -75,12 +81,16 @@ class CellRun:
         later_turn: bool,
         headers: dict[str, str] | None,
         args: Any,
+        label: str = "",
+        turn: int = 0,
     ) -> str | None:
         """Send one streamed chat completion to the next gateway; the answer's text, or None
         when it failed (recorded either way)."""
         assert self._session is not None, "send inside session()"
         sequence = next(self._turn)
-        record = Sent(sequence, messages, later_turn)
+        now = time.perf_counter()
+        self._started = self._started if self._started is not None else now
+        record = Sent(sequence, messages, later_turn, label, turn, now - self._started)
         self.sent.append(record)
         body: dict[str, Any] = {"model": self.model, "messages": messages}
         body |= {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": args.ignore_eos}
@@ -98,6 +108,7 @@ class CellRun:
             answer.prompt_tokens,
             answer.completion_tokens,
         )
+        record.cached_tokens, record.queue_wait_ms = answer.cached_tokens, answer.queue_wait_ms
         return answer.text
 
 
@@ -113,14 +124,28 @@ def summarize(run: CellRun, tokenizer: Any) -> dict[str, Any]:
     ideal = IdealCache()
     ideal.add(chat_ids(tokenizer, WARM))  # every engine holds the warm-up's row
     prompt_total = reusable_total = usage_total = 0
+    requests: list[dict[str, Any]] = []
     for record in sorted(run.sent, key=lambda r: r.sequence):
         ids = chat_ids(tokenizer, record.messages)
         if record.answer is None:
             continue
+        reusable = ideal.reusable(ids)
         prompt_total += len(ids)
         usage_total += record.prompt_tokens
-        reusable_total += ideal.reusable(ids)
+        reusable_total += reusable
         ideal.add(ids + tokenizer.encode(record.answer, add_special_tokens=False))
+        requests.append(
+            {
+                "label": record.label,
+                "turn": record.turn,
+                "sent_at_s": round(record.sent_at_s, 3),
+                "ttft_s": round(record.ttft_s, 3),
+                "queue_wait_ms": record.queue_wait_ms,
+                "prompt_tokens": record.prompt_tokens,
+                "cached_tokens": record.cached_tokens,
+                "ideal_reusable_tokens": reusable,
+            }
+        )
     done = [r for r in run.sent if r.answer is not None]
     errors: dict[str, int] = {}
     for record in run.sent:
@@ -171,5 +196,23 @@ def summarize(run: CellRun, tokenizer: Any) -> dict[str, Any]:
         "max_running_over_slots": over,
         "load_samples": sampler.samples if sampler else 0,
         "load_poll_failures": sampler.failures if sampler else 0,
+        "hit_of_ideal_by_turn": hit_of_ideal_by_turn(requests),
+        "missed_turns": sum(
+            1 for r in requests if r["cached_tokens"] * 2 < r["ideal_reusable_tokens"]
+        ),
+        "requests": requests,
         "measured_at": time.time(),
+    }
+
+
+def hit_of_ideal_by_turn(requests: list[dict[str, Any]]) -> dict[int, float | None]:
+    """Per turn of the conversations, the prompt tokens the engines' rows served (each answer's
+    usage) over what an ideal router would have reused."""
+    by_turn: dict[int, list[int]] = {}
+    for request in requests:
+        sums = by_turn.setdefault(request["turn"], [0, 0])
+        sums[0] += request["cached_tokens"]
+        sums[1] += request["ideal_reusable_tokens"]
+    return {
+        turn: cached / ideal if ideal else None for turn, (cached, ideal) in sorted(by_turn.items())
     }

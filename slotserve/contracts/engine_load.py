@@ -13,6 +13,8 @@ from slotserve.contracts.pool_spec import DEFAULT_POLICY, BatchingPolicy
 # Keys one report may carry (17 bytes each in JSON: ~35 KB at most); an engine with many slots
 # reports fewer keys per row.
 MAX_REPORTED_PREFIX_KEYS = 2048
+# A row unused this long is as cold as rows get (prefix_row_idle_ms is reported up to it).
+MAX_ROW_IDLE_MS = 3_600_000
 
 
 class EngineLoadReport(BaseModel):
@@ -50,6 +52,15 @@ class EngineLoadReport(BaseModel):
         description="KV rows that hold nothing yet, less the requests waiting for a slot: the "
         "gateway sends a request whose prefix no engine holds where it evicts nobody's; 0 from "
         "older engines.",
+    )
+    prefix_row_idle_ms: int = Field(
+        0,
+        ge=0,
+        le=MAX_ROW_IDLE_MS,
+        description="With no row free of a prefix (prefix_rows_free 0): how long the row that a "
+        "new prefix would take next (the least recently used, after the waiting requests' own) "
+        "has sat unused, in milliseconds, at most MAX_ROW_IDLE_MS; 0 when none or from older "
+        "engines. The gateway sends a new prefix where it evicts the coldest row.",
     )
     # Choices made at load (e.g. linear_backend) and what each cost; for people, not gateways.
     calibrations: list[dict[str, object]] = Field(default_factory=list)

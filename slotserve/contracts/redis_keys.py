@@ -27,6 +27,7 @@ replica leaves nothing behind for long:
 | ``P:{pool}:route_waits`` | HASH | waiting id -> since when it waits for its engine (8) | STATE |
 | ``P:{pool}:routed:{key}`` | STRING | endpoint a request with prefix ``key`` went to (8) | 5 s |
 | ``P:{pool}:session:{id}`` | STRING | endpoint that served session ``id`` last (8) | 10 min |
+| ``P:{pool}:row_claims:{url}`` | ZSET | grants taking a new row at ``url``; score = us (8) | 10 s |
 | ``P:{pool}:entry_tenants`` | HASH | waiting request id -> its tenant (9) | STATE |
 | ``P:{pool}:lease_tenants`` | HASH | request id holding a slot -> its tenant (9) | STATE |
 | ``P:{pool}:tenant_held`` | HASH | tenant -> slots its leases hold in the pool (9) | STATE |
@@ -136,6 +137,10 @@ class Keys:
     def session(self, pool_name: str, session_id: str) -> str:
         return self.pool_key(pool_name, f"session:{session_id}")
 
+    def row_claims(self, pool_name: str, url: str) -> str:
+        """Grants that took a row at engine ``url`` lately (routing.ROW_CLAIM_TTL_MS)."""
+        return self.pool_key(pool_name, f"row_claims:{url}")
+
     def tenant(self, tenant_name: str) -> list[str]:
         """The tenant's quota keys in the order the quota scripts expect them (KEYS[1..3])."""
         return [f"{self.prefix}:tenant:{tenant_name}:{name}" for name in TENANT_KEY_NAMES]
@@ -223,7 +228,7 @@ class ScriptArgs:
 
 
 # The values of one offer in a dispatching script's ARGV: url, slots_total, load_score, rows_free.
-OFFER_ARGS = 4
+OFFER_ARGS = 6
 
 
 @dataclass(frozen=True)
@@ -234,7 +239,7 @@ class DispatchArgs(ScriptArgs):
     :meth:`argv` builds them and :meth:`lua_locals` binds each to a Lua local named after its
     field in capitals (numbers through ``tonumber``), so neither side counts positions by
     hand. ``num_offers`` offers of ``OFFER_ARGS`` values (url, slots_total, load_score,
-    rows_free) follow, then each script's own arguments.
+    rows_free, row_idle_ms, report_age_ms) follow, then each script's own arguments.
     """
 
     prefix: str

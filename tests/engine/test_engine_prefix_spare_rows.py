@@ -9,6 +9,7 @@ and the settings and memory that refuse spare rows.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -201,15 +202,26 @@ async def test_load_reports_the_keys_and_the_empty_rows_of_spare_rows(tiny_model
         histories = [[{"role": "user", "content": f"Question {index}: name a colour."}]
                      for index in range(3)]  # fmt: skip
         empty = [(await (await client.get("/load")).json())["prefix_rows_free"]]
+        idle = [(await (await client.get("/load")).json())["prefix_row_idle_ms"]]
         for history in histories:  # one slot: each finishes before the next starts
             resp = await client.post(
                 "/v1/chat/completions",
                 json={"model": "tiny", "messages": history, "max_tokens": 2, "temperature": 0},
             )
             assert resp.status == 200, await resp.text()
-            empty.append((await (await client.get("/load")).json())["prefix_rows_free"])
+            if history is histories[0]:
+                first_done = time.monotonic()
+            load = await (await client.get("/load")).json()
+            empty.append(load["prefix_rows_free"])
+            idle.append(load["prefix_row_idle_ms"])
         # Each conversation took an empty row (the gateway places new prefixes by this count).
         assert empty == [3, 2, 1, 0]
+        # While a row is empty it is the next to go (idle 0); then the least recently used is:
+        # the first conversation's, unused since it finished, and older by the moment.
+        assert idle[:3] == [0, 0, 0]
+        await asyncio.sleep(0.2)
+        later = (await (await client.get("/load")).json())["prefix_row_idle_ms"]
+        assert 0 < idle[3] < later <= (time.monotonic() - first_done) * 1000 + 50
         load = await (await client.get("/load")).json()
         assert (load["slots_total"], load["prefix_cache_rows"]) == (1, 3)
         keys = set(load["prefix_keys"])

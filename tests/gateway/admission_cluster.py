@@ -42,14 +42,20 @@ class Cluster:
         self.replicas: list[Admission] = []
 
     def serve(
-        self, pool: PoolPolicy, *endpoints: tuple[str, int, float] | tuple[str, int, float, int]
+        self,
+        pool: PoolPolicy,
+        *endpoints: tuple[str, int, float]
+        | tuple[str, int, float, int]
+        | tuple[str, int, float, int, int],
     ) -> PoolPolicy:
-        """Serve ``pool`` on endpoints given as (url, slots, engine load score[, empty rows])."""
+        """Serve ``pool`` on endpoints given as (url, slots, engine load score[, empty rows[,
+        ms its next row to evict sat unused]]), reports read just now."""
         self.pools[pool.name] = pool
-        self.offers[pool.name] = [
-            EndpointOffer(url, slots, load, rows_free=rows[0] if rows else 0)
-            for url, slots, load, *rows in endpoints
-        ]
+        offers = []
+        for url, slots, load, *extra in endpoints:
+            rows, idle = (extra[0] if extra else 0), (extra[1] if len(extra) > 1 else 0)
+            offers.append(EndpointOffer(url, slots, load, rows_free=rows, row_idle_ms=idle))
+        self.offers[pool.name] = offers
         return pool
 
     async def replica(self) -> Admission:

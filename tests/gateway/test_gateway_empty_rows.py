@@ -1,8 +1,10 @@
-"""Placing a request whose prefix no engine holds by the engines' empty KV rows (issue 29), on
-both backends: it goes to the engine with the most empty rows within the balance, it waits (a
-bounded time) for a full engine with empty rows rather than evict a row where there is room
-but no empty row, the Redis scripts and the in-process twin agree step by step, and an engine
-that reports rows it cannot have is offered to nobody."""
+"""Placing a request whose prefix no engine holds by the engines' rows (issue 29), on both
+backends: it goes to the engine with the most empty rows within the balance, else to the one
+whose next row to evict has sat unused longest; it waits (a bounded time) for a full engine with
+empty rows, or a much colder row, rather than evict a younger row where there is room; a grant
+claims its row until a report newer than it, so a burst between two reports is not all sent to
+one empty row; the Redis scripts and the in-process twin agree step by step; and an engine that
+reports rows or idle times it cannot have is offered to nobody."""
 
 from __future__ import annotations
 
@@ -12,18 +14,23 @@ import time
 
 import pytest
 
+from slotserve.contracts.engine_load import MAX_ROW_IDLE_MS
 from slotserve.contracts.pool_spec import MAX_PREFIX_CACHE_ROWS
 from slotserve.contracts.prefix_keys import chat_chain
 from slotserve.gateway.admission.front import Admission, Lease
 from slotserve.gateway.admission.types import PoolPolicy
 from slotserve.gateway.pools.engines import BadReportError, parse_load_report
 from slotserve.gateway.pools.routing import (
+    COLDER_BY_MS,
+    ROW_CLAIM_MARGIN_MS,
     EndpointOffer,
     Route,
+    claim_cutoff_us,
     offer_is_sound,
     pick_endpoint,
     rank_endpoints,
     waits_for_engine,
+    with_claims,
 )
 from tests.gateway.admission_twin import Twin
 
@@ -54,9 +61,36 @@ def test_the_rule_prefers_depth_then_session_then_empty_rows_then_load():
     assert pick_endpoint(ranked, inflight, route, {A: 1})[:2] == (offers[0], "prefix")
     assert pick_endpoint(ranked, inflight, route, {}, session_url=A)[1] == "session"
     assert pick_endpoint(ranked, inflight, None, {})[1] == "load"
-    # No empty row anywhere: the least loaded, as before.
+    # No empty row and no idle row known anywhere: the least loaded, as before.
     bare = [EndpointOffer(url, 4, 0.0) for url in (A, B, C)]
     assert pick_endpoint(rank_endpoints(bare, inflight), inflight, route, {})[1:] == ("load", 0)
+
+
+def test_with_no_empty_row_the_coldest_row_is_evicted_within_the_balance():
+    offers = [EndpointOffer(url, 4, 0.0, row_idle_ms=idle) for url, idle in
+              ((A, 500), (B, 9_000), (C, 60_000))]  # fmt: skip
+    inflight = {A: 0, B: 1, C: 3}
+    ranked = rank_endpoints(offers, inflight)
+    route = first_turn("x")
+    # C's row is the coldest but C is 0.75 above A: B's, the next coldest.
+    assert pick_endpoint(ranked, inflight, route, {})[:2] == (offers[1], "rows")
+    assert pick_endpoint(ranked, {A: 0, B: 1, C: 2}, route, {})[0].url == C
+    # An empty row anywhere (within the balance) outranks any idle row.
+    roomy = [*offers[:2], EndpointOffer(C, 4, 0.0, rows_free=1)]
+    assert (
+        pick_endpoint(rank_endpoints(roomy, inflight), {A: 0, B: 1, C: 2}, route, {})[0] == roomy[2]
+    )
+
+
+def test_a_claim_takes_an_empty_row_until_a_report_newer_than_it():
+    offer = EndpointOffer(A, 4, 0.0, rows_free=2, report_age_ms=300)
+    now = 10_000_000
+    assert claim_cutoff_us(offer, now) == now - (300 + ROW_CLAIM_MARGIN_MS) * 1000
+    assert with_claims(offer, 0) == offer
+    assert (with_claims(offer, 1).rows_free, with_claims(offer, 1).row_idle_ms) == (1, 0)
+    # Past the empty rows, which row goes next is not known until the engine reports it.
+    cold = EndpointOffer(A, 4, 0.0, row_idle_ms=40_000)
+    assert (with_claims(cold, 1).rows_free, with_claims(cold, 1).row_idle_ms) == (0, 0)
 
 
 def test_the_rule_waits_for_empty_rows_only_where_the_engines_with_room_have_none():
@@ -77,10 +111,37 @@ def test_the_rule_waits_for_empty_rows_only_where_the_engines_with_room_have_non
     assert not waits_for_engine(bare, full_a, route, {}, "", 1, bare[1])
 
 
+@pytest.mark.parametrize(
+    ("idle_a", "idle_b", "waits"),
+    [
+        (9_000, 1_000, True),  # A's next row is much colder than the row B would give up
+        (9_000, 9_000 - COLDER_BY_MS, False),  # rows a second apart are alike: go to B now
+        (9_000, 9_000 - COLDER_BY_MS - 1, True),
+        (9_000, 0, True),  # B's next row is not known (claimed since its report)
+        (0, 0, False),
+    ],
+)
+def test_the_rule_waits_for_a_much_colder_row_on_a_full_engine(idle_a, idle_b, waits):
+    offers = [
+        EndpointOffer(A, 4, 0.0, row_idle_ms=idle_a),
+        EndpointOffer(B, 4, 0.0, row_idle_ms=idle_b),
+    ]
+    assert waits_for_engine(offers, {A: 4, B: 3}, first_turn("x"), {}, "", 1, offers[1]) == waits
+
+
 def test_rows_no_engine_can_have_make_the_offer_unsound_and_the_report_broken():
     assert offer_is_sound(EndpointOffer(A, 4, 0.0, rows_free=MAX_PREFIX_CACHE_ROWS))
+    assert offer_is_sound(EndpointOffer(A, 4, 0.0, row_idle_ms=MAX_ROW_IDLE_MS))
     for rows in (-1, MAX_PREFIX_CACHE_ROWS + 1, True):
         assert not offer_is_sound(EndpointOffer(A, 4, 0.0, rows_free=rows))
+    for idle in (-1, MAX_ROW_IDLE_MS + 1, 1.5, False):
+        assert not offer_is_sound(EndpointOffer(A, 4, 0.0, row_idle_ms=idle))  # type: ignore[arg-type]
+    assert not offer_is_sound(EndpointOffer(A, 4, 0.0, report_age_ms=-1))
+    for bad_idle in (-1, MAX_ROW_IDLE_MS + 1, "x"):
+        with pytest.raises(BadReportError):
+            parse_load_report(
+                json.dumps({"slots_total": 4, "prefix_row_idle_ms": bad_idle}).encode()
+            )
     good = {"slots_total": 4, "prefix_rows_free": 3}
     assert parse_load_report(json.dumps(good).encode()).prefix_rows_free == 3
     assert parse_load_report(b'{"slots_total": 4}').prefix_rows_free == 0  # an older engine
@@ -98,6 +159,26 @@ async def test_a_first_turn_goes_where_it_evicts_nobody(cluster):
     assert (await take(replica, first_turn("3"))).endpoint == C
     assert (await take(replica, first_turn("4"))).endpoint == A  # least loaded, by load
     assert (await take(replica)).endpoint == B  # no route: by load only
+
+
+async def test_a_burst_between_two_reports_is_not_all_sent_to_one_empty_row(cluster):
+    # A reports one empty row, B none but a cold row: the second first turn, before A reports
+    # again, would evict A's least recently used row; B's cold one goes instead.
+    cluster.serve(POOL, (A, 4, 0.0, 1), (B, 4, 0.0, 0, 30_000))
+    replica = await cluster.replica()
+    assert (await take(replica, first_turn("1"))).endpoint == A
+    assert (await take(replica, first_turn("2"))).endpoint == B
+    # A report read after the claims (these offers are read "now") shows them: A's row is back
+    # in the count only as the engine reports it, so the next goes by the report again.
+    await asyncio.sleep((ROW_CLAIM_MARGIN_MS + 100) / 1000)
+    assert (await take(replica, first_turn("3"))).endpoint == A
+    # A request whose prefix B holds claims no row there: B's cold row is still the one the next
+    # new prefix takes (A's row is claimed by the third).
+    held = first_turn("4")
+    cluster.serve(POOL, (A, 4, 0.0, 1), (B, 4, 0.0, 0, 30_000))
+    route = Route(keys=held.keys, depths=((B, 1),), wait_ms=5000, look_ahead=8)
+    assert (await take(replica, route)).endpoint == B
+    assert (await take(replica, first_turn("5"))).endpoint == B
 
 
 async def test_a_first_turn_waits_for_a_full_engine_with_empty_rows_a_bounded_time(cluster):
@@ -120,26 +201,40 @@ async def test_a_first_turn_waits_for_a_full_engine_with_empty_rows_a_bounded_ti
 async def test_the_scripts_place_by_empty_rows_as_the_in_process_twin(redis_server):
     twin = Twin(redis_server.url, "rows-twin", num_replicas=2, lease_ttl_s=30.0)
     await twin.start()
+
+    def offer(url: str, slots: int, load: float, rows: int, idle: int = 0, age: int = 0):
+        return EndpointOffer(url, slots, load, rows_free=rows, row_idle_ms=idle, report_age_ms=age)
+
     offer_sets = [
-        [EndpointOffer(A, 2, 0.5, 0), EndpointOffer(B, 2, 0.0, 4), EndpointOffer(C, 3, 0.25, 4)],
-        [EndpointOffer(A, 2, 0.0, 9), EndpointOffer(B, 2, 0.0, 0), EndpointOffer(C, 3, 0.0, 1)],
+        [offer(A, 2, 0.5, 0), offer(B, 2, 0.0, 4), offer(C, 3, 0.25, 4)],
+        [offer(A, 2, 0.0, 9), offer(B, 2, 0.0, 0), offer(C, 3, 0.0, 1)],
         # An unsound one among them: both sides skip it.
-        [EndpointOffer(A, 2, 0.0, -4), EndpointOffer(B, 2, 0.1, 2), EndpointOffer(C, 3, 0.0, 0)],
+        [offer(A, 2, 0.0, -4), offer(B, 2, 0.1, 2), offer(C, 3, 0.0, 0)],
+        # No empty row: by the coldest row (reports of different ages: the claims since each).
+        [offer(A, 2, 0.0, 0, 4_000, 1), offer(B, 2, 0.0, 0, 20_000, 3), offer(C, 3, 0.0, 1, 0, 2)],
+        [
+            offer(A, 2, 0.0, 0, 4_000),
+            offer(B, 2, 0.0, 0, 900),
+            offer(C, 3, 0.0, 0, MAX_ROW_IDLE_MS + 1),
+        ],
     ]
     try:
-        issued: list[str] = []
-        for step in range(48):
+        granted: list[str] = []
+        for step in range(60):
             offers = offer_sets[(step // 6) % len(offer_sets)]
             route = first_turn(str(step), wait_ms=3 if step % 4 else 0)
             request_id = f"r{step}"
             await twin.run(
                 step % 2, "enqueue", POOL, offers, request_id, 5, 30_000_000, route=route
             )
-            issued.append(request_id)
-            if step % 3 == 2:
-                await twin.run(step % 2, "release", POOL, offers, issued.pop(0))
-            twin.advance(1000)
+            granted += [rid for _, rid, _ in sorted(twin.memory_side.step_deliveries)]
+            if len(granted) >= 6:  # about a grant a step: the oldest lease goes
+                await twin.run(step % 2, "release", POOL, offers, granted.pop(0))
+                granted += [rid for _, rid, _ in sorted(twin.memory_side.step_deliveries)]
+            twin.advance(60_000)  # claims outlive a few steps (ROW_CLAIM_MARGIN_MS)
         assert twin.redis_side.delivered == twin.memory_side.delivered
         assert len(set(twin.redis_side.delivered.values())) == 3
+        claims = twin.sync.keys(twin.keys.row_claims(POOL.name, "*"))
+        assert sorted(claims) == sorted(twin.keys.row_claims(POOL.name, url) for url in (A, B, C))
     finally:
         await twin.close()

@@ -351,7 +351,7 @@ class LLMEngine:
     # -- reporting --------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        scheduler = self.scheduler
+        scheduler, prefix_cache = self.scheduler, self.kv_cache.prefix_cache
         return EngineStats(
             policy=self.settings.policy,
             num_running=len(scheduler.running),
@@ -374,11 +374,8 @@ class LLMEngine:
             calibrations=tuple(self.runner.calibrations),
             kv_cache_dtype=self.runner.kv_cache_dtype,
             max_batched_tokens=scheduler.config.max_batched_tokens,
-            row_request_ids=(
-                ()
-                if self.kv_cache.prefix_cache is None
-                else self.kv_cache.prefix_cache.row_requests
-            ),
+            row_request_ids=() if prefix_cache is None else prefix_cache.row_requests,
+            row_idle_since=() if prefix_cache is None else prefix_cache.row_idle_since,
         )
 
     def generate(

@@ -29,6 +29,7 @@ what another tenant sent. A row can still be overwritten by any salt (eviction i
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from slotserve.engine.core.sequence import Sequence
@@ -94,9 +95,20 @@ class SlotPrefixCache:
         # When each free row was last released: the least recently used row is evicted first.
         self._released_at = [0] * num_slots
         self._clock = 0
+        # The same moments in monotonic seconds: how long a row has sat unused (/load).
+        self._used_at = [0.0] * num_slots
         # The request whose tokens each row holds (running, or the last to leave it): the
         # engine's /load names the prefix keys of these (prefix-aware routing in the gateway).
         self._row_requests: list[str | None] = [None] * num_slots
+
+    @property
+    def row_idle_since(self) -> tuple[float | None, ...]:
+        """Per slot row, when it was last used (monotonic seconds) if it is free and holds a
+        prefix; None for a running sequence's row or an empty one."""
+        return tuple(
+            at if owner is None and tokens else None
+            for at, owner, tokens in zip(self._used_at, self._owners, self._free_rows, strict=True)
+        )
 
     @property
     def row_requests(self) -> tuple[str | None, ...]:
@@ -166,6 +178,7 @@ class SlotPrefixCache:
     def _touch(self, slot: int) -> None:
         self._clock += 1
         self._released_at[slot] = self._clock
+        self._used_at[slot] = time.monotonic()
 
     def should_wait(self, seq: Sequence) -> bool:
         """Is a running sequence about to compute a prefix of ``seq`` at least

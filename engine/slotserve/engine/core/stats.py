@@ -90,6 +90,8 @@ class EngineStats:
     max_batched_tokens: int = 0
     # Per slot row, the request whose tokens it holds for reuse (prefix caching; None: none).
     row_request_ids: tuple[str | None, ...] = ()
+    # Per slot row, when it was last used if it is free and holds a prefix (None: not).
+    row_idle_since: tuple[float | None, ...] = ()
     # KV rows: the slots, and the spare rows of prefix_cache_rows beyond them (0: not reported).
     num_kv_rows: int = 0
     # Tenant preemptions (a gateway preemptor took a running sequence's slot) and the computed

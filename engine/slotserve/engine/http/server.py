@@ -19,12 +19,13 @@ import gc
 import logging
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
-from slotserve.contracts.engine_load import EngineLoadReport
+from slotserve.contracts.engine_load import MAX_ROW_IDLE_MS, EngineLoadReport
 from slotserve.engine.core.errors import UnsupportedSettingError
 from slotserve.engine.http.http_state import (
     STATE,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
     from slotserve.engine.core.async_engine import AsyncEngine
+    from slotserve.engine.core.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +244,7 @@ async def _load(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = loaded_engine(state)
     stats = engine.stats()
+    empty_rows = sum(rid is None for rid in stats.row_request_ids)
     report = EngineLoadReport(
         model=engine.model_name,
         policy=stats.policy,
@@ -257,11 +260,23 @@ async def _load(request: web.Request) -> web.Response:
         max_batched_tokens=stats.max_batched_tokens,
         prefix_keys=state.prefix_rows.report(stats.row_request_ids),
         prefix_cache_rows=stats.num_kv_rows,
-        prefix_rows_free=max(
-            0, sum(rid is None for rid in stats.row_request_ids) - stats.num_waiting
-        ),
+        prefix_rows_free=max(0, empty_rows - stats.num_waiting),
+        prefix_row_idle_ms=next_eviction_idle_ms(stats, empty_rows),
     )
     return web.json_response(report.model_dump(mode="json"), headers=slot_headers(stats))
+
+
+def next_eviction_idle_ms(stats: EngineStats, empty_rows: int) -> int:
+    """How long the row a new prefix would take next has sat unused: the waiting requests take
+    the empty rows, then the least recently used ones, first (``SlotPrefixCache.choose``)."""
+    if empty_rows > stats.num_waiting:
+        return 0  # an empty row is next: prefix_rows_free says so
+    idle_since = sorted(at for at in stats.row_idle_since if at is not None)
+    skip = stats.num_waiting - empty_rows
+    if skip >= len(idle_since):
+        return 0
+    idle_ms = (time.monotonic() - idle_since[skip]) * 1000
+    return min(MAX_ROW_IDLE_MS, max(0, int(idle_ms)))
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -28,6 +28,7 @@ from slotserve.contracts.engine_load import EngineLoadReport
 from slotserve.contracts.prefix_keys import deepest_match, is_key
 from slotserve.gateway.pools.config import PoolRegistry
 from slotserve.gateway.pools.routing import (
+    MAX_OFFER_AGE_MS,
     MAX_OFFER_ROWS,
     MAX_ROUTE_DEPTHS,
     EndpointOffer,
@@ -88,6 +89,8 @@ class EngineLoad:
     # The prefix keys its slot rows hold (its last report): prefix-aware routing's index.
     prefix_keys: frozenset[str] = frozenset()
     rows_free: int = 0  # KV rows holding nothing yet (its report's prefix_rows_free)
+    row_idle_ms: int = 0  # how long its next row to evict has sat unused (prefix_row_idle_ms)
+    read_at: float = 0.0  # monotonic: when this replica read the report
 
     @property
     def usable(self) -> bool:
@@ -136,8 +139,17 @@ class EngineMonitor:
                 score = load_score(
                     load.running, load.waiting, load.kv_cache_usage, load.slots_total
                 )
+                age_ms = int((time.monotonic() - load.read_at) * 1000)
                 offers.append(
-                    EndpointOffer(url, load.slots_total, score, load.mean_request_s, load.rows_free)
+                    EndpointOffer(
+                        url,
+                        load.slots_total,
+                        score,
+                        load.mean_request_s,
+                        load.rows_free,
+                        load.row_idle_ms,
+                        min(max(0, age_ms), MAX_OFFER_AGE_MS),
+                    )
                 )
         return offers
 
@@ -212,6 +224,8 @@ class EngineMonitor:
             load.mean_request_s = max(0.0, report.mean_request_seconds)
             load.prefix_keys = frozenset(report.prefix_keys)
             load.rows_free = report.prefix_rows_free
+            load.row_idle_ms = report.prefix_row_idle_ms
+            load.read_at = time.monotonic()
         except BadReportError as exc:
             if time.monotonic() >= load.broken_until:
                 log.warning("engine %s is broken: %s; marked down", url, exc)

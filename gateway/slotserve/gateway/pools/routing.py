@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from slotserve.contracts.engine_load import MAX_ROW_IDLE_MS
 from slotserve.contracts.pool_spec import MAX_PREFIX_CACHE_ROWS
 from slotserve.contracts.prefix_keys import MAX_PREFIX_KEYS
 
@@ -19,6 +20,10 @@ from slotserve.contracts.prefix_keys import MAX_PREFIX_KEYS
 MAX_OFFER_SLOTS = 1024
 # An engine's empty KV rows as offered: the prefix cache's bound (pool_spec.MAX_PREFIX_CACHE_ROWS).
 MAX_OFFER_ROWS = MAX_PREFIX_CACHE_ROWS
+# How long an engine's next row to give up has sat unused, as offered (its /load's bound).
+MAX_OFFER_ROW_IDLE_MS = MAX_ROW_IDLE_MS
+# How old an offer's report may be (older: the engine would be down long before).
+MAX_OFFER_AGE_MS = 600_000
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,11 @@ class EndpointOffer:
     # KV rows that hold nothing yet, less the requests waiting there for a slot (its /load's
     # prefix_rows_free): a request whose prefix no engine holds fills one without evicting.
     rows_free: int = 0
+    # With no empty row: how long the row a new prefix would evict there has sat unused (its
+    # /load's prefix_row_idle_ms; 0: none, or not known since a grant claimed it).
+    row_idle_ms: int = 0
+    # Milliseconds since this replica read the report (grants after it are not in it).
+    report_age_ms: int = 0
 
 
 def load_score(running: int, waiting: int, kv_cache_usage: float, slots_total: int) -> float:
@@ -46,24 +56,55 @@ def load_score(running: int, waiting: int, kv_cache_usage: float, slots_total: i
 
 
 def offer_is_sound(offer: EndpointOffer) -> bool:
-    """Whether an offer can be routed to: 1..MAX_OFFER_SLOTS slots, a finite load. Engines are
+    """Whether an offer can be routed to: 1..MAX_OFFER_SLOTS slots, a finite load, rows, idle
+    and age within their bounds. Engines are
     untrusted input; an offer that is not sound is left out by both backends alike (the Lua
     scripts skip the same ones), so NaN never orders endpoints and no slot count is unbounded."""
-    slots, rows = offer.slots_total, offer.rows_free
-    return (
-        isinstance(slots, int)
-        and not isinstance(slots, bool)
-        and 1 <= slots <= MAX_OFFER_SLOTS
-        and isinstance(offer.load_score, int | float)
-        and math.isfinite(offer.load_score)
-        and isinstance(rows, int)
-        and not isinstance(rows, bool)
-        and 0 <= rows <= MAX_OFFER_ROWS
+    bounded = (
+        (offer.slots_total, 1, MAX_OFFER_SLOTS),
+        (offer.rows_free, 0, MAX_OFFER_ROWS),
+        (offer.row_idle_ms, 0, MAX_OFFER_ROW_IDLE_MS),
+        (offer.report_age_ms, 0, MAX_OFFER_AGE_MS),
     )
+    return all(
+        isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+        for value, low, high in bounded
+    ) and (isinstance(offer.load_score, int | float) and math.isfinite(offer.load_score))
 
 
 def sound_offers(offers: Sequence[EndpointOffer]) -> list[EndpointOffer]:
     return [offer for offer in offers if offer_is_sound(offer)]
+
+
+# A grant that sends a request to an engine holding none of its prefix takes a row there (an
+# empty one, else the least recently used) before the engine's next /load shows it: a row claim
+# (``P:{pool}:row_claims:{url}``), counted against every report read before it.
+# A grant reaches its engine's queue within this (a report read this long after it shows it).
+ROW_CLAIM_MARGIN_MS = 200
+ROW_CLAIM_TTL_MS = 10_000  # kept this long; reports are polled every 0.25 s
+# A request whose prefix no engine holds waits for a full engine only for a row unused this
+# much longer than any an engine with room would give up (an empty row: always): rows a second
+# apart are alike (a conversation thinks for longer between its turns).
+COLDER_BY_MS = 1_000
+
+
+def claim_cutoff_us(offer: EndpointOffer, now_us: int) -> int:
+    """Claims granted after this moment are not in ``offer``'s report yet."""
+    return now_us - (offer.report_age_ms + ROW_CLAIM_MARGIN_MS) * 1000
+
+
+def with_claims(offer: EndpointOffer, claims: int) -> EndpointOffer:
+    """``offer`` less ``claims`` rows taken since its report: its empty rows first; the row it
+    would evict next is then not known (idle 0), so no second new prefix is sent to evict it."""
+    if claims <= 0:
+        return offer
+    return replace(offer, rows_free=max(0, offer.rows_free - claims), row_idle_ms=0)
+
+
+def coldness(offer: EndpointOffer) -> tuple[int, int]:
+    """What a new prefix gives up at ``offer``, higher is better: its empty rows, then how
+    long the row it would evict has sat unused."""
+    return offer.rows_free, offer.row_idle_ms
 
 
 def most_slots(offers: Sequence[EndpointOffer]) -> int:
@@ -235,10 +276,11 @@ def pick_endpoint(
 ) -> tuple[EndpointOffer, RouteOutcome, int]:
     """Among ``ranked`` (``rank_endpoints``: room for the request, least loaded first; not
     empty), the engine a route prefers: the deepest matched prefix (``depths``, url -> keys
-    matched), else the session's engine (``session_url``), else the engine with the most empty
-    rows (``EndpointOffer.rows_free``: the request's prefix evicts nobody's there), each only
-    while within the route's balance of the least loaded; else the least loaded. Returns it,
-    why, and its depth."""
+    matched), else the session's engine (``session_url``), else the coldest engine (``coldness``:
+    the most empty rows, where the request's prefix evicts nobody's; else the row unused
+    longest, as one cache of all the engines' rows would evict), each only while within the
+    route's balance of the least loaded; else the least loaded. Returns it, why, and its
+    depth."""
     least = ranked[0]
     if route is None:
         return least, "load", 0
@@ -260,10 +302,10 @@ def pick_endpoint(
     for offer in ranked:
         if session_url and offer.url == session_url and balanced(offer):
             return offer, "session", 0
-    best_rows = 0
-    for offer in ranked:  # ties on rows: the first, least loaded
-        if offer.rows_free > best_rows and balanced(offer):
-            best, best_rows = offer, offer.rows_free
+    best_cold = (0, 0)
+    for offer in ranked:  # ties: the first, least loaded
+        if coldness(offer) > best_cold and balanced(offer):
+            best, best_cold = offer, coldness(offer)
     if best is not None:
         return best, "rows", 0
     return least, "load", 0
@@ -280,7 +322,7 @@ def waits_for_engine(
 ) -> bool:
     """Whether a request would rather wait than go where there is room: the engines holding its
     deepest match among all ``offers`` (none matched: its session's engine; no session either,
-    the engines with the most empty rows while no engine with room has one) are all full, and
+    ``coldest_full``) are all full, and
     one of them would be within the route's balance of ``least`` (the least loaded engine with
     room) once ``need`` slots free there. The caller bounds the wait (``Route.wait_ms``) and lets
     the requests behind it pass meanwhile (``lua/cache_wait.py``)."""
@@ -290,7 +332,7 @@ def waits_for_engine(
     elif session_url:
         holders = [offer for offer in offers if offer.url == session_url]
     else:
-        holders = roomiest_full(offers, inflight, need)
+        holders = coldest_full(offers, inflight, need)
     if any(inflight.get(offer.url, 0) + need <= offer.slots_total for offer in holders):
         return False
     least_used = inflight.get(least.url, 0)
@@ -307,16 +349,24 @@ def waits_for_engine(
     )
 
 
-def roomiest_full(
+def coldest_full(
     offers: Sequence[EndpointOffer], inflight: Mapping[str, int], need: int
 ) -> list[EndpointOffer]:
-    """The engines with the most empty rows, when no engine with room for ``need`` slots has
-    one (else none: the request fills an empty row where it can go now). A request whose prefix
-    no engine holds would otherwise take a row from a conversation that is coming back."""
-    if any(
-        offer.rows_free > 0 and inflight.get(offer.url, 0) + need <= offer.slots_total
-        for offer in offers
-    ):
+    """The full engines a request whose prefix no engine holds would rather wait for: those
+    with the most empty rows while no engine with room for ``need`` slots has one; with no
+    empty row anywhere, those whose next row to evict has sat unused longest, when that is
+    ``COLDER_BY_MS`` longer than at any engine with room (as one cache of all the engines' rows
+    would evict). Else none: it goes where there is room now. It would otherwise take a row
+    from a conversation that is coming back."""
+    room = [o for o in offers if inflight.get(o.url, 0) + need <= o.slots_total]
+    best_room = max((coldness(o) for o in room), default=(0, 0))
+    if best_room[0] > 0:
         return []
-    most = max((offer.rows_free for offer in offers), default=0)
-    return [offer for offer in offers if most > 0 and offer.rows_free == most]
+    full = [o for o in offers if inflight.get(o.url, 0) + need > o.slots_total]
+    most = max((o.rows_free for o in full), default=0)
+    if most > 0:
+        return [o for o in full if o.rows_free == most]
+    coldest = max((o.row_idle_ms for o in full), default=0)
+    if coldest <= best_room[1] + COLDER_BY_MS:
+        return []
+    return [o for o in full if o.row_idle_ms == coldest]

@@ -177,8 +177,9 @@ class InProcessHub:
             return ranked[0].url
         depths = state.routes.depths(route, now_us)
         session_url = state.routes.session_url(route, now_us)
+        ranked = state.routes.with_claims(ranked, now_us)
         offer, _, _ = pick_endpoint(ranked, state.inflight, route, depths, session_url)
-        state.routes.granted(route, offer.url, now_us)
+        state.routes.granted(route, offer.url, now_us, new_row=depths.get(offer.url, 0) == 0)
         return offer.url
 
     def grant_entry(

@@ -67,6 +67,7 @@ def cache_waits(
         return False
     depths = state.routes.depths(route, now_us)
     session_url = state.routes.session_url(route, now_us)
+    offers = state.routes.with_claims(offers, now_us)
     if not waits_for_engine(offers, state.inflight, route, depths, session_url, need, ranked[0]):
         return False
     if entry is None:

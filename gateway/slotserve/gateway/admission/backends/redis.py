@@ -194,7 +194,14 @@ class RedisBackend:
             num_offers=len(offers),
         ).argv()
         for offer in offers:  # sound ones only (``routing.sound_offers``); the scripts re-check
-            args += [offer.url, offer.slots_total, repr(float(offer.load_score)), offer.rows_free]
+            args += [
+                offer.url,
+                offer.slots_total,
+                repr(float(offer.load_score)),
+                offer.rows_free,
+                offer.row_idle_ms,
+                offer.report_age_ms,
+            ]
         return args
 
     async def _dispatch(

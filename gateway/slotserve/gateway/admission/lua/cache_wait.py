@@ -45,7 +45,7 @@ local function pass_head(level, head_rid, window, now)
           fair_served(level, tonumber(ids[i + 1]))
           grant(rid, replica, ep.url, slots, now, true,
             redis.call('HGET', K_ENTRY_TENANTS, rid) or nil)
-          if route then route_granted(route, ep.url) end
+          if route then route_granted(route, ep.url, rid, now) end
           return true
         end
       end

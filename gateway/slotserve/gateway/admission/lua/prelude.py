@@ -3,7 +3,8 @@ checked, the offers, and the steps they share (the queue's head, grants, dispatc
 
 The shared arguments are ``redis_keys.DispatchArgs`` (bound to Lua locals by the contract, each
 checked here before a script's first write); then the offers, ``OFFER_ARGS`` values each (url,
-slots_total, load_score, rows_free); ``REST`` is the index of the script's own first argument.
+slots_total, load_score, rows_free, row_idle_ms, report_age_ms); ``REST`` is the index of the
+script's own first argument.
 Numbers are read and written as ``values.py`` does, fair order is ``fair.py``'s, the epoch
 ``epoch.py``'s and slot accounting ``slots.py``'s.
 """
@@ -94,8 +95,11 @@ for i = 0, (INVALID and 0 or NUM_OFFERS) - 1 do
   local b = FIRST_OFFER + i * OFFER_ARGS
   local slots, load = int_arg(ARGV[b + 1], 1, MAX_OFFER_SLOTS), finite_arg(ARGV[b + 2])
   local rows = int_arg(ARGV[b + 3], 0, MAX_OFFER_ROWS)
-  if slots and load and rows then
-    OFFERS[#OFFERS + 1] = {url = ARGV[b], slots = slots, load = load, rows = rows}
+  local idle = int_arg(ARGV[b + 4], 0, MAX_OFFER_ROW_IDLE_MS)
+  local age = int_arg(ARGV[b + 5], 0, MAX_OFFER_AGE_MS)
+  if slots and load and rows and idle and age then
+    OFFERS[#OFFERS + 1] = {url = ARGV[b], slots = slots, load = load, rows = rows, idle = idle,
+                           age = age}
     MOST_SLOTS = math.max(MOST_SLOTS, slots)
   end
 end
@@ -382,7 +386,7 @@ local function dispatch(now)
         if not ep then return 0 end
         if level then fair_served(level, tag) end
         grant(rid, replica, ep.url, slots, now, true, tenant, victim)
-        if routed then route_granted(route, ep.url) end
+        if routed then route_granted(route, ep.url, rid, now) end
       end
     end
   end

@@ -7,12 +7,14 @@ that waits keeps it in ``P:{pool}:routes`` until it is granted or dropped. When 
 the engines' matches are joined by the recent routings (``P:{pool}:routed:{key}``: each of its
 keys routed to an engine in the last ``ROUTED_TTL_MS`` counts its depth there), the deepest
 within the balance wins, else its session's engine (``P:{pool}:session:{id}``) within the
-balance, else the one with the most empty rows (the offers' ``rows``) within the balance, else
-the least loaded; then its first and deepest keys and its session are recorded
-for the engine chosen (``route_granted``, by the step that grants).
+balance, else the coldest (``routing.coldness``: the most empty rows, then the row unused
+longest, the offers' ``rows`` and ``idle`` less the rows claimed since each report) within the
+balance, else the least loaded; then its first and deepest keys and its session are recorded
+for the engine chosen, and a row claim where it matched nothing (``route_granted``, by the step
+that grants).
 
 A route that may wait (``Route.may_wait``) and whose engines holding its deepest match (none: its
-session's engine; no session: the engines with empty rows while those with room have none) are
+session's engine; no session: ``routing.coldest_full``) are
 all full waits for them (``routing.waits_for_engine``), from the first step that found it so
 (kept in ``P:{pool}:route_waits``) for at most its ``wait_ms``; ``cache_wait.py`` lets the
 requests behind it pass meanwhile.
@@ -27,11 +29,14 @@ from __future__ import annotations
 from slotserve.contracts.prefix_keys import MAX_PREFIX_KEYS
 from slotserve.contracts.redis_keys import Keys, lua_expr, lua_key
 from slotserve.gateway.pools.routing import (
+    COLDER_BY_MS,
     MAX_CACHE_WAIT_MS,
     MAX_LOOK_AHEAD,
     MAX_ROUTE_CHARS,
     MAX_ROUTE_DEPTHS,
     ROUTED_TTL_MS,
+    ROW_CLAIM_MARGIN_MS,
+    ROW_CLAIM_TTL_MS,
     SESSION_HEX,
     SESSION_TTL_MS,
 )
@@ -44,6 +49,8 @@ local ROUTED_TTL_MS, SESSION_TTL_MS = {ROUTED_TTL_MS}, {SESSION_TTL_MS}
 local MAX_ROUTE_CHARS, MAX_ROUTE_DEPTHS = {MAX_ROUTE_CHARS}, {MAX_ROUTE_DEPTHS}
 local MAX_PREFIX_KEYS, SESSION_HEX = {MAX_PREFIX_KEYS}, {SESSION_HEX}
 local MAX_CACHE_WAIT_MS, MAX_LOOK_AHEAD = {MAX_CACHE_WAIT_MS}, {MAX_LOOK_AHEAD}
+local ROW_CLAIM_MARGIN_MS, ROW_CLAIM_TTL_MS = {ROW_CLAIM_MARGIN_MS}, {ROW_CLAIM_TTL_MS}
+local COLDER_BY_MS = {COLDER_BY_MS}
 """
     + r"""
 local function routed_key(key)
@@ -56,6 +63,37 @@ local function session_key(id)
   return """
     + lua_key(_KEYS.session(_POOL, lua_expr("id")))
     + r"""
+end
+
+local function claims_key(url)
+  return """
+    + lua_key(_KEYS.row_claims(_POOL, lua_expr("url")))
+    + r"""
+end
+
+-- Url -> rows claimed since the offer's report (routing.claim_cutoff_us), read once a script
+-- call (its `now` is one moment) and counted up by its own claims.
+local CLAIMS = {}
+local function claims_since_report(o, now)
+  local n = CLAIMS[o.url]
+  if n == nil then
+    local cutoff = now - (o.age + ROW_CLAIM_MARGIN_MS) * 1000
+    n = redis.call('ZCOUNT', claims_key(o.url), '(' .. int(cutoff), '+inf')
+    CLAIMS[o.url] = n
+  end
+  return n
+end
+
+-- routing.with_claims: `c`'s rows and idle less what was claimed since its report.
+local function claimed(c, o, now)
+  local n = claims_since_report(o, now)
+  if n > 0 then c.rows, c.idle = math.max(0, o.rows - n), 0 end
+  return c
+end
+
+-- routing.coldness, compared: is `a` colder than a row count and idle of `rows` and `idle`?
+local function colder(a, rows, idle)
+  return a.rows > rows or (a.rows == rows and a.idle > idle)
 end
 
 local function split_items(text)
@@ -115,7 +153,14 @@ end
 
 -- Its first key (a shared system prompt, a document) and its deepest (the conversation so far):
 -- the prefixes a burst shares before the engine's /load shows them (routing.recorded_keys).
-local function route_granted(route, url)
+local function route_granted(route, url, rid, now)
+  if route.new_row then
+    local key = claims_key(url)
+    redis.call('ZADD', key, int(now), rid)
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now - ROW_CLAIM_TTL_MS * 1000))
+    redis.call('PEXPIRE', key, ROW_CLAIM_TTL_MS)
+    CLAIMS[url] = (CLAIMS[url] or 0) + 1
+  end
   local n = #route.keys
   if n > 0 then redis.call('SET', routed_key(route.keys[1]), url, 'PX', ROUTED_TTL_MS) end
   if n > 1 then redis.call('SET', routed_key(route.keys[n]), url, 'PX', ROUTED_TTL_MS) end
@@ -124,23 +169,32 @@ local function route_granted(route, url)
   end
 end
 
--- routing.roomiest_full: the engines (`all`) with the most empty rows while none with room for
--- `need` slots has one, else none.
-local function roomiest_full(all, need)
-  local most = 0
+-- routing.coldest_full: the full engines (of `all`) with the most empty rows while none with
+-- room for `need` slots has one; with no empty row anywhere, those whose next row to evict sat
+-- unused longest, when that is COLDER_BY_MS longer than at any engine with room; else none.
+local function coldest_full(all, need)
+  local room_idle, most, coldest = 0, 0, 0
   for _, c in ipairs(all) do
-    if c.rows > 0 and c.used + need <= c.slots then return {} end
-    most = math.max(most, c.rows)
+    if c.used + need <= c.slots then
+      if c.rows > 0 then return {} end
+      room_idle = math.max(room_idle, c.idle)
+    else
+      most, coldest = math.max(most, c.rows), math.max(coldest, c.idle)
+    end
   end
   local out = {}
+  if most == 0 and coldest <= room_idle + COLDER_BY_MS then return out end
   for _, c in ipairs(all) do
-    if most > 0 and c.rows == most then out[#out + 1] = c end
+    if c.used + need > c.slots and ((most > 0 and c.rows == most)
+        or (most == 0 and c.idle == coldest)) then
+      out[#out + 1] = c
+    end
   end
   return out
 end
 
 -- routing.waits_for_engine: the engines (`all`, every sound offer) holding the deepest match
--- (none: the session's engine, `session()`; no session either: roomiest_full) are all full, and
+-- (none: the session's engine, `session()`; no session either: coldest_full) are all full, and
 -- one would be within the balance of `least` once `need` slots freed there.
 local function waits_for_engine(all, least, route, depths, session, need)
   local deepest = 0
@@ -157,7 +211,7 @@ local function waits_for_engine(all, least, route, depths, session, need)
         if c.url == session_url then holders[#holders + 1] = c end
       end
     else
-      holders = roomiest_full(all, need)
+      holders = coldest_full(all, need)
     end
   end
   local waits = false
@@ -212,14 +266,17 @@ local function pick_routed(least, eligible, all, route, better, need, rid, now)
     end
   end
   if not pick then
-    local rows = 0
+    local rows, idle = 0, 0
     for _, c in ipairs(eligible) do
-      if c.rows > 0 and balanced(c) and (c.rows > rows or (c.rows == rows and better(c, pick))) then
-        pick, rows = c, c.rows
+      if balanced(c) and (colder(c, rows, idle)
+          or (pick and c.rows == rows and c.idle == idle and better(c, pick))) then
+        pick, rows, idle = c, c.rows, c.idle
       end
     end
   end
-  return pick or least, false
+  pick = pick or least
+  route.new_row = (depths[pick.url] or 0) == 0
+  return pick, false
 end
 """
 )

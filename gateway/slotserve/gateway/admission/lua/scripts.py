@@ -106,7 +106,7 @@ if redis.call('ZCARD', K_QUEUE) == 0 then
   local ep = now >= READY_AT and best_endpoint(slots, route, nil, now)
   if ep then
     grant(rid, CALLER, ep.url, slots, now, false, tenant)
-    if route then route_granted(route, ep.url) end
+    if route then route_granted(route, ep.url, rid, now) end
     touch()
     return result('ok', 0)
   end

@@ -42,7 +42,8 @@ local function best_endpoint(need, route, rid, now)
   for _, o in ipairs(OFFERS) do
     local used = tonumber(redis.call('HGET', K_INFLIGHT, o.url) or '0')
     local c = {url = o.url, load = o.load, ratio = used / o.slots, used = used, slots = o.slots,
-               rows = o.rows}
+               rows = o.rows, idle = o.idle}
+    if route then claimed(c, o, now) end
     all[#all + 1] = c
     if used + need <= o.slots then
       eligible[#eligible + 1] = c

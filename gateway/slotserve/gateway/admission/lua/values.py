@@ -12,13 +12,19 @@ cannot read. Values a script reads back from Redis are parsed the same strict wa
 from __future__ import annotations
 
 from slotserve.gateway.admission.types import MAX_LEASE_SLOTS, MAX_QUEUE_SIZE, MAX_WAIT_US
-from slotserve.gateway.pools.routing import MAX_OFFER_ROWS, MAX_OFFER_SLOTS
+from slotserve.gateway.pools.routing import (
+    MAX_OFFER_AGE_MS,
+    MAX_OFFER_ROW_IDLE_MS,
+    MAX_OFFER_ROWS,
+    MAX_OFFER_SLOTS,
+)
 
 VALUES = (
     f"""
 local MAX_WAIT_US, MAX_QUEUE_SIZE = {MAX_WAIT_US}, {MAX_QUEUE_SIZE}
 local MAX_LEASE_SLOTS, MAX_OFFER_SLOTS = {MAX_LEASE_SLOTS}, {MAX_OFFER_SLOTS}
-local MAX_OFFER_ROWS = {MAX_OFFER_ROWS}
+local MAX_OFFER_ROWS, MAX_OFFER_ROW_IDLE_MS = {MAX_OFFER_ROWS}, {MAX_OFFER_ROW_IDLE_MS}
+local MAX_OFFER_AGE_MS = {MAX_OFFER_AGE_MS}
 """
     + r"""
 -- An integer as its digits (never an exponent): what every script writes.
