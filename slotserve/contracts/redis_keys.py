@@ -24,7 +24,7 @@ replica leaves nothing behind for long:
 | ``P:{pool}:fair:{level}`` | HASH | ``=v`` -> virtual time V, tenant -> finish tag (6) | STATE |
 | ``P:{pool}:fairq:{level}`` | ZSET | the level's waiting ids; score = fair start tag (6) | STATE |
 | ``P:{pool}:routes`` | HASH | waiting request id -> its route (8) | STATE |
-| ``P:{pool}:route_waits`` | HASH | waiting id -> since when it waits for its engine (8) | STATE |
+| ``P:{pool}:route_waits`` | HASH | ``=room`` -> since when room goes unused for waits (8) | STATE |
 | ``P:{pool}:routed:{key}`` | STRING | endpoint a request with prefix ``key`` went to (8) | 5 s |
 | ``P:{pool}:session:{id}`` | STRING | endpoint that served session ``id`` last (8) | 10 min |
 | ``P:{pool}:row_claims:{url}`` | ZSET | grants taking a new row at ``url``; score = us (8) | 10 s |
@@ -61,8 +61,10 @@ refilled (absent is full), the in-flight set until no replica refreshed it for i
 route is the request's prefix keys (``contracts.prefix_keys``), the keys each engine reported
 matching, its session's hash and its balance threshold; written when a request waits, read
 when it is granted. Granting a routed request records its first and deepest keys and its session.
-A request that waits for the full engine holding its prefix (``admission/lua/cache_wait.py``)
-has the time it first did so in ``route_waits``, until it is granted or dropped.
+Requests that wait for the full engines holding their prefixes (``admission/lua/cache_wait.py``)
+wait until an engine's room has gone unused for their wait: ``route_waits``'s ``=room`` holds
+since when a dispatch step left room unused (no request behind a waiting head could take it),
+until a step ends with no room left or nobody waiting.
 (9) preemption for a tenant under its share (the gateway's ``admission/lua/preempt.py`` and
 ``admission/preempt_share.py``): kept with the leases, at grant, release and expiry.
 STATE is ``STATE_TTL_S`` (an hour): longer than any queue timeout or lease, renewed on every

@@ -274,11 +274,9 @@ class Twin:
                 rid: e.tenant for rid, e in state.entries.items() if e.tenant is not None
             },
             "preempting": state.num_preempting,
-            "route_waits": {
-                rid: e.waiting_since_us
-                for rid, e in state.entries.items()
-                if e.waiting_since_us is not None
-            },
+            "route_waits": (
+                {"=room": state.room_idle_since_us} if state.room_idle_since_us is not None else {}
+            ),
         }
 
     def check(self, pool: PoolPolicy, offers: list[EndpointOffer], before: dict[str, int]) -> None:

@@ -92,6 +92,35 @@ async def test_the_wait_is_bounded(cluster):
     assert 0.35 <= waited < 3.0, waited
 
 
+async def test_the_wait_runs_only_while_the_room_it_passes_up_goes_unused(cluster):
+    # A saturated pool: the head waits for A while those behind it take every slot B frees.
+    # Its wait (300 ms) is long past, but no slot went unused for it: it still waits, and
+    # gets its own engine once A frees. Only room left idle counts against a wait.
+    cluster.serve(POOL, (A, 1, 0.0), (B, 1, 0.0))
+    replica = await cluster.replica()
+    on_a, on_b = await take(replica), await take(replica)
+    head = asyncio.create_task(take(replica, held_on(A, wait_ms=300)))
+    await settle()
+    for round_ in range(3):
+        behind = asyncio.create_task(take(replica))  # a first turn
+        await settle()
+        await replica.release(on_b)
+        on_b = await asyncio.wait_for(behind, 5)
+        assert on_b.endpoint == B, round_
+        await asyncio.sleep(0.3)  # more than the head's wait, with B full again
+        assert not head.done(), round_
+    await replica.release(on_a)
+    assert (await asyncio.wait_for(head, 5)).endpoint == A
+    # Room that nobody takes counts: with A held again, B's free slot goes to the head once
+    # it has sat unused for the head's wait.
+    again = asyncio.create_task(take(replica, held_on(A, "y", wait_ms=300)))
+    await settle()
+    start = time.monotonic()
+    await replica.release(on_b)
+    assert (await asyncio.wait_for(again, 5)).endpoint == B
+    assert 0.2 <= time.monotonic() - start < 3.0
+
+
 async def test_a_wait_of_zero_routes_among_the_engines_with_room_as_before(cluster):
     cluster.serve(POOL, (A, 1, 0.0), (B, 1, 0.0))
     replica = await cluster.replica()
@@ -301,7 +330,7 @@ async def test_the_scripts_wait_and_pass_as_the_in_process_twin(redis_server, mo
             twin.check(POOL, offers, before)
             route_waits = twin.redis_state(POOL)["route_waits"]
             assert isinstance(route_waits, dict)
-            num_waiting = max(num_waiting, len(route_waits))
+            num_waiting += len(route_waits)  # steps that left room unused for a waiting head
             twin.advance(rng.choice([100, 1000, 5000, 20_000]))
         delivered = twin.redis_side.delivered
         assert delivered == twin.memory_side.delivered

@@ -105,6 +105,9 @@ class InProcessHub:
                 if not self.pass_head(
                     policy, state, offers, entry.level, request_id, entry.route, alive, now_us
                 ):
+                    # Room goes unused while they wait: from now on it counts against the wait.
+                    if state.room_idle_since_us is None:
+                        state.room_idle_since_us = now_us
                     break
                 continue
             preemption = None
@@ -119,12 +122,15 @@ class InProcessHub:
                 if behind is not None:
                     request_id, entry, tag, preemption = behind
             if not ranked and preemption is None:
+                state.room_idle_since_us = None  # no room left: nothing goes unused
                 break
             if preemption is not None:
                 url, victim = preemption.offer.url, preemption.victim
             else:
                 url, victim = self.routed_url(state, ranked, entry.route, now_us), None
             self.grant_entry(policy, state, request_id, entry, tag, url, now_us, victim)
+        else:
+            state.room_idle_since_us = None  # nobody left to dispatch waits
         state.hold_freed_places(policy.max_queue_size)
         return DispatchResult(len(state.queue), state.num_dispatched, 0)
 

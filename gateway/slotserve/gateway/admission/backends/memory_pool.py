@@ -48,8 +48,6 @@ class Entry:
     slots: int = 1  # slots its lease will hold: one per choice (``n``)
     route: Route | None = None  # what may prefer an engine for it (prefix-aware routing)
     tenant: str | None = None  # whose slots its lease will hold (``preempt_share.py``)
-    # Since when it waits for the full engine holding its prefix (``P:{pool}:route_waits``).
-    waiting_since_us: int | None = None
 
 
 @dataclass
@@ -83,6 +81,9 @@ class PoolState:
     num_refused: int = 0  # queued requests refused: no offered engine had their slots
     fair: dict[int, FairLevel] = field(default_factory=dict)  # level -> its fair queue
     routes: RouteMemory = field(default_factory=RouteMemory)  # recent routings, sessions
+    # Since when an engine's room has gone unused because the requests that could take it wait
+    # for their own engines (``P:{pool}:route_waits``'s ``=room``); None: no such room now.
+    room_idle_since_us: int | None = None
     # Tenant preemption (``preempt_share.py``, ``lua/preempt.py``): slots held per tenant, in
     # the pool and per (tenant, endpoint), kept with the leases; weights as last enqueued.
     lease_tenant: dict[str, str] = field(default_factory=dict)  # request id -> tenant
@@ -165,6 +166,8 @@ class PoolState:
 
     def _drop(self, request_id: str) -> None:
         self.queue.pop(request_id, None)
+        if not self.queue:
+            self.room_idle_since_us = None  # nobody waits: as the scripts' touch() clears it
         self.delays.pop(request_id, None)
         entry = self.entries.pop(request_id, None)
         if entry is not None:

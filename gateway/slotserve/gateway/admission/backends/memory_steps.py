@@ -59,9 +59,10 @@ def cache_waits(
     route: Route | None = None,
 ) -> bool:
     """Whether a request waits for the full engine holding its prefix (``lua/routes.py``'s
-    ``pick_routed``): ``routing.waits_for_engine``, from the first step that found it so,
-    for at most its route's ``wait_ms``. ``entry`` None: the enqueue's fast path asks for
-    ``route``, and a request that would wait queues instead."""
+    ``pick_routed``): ``routing.waits_for_engine``, until an engine's room has gone unused for
+    its route's ``wait_ms`` (``PoolState.room_idle_since_us``: while the requests behind take
+    the room it passes up, its wait costs the pool nothing and goes on). ``entry`` None: the
+    enqueue's fast path asks for ``route``, and a request that would wait queues instead."""
     route = entry.route if entry is not None else route
     if route is None or not route.may_wait:
         return False
@@ -72,6 +73,5 @@ def cache_waits(
         return False
     if entry is None:
         return True
-    if entry.waiting_since_us is None:
-        entry.waiting_since_us = now_us
-    return now_us - entry.waiting_since_us < route.wait_ms * 1000
+    since = state.room_idle_since_us
+    return since is None or now_us - since < route.wait_ms * 1000

@@ -180,7 +180,6 @@ local function drop(rid)
   redis.call('ZREM', K_DEADLINES, rid)
   redis.call('ZREM', K_DELAYS, rid)
   redis.call('HDEL', K_ROUTES, rid)
-  redis.call('HDEL', K_ROUTE_WAITS, rid)
   redis.call('HDEL', K_ENTRY_TENANTS, rid)
   if info then
     redis.call('HDEL', K_ENTRIES, rid)
@@ -202,7 +201,6 @@ local function drop_many(rids)
   redis.call('ZREM', K_DELAYS, unpack(rids))
   redis.call('HDEL', K_ENTRIES, unpack(rids))
   redis.call('HDEL', K_ROUTES, unpack(rids))
-  redis.call('HDEL', K_ROUTE_WAITS, unpack(rids))
   redis.call('HDEL', K_ENTRY_TENANTS, unpack(rids))
   local by_replica, by_level = {}, {}
   for i = 1, #rids do
@@ -352,7 +350,10 @@ local function dispatch(now)
   if now < READY_AT then return READY_AT - now end  -- leases may still be coming back
   while true do
     local rid, replica, _, slots, level, tag = head(now)
-    if not rid then return 0 end
+    if not rid then
+      redis.call('HDEL', K_ROUTE_WAITS, ROOM_IDLE)  -- nobody left to dispatch waits
+      return 0
+    end
     if #OFFERS > 0 and slots > MOST_SLOTS then
       -- No ready engine can ever hold it (engines changed since it came): refused, so that it
       -- never blocks the queue behind it.
@@ -366,7 +367,11 @@ local function dispatch(now)
       local route = decode_route(redis.call('HGET', K_ROUTES, rid))
       local ep, waits = best_endpoint(slots, route, rid, now)
       if waits then
-        if not pass_head(level, rid, route.look_ahead, now) then return 0 end
+        if not pass_head(level, rid, route.look_ahead, now) then
+          -- Room goes unused while they wait: from now on it counts against the wait.
+          redis.call('HSETNX', K_ROUTE_WAITS, ROOM_IDLE, int(now))
+          return 0
+        end
       else
         local tenant, victim = redis.call('HGET', K_ENTRY_TENANTS, rid) or nil, nil
         local routed = ep and route
@@ -383,7 +388,10 @@ local function dispatch(now)
             ep, victim, tenant = b_ep, b_victim, b_tenant
           end
         end
-        if not ep then return 0 end
+        if not ep then
+          redis.call('HDEL', K_ROUTE_WAITS, ROOM_IDLE)  -- no room left: nothing goes unused
+          return 0
+        end
         if level then fair_served(level, tag) end
         grant(rid, replica, ep.url, slots, now, true, tenant, victim)
         if routed then route_granted(route, ep.url, rid, now) end

@@ -14,10 +14,11 @@ for the engine chosen, and a row claim where it matched nothing (``route_granted
 that grants).
 
 A route that may wait (``Route.may_wait``) and whose engines holding its deepest match (none: its
-session's engine; no session: ``routing.coldest_full``) are
-all full waits for them (``routing.waits_for_engine``), from the first step that found it so
-(kept in ``P:{pool}:route_waits``) for at most its ``wait_ms``; ``cache_wait.py`` lets the
-requests behind it pass meanwhile.
+session's engine; no session: ``routing.coldest_full``) are all full waits for them
+(``routing.waits_for_engine``) until an engine's room has gone unused for its ``wait_ms``
+(``P:{pool}:route_waits``'s ``=room``: set by a dispatch step that ends with a waiting head
+that nobody behind could pass, cleared by one that ends with no room left or nobody waiting);
+``cache_wait.py`` lets the requests behind it take the room meanwhile.
 
 A route that does not read is no route (never an error): a route only prefers among the engines
 that have room, so no value in it can put a request on a full engine. The in-process twin is
@@ -51,6 +52,9 @@ local MAX_PREFIX_KEYS, SESSION_HEX = {MAX_PREFIX_KEYS}, {SESSION_HEX}
 local MAX_CACHE_WAIT_MS, MAX_LOOK_AHEAD = {MAX_CACHE_WAIT_MS}, {MAX_LOOK_AHEAD}
 local ROW_CLAIM_MARGIN_MS, ROW_CLAIM_TTL_MS = {ROW_CLAIM_MARGIN_MS}, {ROW_CLAIM_TTL_MS}
 local COLDER_BY_MS = {COLDER_BY_MS}
+-- route_waits' one field: since when room has gone unused while requests wait (no request id
+-- starts with '=': the gateway makes them, hex).
+local ROOM_IDLE = '=room'
 """
     + r"""
 local function routed_key(key)
@@ -241,12 +245,9 @@ local function pick_routed(least, eligible, all, route, better, need, rid, now)
   if route.wait_ms > 0 and route.look_ahead > 0
       and waits_for_engine(all, least, route, depths, session, need) then
     if rid == nil then return nil, true end
-    local since = int_value(redis.call('HGET', K_ROUTE_WAITS, rid), nil)
-    if since == nil then
-      since = now
-      redis.call('HSET', K_ROUTE_WAITS, rid, int(now))
-    end
-    if now - since < route.wait_ms * 1000 then return nil, true end
+    -- It waits until an engine's room has gone unused for its wait_ms (memory_steps.cache_waits).
+    local since = int_value(redis.call('HGET', K_ROUTE_WAITS, ROOM_IDLE), nil)
+    if since == nil or now - since < route.wait_ms * 1000 then return nil, true end
   end
   local function balanced(c)
     return (c.used * least.slots - least.used * c.slots) * 1000
