@@ -114,6 +114,23 @@ def test_a_shared_prefix_is_copied_out_of_a_longer_row_when_rows_are_spare(num_r
     assert reused == (80 if kept else 50)
 
 
+def test_copying_a_prefix_every_row_shares_keeps_the_coldest_row_the_next_to_go():
+    """A chat template's system prompt opens every row: each new conversation copies it into an
+    empty row from the most recently used row that holds it, so the row nobody came back to (a
+    warm-up's) is still the first evicted once no row is empty, not a conversation's history."""
+    system = prompt(100, 20)
+    kv = KVCacheManager(num_slots=1, num_tokens_total=8000, enable_prefix_caching=True, num_rows=4)
+    warm, _ = run_through(kv, "warm-up", [*system, *prompt(900, 5)])
+    histories = {name: [*system, *prompt(base, 30)] for name, base in
+                 (("a", 300), ("b", 500), ("c", 700))}  # fmt: skip
+    for name, ids in histories.items():
+        assert run_through(kv, f"{name}-1", ids)[1] == 20  # the system prompt, copied
+    row, _ = run_through(kv, "d-1", [*system, *prompt(1100, 30)])
+    assert row == warm
+    for name, ids in histories.items():  # every conversation's next turn finds its history
+        assert run_through(kv, f"{name}-2", [*ids, 9])[1] == 50, name
+
+
 @pytest.fixture(scope="module")
 def sharp_dir(tmp_path_factory, smollm2_dir):
     return build_sharp_tiny_model(tmp_path_factory.getbasetemp() / "sharp-tiny", smollm2_dir)

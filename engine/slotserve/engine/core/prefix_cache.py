@@ -147,7 +147,13 @@ class SlotPrefixCache:
             slot: self._match(slot, token_ids, limit, salt) for slot in range(len(self._owners))
         }
         best_free = max(free_slots, key=lambda slot: (matches[slot], -slot))
-        best_any = max(matches, key=lambda slot: (matches[slot], slot in free_slots, -slot))
+        # Of the rows holding as much, the most recently used is copied from: reading a row keeps
+        # it (below), and a short prefix every row shares (a chat template's system prompt) would
+        # otherwise keep the coldest row alive and evict a conversation that is coming back.
+        best_any = max(
+            matches,
+            key=lambda slot: (matches[slot], slot in free_slots, self._released_at[slot], -slot),
+        )
         free_len, any_len = matches[best_free], matches[best_any]
         if free_len >= MIN_REUSE_TOKENS and not self._would_cut(best_free, free_len, free_slots):
             dst = best_free
