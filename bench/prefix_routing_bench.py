@@ -37,8 +37,12 @@ Per cell: the engines' own prefix-cache counters (``vllm:prefix_cache_hits`` ove
 prompt tokens, beside the ideal share (``IdealCache``: the tokens each prompt shares with an
 earlier prompt and its answer) and the ratio of the two; TTFT p50/p90 of first and of later
 turns; completed requests per second; errors; each engine's requests (busiest / mean); the most
-requests each engine ran at once (its /load polled at 20 Hz) against its slots. Prints a table
-per workload (routings side by side, prefix / load) and writes ``results.json`` under ``--out``.
+requests each engine ran at once (its /load polled at 20 Hz) against its slots; and per request
+the prompt tokens its engine served from a row (its answer's ``usage.prompt_tokens_details.
+cached_tokens``) beside its ideal reuse, the gateway's queue wait and when it was sent: the hit
+share by turn, and how many requests got under half their ideal (a miss: which turn, when).
+Prints a table per workload (routings side by side, prefix / load) and writes ``results.json``
+under ``--out`` (each cell's ``requests`` list holds the per-request figures).
 """
 
 from __future__ import annotations

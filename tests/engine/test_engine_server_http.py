@@ -138,10 +138,17 @@ def test_model_list_and_slot_headers(client, engine):
         "kv_cache_dtype": "float32",  # the suite pins it (tests/conftest.py)
         "max_batched_tokens": 1024,  # unset: a CPU's step budget
         "prefix_rows_free": load["prefix_rows_free"],
+        "prefix_row_idle_ms": load["prefix_row_idle_ms"],
     }
     assert 0.0 <= load["kv_cache_usage"] <= 1.0
     # The completion above left its tokens in a row: at most one of the two rows is empty.
     assert 0 <= load["prefix_rows_free"] <= 1
+    # While a row is empty a new prefix takes it (idle 0); else the row unused longest.
+    assert (
+        load["prefix_row_idle_ms"] == 0
+        if load["prefix_rows_free"]
+        else load["prefix_row_idle_ms"] > 0
+    )
     # The completion above held a slot for a moment: the gateway's Retry-After reads this.
     assert load["mean_request_seconds"] > 0
     # linear_backend=auto was decided at load (measured, or read from the calibration cache):
