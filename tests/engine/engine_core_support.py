@@ -1,11 +1,17 @@
-"""Helpers for the engine-core tests: a tiny model whose greedy choices depend on context."""
+"""Helpers for the engine-core tests: a tiny model whose greedy choices depend on context, and an
+engine served in process over HTTP."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from aiohttp.test_utils import TestClient, TestServer
 
 from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.params import SamplingParams
@@ -18,6 +24,25 @@ if TYPE_CHECKING:
     from slotserve.engine.core.protocols import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@contextlib.asynccontextmanager
+async def served_in_process(settings: EngineSettings) -> AsyncIterator[TestClient]:
+    """The engine of ``settings`` loaded in this process behind its HTTP app, ready (30 s at
+    most), closed on the way out."""
+    from slotserve.engine.core.async_engine import AsyncEngine
+    from slotserve.engine.http.server import create_app
+
+    engine = await asyncio.to_thread(AsyncEngine.load, settings)
+    client = TestClient(TestServer(create_app(engine)))
+    await client.start_server()
+    try:
+        async with asyncio.timeout(30):
+            while (await client.get("/ready")).status != 200:
+                await asyncio.sleep(0.05)
+        yield client
+    finally:
+        await client.close()
 
 
 ARCHITECTURES: dict[str, tuple[str, dict[str, object]]] = {

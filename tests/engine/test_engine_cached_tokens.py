@@ -9,23 +9,20 @@ counted once) and the Responses API report the same.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from slotserve.engine.settings import EngineSettings
+from tests.engine.engine_core_support import served_in_process
 
 
 @pytest.fixture
 async def client(tiny_model_dir) -> AsyncIterator[TestClient]:
-    from slotserve.engine.core.async_engine import AsyncEngine
-    from slotserve.engine.http.server import create_app
-
     settings = EngineSettings(
         model=str(tiny_model_dir),
         served_model_name="tiny",
@@ -34,16 +31,8 @@ async def client(tiny_model_dir) -> AsyncIterator[TestClient]:
         prefix_cache_rows=4,
         max_model_len=512,
     )
-    engine = await asyncio.to_thread(AsyncEngine.load, settings)
-    client = TestClient(TestServer(create_app(engine)))
-    await client.start_server()
-    try:
-        async with asyncio.timeout(30):
-            while (await client.get("/ready")).status != 200:
-                await asyncio.sleep(0.05)
+    async with served_in_process(settings) as client:
         yield client
-    finally:
-        await client.close()
 
 
 async def hits(client: TestClient) -> int:

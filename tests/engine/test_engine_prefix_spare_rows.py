@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from aiohttp.test_utils import TestClient, TestServer
 from pydantic import ValidationError
 
 from slotserve.contracts.prefix_keys import chat_chain
@@ -23,7 +22,12 @@ from slotserve.engine.core.kv_cache import KVCacheManager
 from slotserve.engine.core.params import SamplingParams
 from slotserve.engine.core.sequence import Sequence
 from slotserve.engine.settings import EngineSettings
-from tests.engine.engine_core_support import build_sharp_tiny_model, make_engine, model_runner
+from tests.engine.engine_core_support import (
+    build_sharp_tiny_model,
+    make_engine,
+    model_runner,
+    served_in_process,
+)
 from tests.engine.test_engine_isolation_memory import MiB, fake_host, write
 
 
@@ -200,9 +204,6 @@ def test_the_runner_holds_the_rows_and_decodes_the_slots(sharp_dir):
 
 
 async def test_load_reports_the_keys_and_the_empty_rows_of_spare_rows(tiny_model_dir):
-    from slotserve.engine.core.async_engine import AsyncEngine
-    from slotserve.engine.http.server import create_app
-
     settings = EngineSettings(
         model=str(tiny_model_dir),
         served_model_name="tiny",
@@ -211,11 +212,7 @@ async def test_load_reports_the_keys_and_the_empty_rows_of_spare_rows(tiny_model
         prefix_cache_rows=3,
         max_model_len=256,
     )
-    engine = await asyncio.to_thread(AsyncEngine.load, settings)
-    client = TestClient(TestServer(create_app(engine)))
-    await client.start_server()
-    try:
-        await asyncio.wait_for(wait_ready(client), timeout=30)
+    async with served_in_process(settings) as client:
         histories = [[{"role": "user", "content": f"Question {index}: name a colour."}]
                      for index in range(3)]  # fmt: skip
         empty = [(await (await client.get("/load")).json())["prefix_rows_free"]]
@@ -244,13 +241,6 @@ async def test_load_reports_the_keys_and_the_empty_rows_of_spare_rows(tiny_model
         keys = set(load["prefix_keys"])
         for history in histories:  # all three conversations, though one slot served them
             assert chat_chain(history, "").keys[0] in keys
-    finally:
-        await client.close()
-
-
-async def wait_ready(client: TestClient) -> None:
-    while (await client.get("/ready")).status != 200:
-        await asyncio.sleep(0.05)
 
 
 def test_spare_rows_below_the_slots_or_without_the_cache_are_refused():
