@@ -9,7 +9,7 @@ import math
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -27,13 +27,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 @contextlib.asynccontextmanager
-async def served_in_process(settings: EngineSettings) -> AsyncIterator[TestClient]:
-    """The engine of ``settings`` loaded in this process behind its HTTP app, ready (30 s at
-    most), closed on the way out."""
+async def served_in_process(model_dir: Path, **settings: Any) -> AsyncIterator[TestClient]:
+    """An engine on ``model_dir`` (served as "tiny", one thread, ``settings`` on top) loaded in
+    this process behind its HTTP app, ready (30 s at most), closed on the way out."""
     from slotserve.engine.core.async_engine import AsyncEngine
     from slotserve.engine.http.server import create_app
 
-    engine = await asyncio.to_thread(AsyncEngine.load, settings)
+    settings = {"served_model_name": "tiny", "num_threads": 1, **settings}
+    engine_settings = EngineSettings(model=str(model_dir), **settings)
+    engine = await asyncio.to_thread(AsyncEngine.load, engine_settings)
     client = TestClient(TestServer(create_app(engine)))
     await client.start_server()
     try:

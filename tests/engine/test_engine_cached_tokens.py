@@ -17,21 +17,13 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from slotserve.engine.settings import EngineSettings
 from tests.engine.engine_core_support import served_in_process
 
 
 @pytest.fixture
 async def client(tiny_model_dir) -> AsyncIterator[TestClient]:
-    settings = EngineSettings(
-        model=str(tiny_model_dir),
-        served_model_name="tiny",
-        num_threads=1,
-        max_batch_size=2,
-        prefix_cache_rows=4,
-        max_model_len=512,
-    )
-    async with served_in_process(settings) as client:
+    rows = {"max_batch_size": 2, "prefix_cache_rows": 4, "max_model_len": 512}
+    async with served_in_process(tiny_model_dir, **rows) as client:
         yield client
 
 

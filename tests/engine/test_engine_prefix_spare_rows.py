@@ -204,15 +204,8 @@ def test_the_runner_holds_the_rows_and_decodes_the_slots(sharp_dir):
 
 
 async def test_load_reports_the_keys_and_the_empty_rows_of_spare_rows(tiny_model_dir):
-    settings = EngineSettings(
-        model=str(tiny_model_dir),
-        served_model_name="tiny",
-        num_threads=1,
-        max_batch_size=1,
-        prefix_cache_rows=3,
-        max_model_len=256,
-    )
-    async with served_in_process(settings) as client:
+    rows = {"max_batch_size": 1, "prefix_cache_rows": 3, "max_model_len": 256}
+    async with served_in_process(tiny_model_dir, **rows) as client:
         histories = [[{"role": "user", "content": f"Question {index}: name a colour."}]
                      for index in range(3)]  # fmt: skip
         empty = [(await (await client.get("/load")).json())["prefix_rows_free"]]
