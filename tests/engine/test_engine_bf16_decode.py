@@ -268,3 +268,38 @@ def test_smollm2_under_bf16_decode_keeps_fp32_choices(smollm2_dir, bf16_kernels)
     print(f"second-token logprob deltas under bf16 decode: {deltas}")
     assert 0 < max(deltas) < 0.1
     assert first_token_logprobs(engines["bfloat16"], prompts[:1])  # prefill still answers
+
+
+@pytest.mark.parametrize(
+    "m,hidden,inter", [(16, 64, 96), (40, 576, 1536), (33, 96, 64), (5, 64, 96)]
+)
+def test_the_fused_mlp_matches_the_products_with_silu_between(kernels, m, hidden, inter):
+    """slotserve_mlp_bf16: on the AMX tiles (16 rows or more) one pass writes each gate/up
+    block's silu(gate) * up as the down product's bf16 rows (gemm_amx.c's mlp_bf16_amx, what a
+    bf16 prefill step runs); elsewhere the two products with SiLU between. Both against the
+    reference in float64 with the same bf16 roundings, and against each other."""
+    torch.manual_seed(m + hidden + inter)
+    x = torch.randn(m, hidden)
+    gate_up = (torch.randn(2 * inter, hidden) / hidden**0.5).to(torch.bfloat16)
+    down = (torch.randn(hidden, inter) / inter**0.5).to(torch.bfloat16)
+    xb = x.to(torch.bfloat16).double()
+    both = xb @ gate_up.double().T
+    act = torch.nn.functional.silu(both[:, :inter]) * both[:, inter:]
+    expected = act.float().to(torch.bfloat16).double() @ down.double().T
+    scale = expected.abs().max().item()
+    results = {}
+    units = [(kernels.isa, False)] + ([(kernels.isa, True)] if kernels.set_amx(True) else [])
+    try:
+        for isa, amx in units:
+            kernels.set_amx(amx)
+            got = kernels.mlp_bf16(x, pack_bf16(gate_up), pack_bf16(down), inter)
+            # A silu(gate) * up on a bf16 rounding boundary may round the other way.
+            assert (got.double() - expected).abs().max().item() <= 1e-3 * scale, (isa, amx)
+            assert (got.double() - expected).abs().mean().item() <= 1e-5 * scale, (isa, amx)
+            results[amx] = got
+    finally:
+        kernels.set_amx(True)
+    if True in results:
+        assert (results[True] - results[False]).abs().mean().item() <= 1e-5 * scale
+    with pytest.raises(ValueError, match="mlp_bf16 takes packed"):
+        kernels.mlp_bf16(x, pack_bf16(gate_up[:-16]), pack_bf16(down), inter)

@@ -366,6 +366,35 @@ def test_on_amx_products_of_16_rows_or_more_run_on_the_tiles_with_fp32_results(t
     assert step.wide_products == 0
 
 
+def test_on_amx_a_prefill_step_runs_its_layers_on_the_tiles_and_agrees_with_vdpbf16ps(
+    tiny_model_dir, monkeypatch
+):
+    """With AMX, a bf16 step of 16 rows or more runs each layer on the tiles end to end
+    (llama_step.c's layer_on_tiles: norms straight to bf16 tiles, the fused MLP, o and down
+    added to the residual stream, the tiles' attention); the same prompts with the tiles off
+    (VDPBF16PS products and attention, each op on its own) give the same next-token logprobs up
+    to the bf16 roundings' order."""
+    kernels = load_kernels(CommonSettings().home)
+    if not kernels.amx:
+        pytest.skip("this CPU (or its kernel) gives no AMX tiles")
+    prompts = [[(i * 17 + 3 * j) % 4000 + 50 for i in range(40 + 11 * j)] for j in range(3)]
+    figures = []
+    engine = make_engine(
+        tiny_model_dir, prefill_dtype="bfloat16", linear_backend="native", max_batch_size=3
+    )
+    for amx in (True, False):
+        kernels.set_amx(amx)
+        try:
+            figures.append(first_token_logprobs(engine, prompts))
+        finally:
+            kernels.set_amx(True)
+    for tiles, vectors in zip(*figures, strict=True):
+        assert tiles.keys() == vectors.keys()
+        for token, logprob in tiles.items():
+            assert logprob == pytest.approx(vectors[token], abs=2e-3)
+    assert figures[0] != figures[1]  # the tiles did run: another rounding order somewhere
+
+
 @pytest.mark.parametrize("num_rows", [1, 15, 16, 17, 40])
 def test_onednn_products_pad_rows_to_a_bucket_and_give_the_unpadded_result(num_rows):
     """Rows padded to a multiple of 16 keep oneDNN's kernels per shape few; the padding rows

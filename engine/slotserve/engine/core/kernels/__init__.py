@@ -199,6 +199,37 @@ class NativeKernels:
         )
         return out
 
+    def mlp_bf16(
+        self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, inter: int
+    ) -> torch.Tensor:
+        """A decoder MLP, ``down(silu(x @ gate.T) * (x @ up.T))``, on packed bf16 weights
+        (:func:`pack_bf16` of the gate's and up's rows stacked, and of down's): one fused pass
+        on the AMX tiles where they run, else the two products with SiLU between."""
+        m, hidden, out = self._begin(x, x.shape[1] if x.dim() == 2 else 0)
+        if (
+            tuple(gate_up.shape) != (2 * inter // 16, hidden // 2, 16, 2)
+            or tuple(down.shape) != (-(-hidden // 16), inter // 2, 16, 2)
+            or inter % 16
+            or hidden % 16
+        ):
+            raise ValueError(
+                f"mlp_bf16 takes packed gate/up [{2 * inter // 16}, {hidden // 2}, 16, 2] and "
+                f"down [{-(-hidden // 16)}, {inter // 2}, 16, 2], got "
+                f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
+            )
+        self._run(
+            self._lib.slotserve_mlp_bf16,
+            x.data_ptr(),
+            m,
+            hidden,
+            gate_up.data_ptr(),
+            down.data_ptr(),
+            inter,
+            out.data_ptr(),
+            _threads(),
+        )
+        return out
+
     def gemm_q8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         m, k, out = self._begin(x, q.shape[0])
         self._run(

@@ -44,8 +44,9 @@ static void head_c(const float *query, const void *keys, const void *values, int
     }
 }
 
-/* Rows of one chunk taken together per kv head (below); bf16 blocks repack their keys and
- * values to bf16 (attention_bf16.c), so more rows share one. */
+/* Rows of one chunk taken together per kv head (below); the bf16 blocks read their chunk's keys
+ * and values packed once (pack_chunks), and take more rows a block (the tiles, 32 queries a
+ * pass, want them). */
 #define CHUNK_ROWS 32
 #define BF16_CHUNK_ROWS 128
 
@@ -216,11 +217,75 @@ static void head_avx2(const float *query, const void *keys, const void *values, 
 /* Rows taken together: a block of up to CHUNK_ROWS rows of one chunk (count > 1), or one row. */
 struct span {
     int64_t first, count;
+    int64_t chunk; /* which chunk's packed keys a span of several rows reads; -1 for one row */
 };
 
 /* Rows r and r + 1 are neighbours in one chunk: the same slot, the next position. */
 static int same_chunk(const int64_t *slots, const int64_t *lens, int64_t r) {
     return slots != NULL && slots[r] == slots[r + 1] && lens[r + 1] == lens[r] + 1;
+}
+
+/* Where a chunk's keys and values, packed for the bf16 blocks, are (per kv head). */
+struct kv_pack {
+    const uint16_t *kp, *vp;
+};
+
+/* Every chunk's keys and values, per kv head, packed once (attention_bf16_pack) for all the
+ * chunk's spans: a 1,000-row chunk in spans of 128 rows packed positions [0, 128), [0, 256), ...
+ * again for each span, ~4.5x its length, with an fp16 cache widened first. Returns the packs
+ * ([chunk * kv_heads + head]) in one buffer (*owned to free), or NULL when out of memory. */
+static struct kv_pack *pack_chunks(const void *k, const void *v, int kv_half,
+                                   const struct span *spans, int64_t num_spans, int64_t chunks,
+                                   const int64_t *slots, const int64_t *lens, int64_t kv_heads,
+                                   int64_t d, int64_t max_len, int team, struct scratch *s,
+                                   void **owned) {
+    const size_t element = kv_half ? sizeof(uint16_t) : sizeof(float);
+    int64_t *last = NULL, *slot = NULL, total = 0, widest = 0;
+    size_t bytes =
+        sizeof(struct kv_pack) * (size_t)(chunks * kv_heads) + 2 * sizeof(int64_t) * (size_t)chunks;
+    char *base = NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) {
+            bytes += sizeof(uint16_t) * (size_t)(2 * d * total * kv_heads + team * d * widest);
+            base = scratch_take(s, bytes + 64 * (size_t)(chunks * kv_heads + team), owned);
+            if (base == NULL) return NULL;
+            last = (int64_t *)(base + sizeof(struct kv_pack) * (size_t)(chunks * kv_heads));
+            slot = last + chunks;
+        }
+        for (int64_t i = 0; i < num_spans; i++) {
+            if (spans[i].chunk < 0) continue;
+            const int64_t end = lens[spans[i].first + spans[i].count - 1];
+            const int64_t stride = (end + 31) & ~(int64_t)31;
+            if (pass == 0) {
+                /* A chunk's spans come in order: its last span's end is its stride. */
+                if (i + 1 == num_spans || spans[i + 1].chunk != spans[i].chunk) total += stride;
+                widest = stride > widest ? stride : widest;
+            } else {
+                last[spans[i].chunk] = end;
+                slot[spans[i].chunk] = slots[spans[i].first];
+            }
+        }
+    }
+    struct kv_pack *packs = (struct kv_pack *)base;
+    uint16_t *data = (uint16_t *)(((uintptr_t)(slot + chunks) + 63) & ~(uintptr_t)63);
+    for (int64_t c = 0; c < chunks; c++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t stride = (last[c] + 31) & ~(int64_t)31;
+            packs[c * kv_heads + h] = (struct kv_pack){data, data + d * stride};
+            data += 2 * d * stride;
+        }
+    uint16_t *rows = data;
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
+    for (int64_t task = 0; task < chunks * kv_heads; task++) {
+        const int64_t c = task / kv_heads, h = task % kv_heads;
+        const int64_t at = (slot[c] * kv_heads + h) * max_len * d;
+        uint16_t *mine = rows + (int64_t)omp_get_thread_num() * d * widest;
+        attention_bf16_pack((const char *)k + element * (size_t)at,
+                            (const char *)v + element * (size_t)at, kv_half, last[c],
+                            (last[c] + 31) & ~(int64_t)31, d, (uint16_t *)packs[task].kp,
+                            (uint16_t *)packs[task].vp, mine);
+    }
+    return packs;
 }
 
 int slotserve_attend(const float *q, const void *k, const void *v, int kv_half, int64_t rows,
@@ -262,16 +327,16 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
      * positions on one thread). */
     const int team = work < (1 << 17) ? 1 : threads;
     /* Each thread's scores for one (row, kv head): group * longest floats; for blocks, what
-     * attention_block_work (or attention_bf16_work) says, and with an fp16 cache the block's
-     * keys and values widened to fp32 behind it (the blocks read floats; a block shares them
-     * among its rows, so widening once costs a small part of it). */
+     * attention_block_work (or the bf16 blocks' work) says, and with an fp16 cache (fp32
+     * blocks) the block's keys and values widened to fp32 behind it (the blocks read floats; a
+     * block shares them among its rows, so widening once costs a small part of it). */
     size_t floats = (size_t)(group * longest), widened = 0;
     if (avx2) {
         const size_t block = amx    ? attention_amx_work(d, longest)
                              : bf16 ? attention_bf16_work(d, longest)
                                     : attention_block_work(d, longest);
         floats = block > floats ? block : floats;
-        if (kv_half) {
+        if (kv_half && !bf16) {
             floats = (floats + 15) & ~(size_t)15;
             widened = floats;
             floats += 2 * (size_t)(longest * d);
@@ -279,34 +344,55 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
     }
     const size_t per_thread = (sizeof(float) * floats + 63) & ~(size_t)63;
     const size_t mark = scratch_mark(s);
-    void *owned = NULL, *owned_spans = NULL;
-    char *all_scores = scratch_take(s, per_thread * (size_t)team, &owned);
-    struct span *spans = scratch_take(s, sizeof(struct span) * (size_t)rows, &owned_spans);
-    if (all_scores == NULL || spans == NULL) {
-        free(owned), free(owned_spans);
-        scratch_release(s, mark);
-        return -1;
-    }
-    int64_t num_spans = 0;
+    void *owned[3] = {NULL};
+    char *all_scores = scratch_take(s, per_thread * (size_t)team, &owned[0]);
+    struct span *spans = scratch_take(s, sizeof(struct span) * (size_t)rows, &owned[1]);
+    int status = -1;
+    if (all_scores == NULL || spans == NULL) goto done;
+    int64_t num_spans = 0, chunks = 0;
     for (int64_t r = 0; r < rows;) {
         int64_t count = 1;
         while (avx2 && count < (bf16 ? BF16_CHUNK_ROWS : CHUNK_ROWS) && r + count < rows &&
                lens[r + count] <= max_len && same_chunk(slots, lens, r + count - 1))
             count++;
-        spans[num_spans++] = (struct span){r, count};
+        /* A span that goes on where the last one stopped shares its chunk's packed keys. */
+        const int more = num_spans > 0 && spans[num_spans - 1].count > 1 && count > 1 &&
+                         same_chunk(slots, lens, r - 1);
+        if (count > 1 && !more) chunks++;
+        spans[num_spans++] = (struct span){r, count, count > 1 ? chunks - 1 : -1};
         r += count;
+    }
+    /* bf16 blocks: each chunk's keys and values packed once per kv head, for all its spans. */
+    struct kv_pack *packs = NULL;
+    if (bf16 && chunks > 0) {
+        packs = pack_chunks(k, v, kv_half, spans, num_spans, chunks, slots, lens, kv_heads, d,
+                            max_len, team, s, &owned[2]);
+        if (packs == NULL) goto done;
     }
 #pragma omp parallel num_threads(team)
     {
         float *scores = (float *)(all_scores + per_thread * (size_t)omp_get_thread_num());
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_spans * kv_heads; task++) {
+        for (int64_t next = 0; next < num_spans * kv_heads; next++) {
+            /* The last spans of a chunk first: they see the most positions, and the shortest
+             * tasks last leave the threads least time idle at the end. */
+            const int64_t task = num_spans * kv_heads - 1 - next;
             const struct span span = spans[task / kv_heads];
             const int64_t r = span.first, h = task % kv_heads;
             const int64_t slot = slots == NULL ? r : slots[r];
             const int64_t at = (slot * kv_heads + h) * max_len * d;
             const void *keys = (const char *)k + element * (size_t)at;
             const void *values = (const char *)v + element * (size_t)at;
+            if (span.count > 1 && bf16) {
+                const struct kv_pack *pack = &packs[span.chunk * kv_heads + h];
+                if (amx)
+                    attention_block_amx(q, pack->kp, pack->vp, lens, r, span.count, h, kv_heads,
+                                        group, d, scale, out, scores);
+                else
+                    attention_block_bf16(q, pack->kp, pack->vp, lens, r, span.count, h, kv_heads,
+                                         group, d, scale, out, scores, softmax_avx512);
+                continue;
+            }
             if (span.count > 1) {
                 const float *kf = keys, *vf = values;
                 if (kv_half) {
@@ -316,15 +402,8 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
                     kv_widen(values, last * d, wv);
                     kf = wk, vf = wv;
                 }
-                if (amx)
-                    attention_block_amx(q, kf, vf, lens, r, span.count, h, kv_heads, group, d,
-                                        scale, out, scores);
-                else if (bf16)
-                    attention_block_bf16(q, kf, vf, lens, r, span.count, h, kv_heads, group, d,
-                                         scale, out, scores, softmax_avx512);
-                else
-                    attention_block_f32(avx512, q, kf, vf, lens, r, span.count, h, kv_heads, group,
-                                        d, scale, out, scores, softmax_avx2);
+                attention_block_f32(avx512, q, kf, vf, lens, r, span.count, h, kv_heads, group, d,
+                                    scale, out, scores, softmax_avx2);
                 continue;
             }
             const int64_t len = lens[r] < max_len ? lens[r] : max_len;
@@ -343,9 +422,11 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
                 head_c(query, keys, values, kv_half, len, d, group, scale, scores, dst);
         }
     }
-    free(owned), free(owned_spans);
+    status = 0;
+done:
+    for (int i = 0; i < 3; i++) free(owned[i]);
     scratch_release(s, mark);
-    return 0;
+    return status;
 }
 
 int slotserve_decode_attention(const float *q, const void *k, const void *v, int kv_half,

@@ -22,7 +22,7 @@
 
 #include "gemm.h"
 
-#define AMX_ROWS 16 /* queries a tile holds */
+#define AMX_ROWS 32 /* queries a pass: two tiles of 16 */
 
 static int amx_usable = -1; /* unknown until first asked */
 static int amx_wanted = 1;  /* tests and benchmarks turn it off */
@@ -64,85 +64,97 @@ AMX_TARGET void amx_tiles_configure(void) {
     _tile_loadconfig(&config);
 }
 
-/* Scores of the 16 queries in qb (rows of d bf16) against `vectors` groups of 16 packed keys,
- * four groups a pass, into scores (rows `stride` floats apart). */
+/* Scores of the 32 queries in qb (rows of d bf16: one tile's rows 0-15, the other's 16-31)
+ * against `vectors` groups of 16 packed keys, two groups a pass, into scores (rows `stride`
+ * floats apart): sums 0 / 1 the first 16 queries against groups g / g + 1, sums 2 / 3 the next
+ * 16; each tile loaded feeds two products. */
 AMX_TARGET static void tiles_score(const uint16_t *qb, const uint16_t *kp, int64_t d,
                                    int64_t vectors, float *scores, int64_t stride) {
-    const int64_t pairs = d / 2, steps = d / 32, group = pairs * 32;
-    for (int64_t g = 0; g < vectors; g += 4) {
-        const int64_t w = vectors - g < 4 ? vectors - g : 4;
+    const int64_t steps = d / 32, group = (d / 2) * 32;
+    for (int64_t g = 0; g < vectors; g += 2) {
+        const int two = g + 1 < vectors;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t s = 0; s < steps; s++) {
+            const uint16_t *keys = kp + g * group + 512 * s;
             _tile_loadd(4, qb + 32 * s, d * 2);
-            const uint16_t *keys = kp + g * group + 16 * s * 32;
-            _tile_loadd(5, keys, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (w > 1) {
-                _tile_loadd(5, keys + group, 64);
-                _tile_dpbf16ps(1, 4, 5);
-            }
-            if (w > 2) {
-                _tile_loadd(5, keys + 2 * group, 64);
-                _tile_dpbf16ps(2, 4, 5);
-            }
-            if (w > 3) {
-                _tile_loadd(5, keys + 3 * group, 64);
-                _tile_dpbf16ps(3, 4, 5);
+            _tile_loadd(5, qb + 16 * d + 32 * s, d * 2);
+            _tile_loadd(6, keys, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) {
+                _tile_loadd(7, keys + group, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
             }
         }
         float *at = scores + 16 * g;
         _tile_stored(0, at, stride * 4);
-        if (w > 1) _tile_stored(1, at + 16, stride * 4);
-        if (w > 2) _tile_stored(2, at + 32, stride * 4);
-        if (w > 3) _tile_stored(3, at + 48, stride * 4);
+        _tile_stored(2, at + 16 * stride, stride * 4);
+        if (two) {
+            _tile_stored(1, at + 16, stride * 4);
+            _tile_stored(3, at + 16 * stride + 16, stride * 4);
+        }
     }
 }
 
-/* The 16 queries' outputs (rows of d floats in acc): probabilities pb (rows `stride` bf16 apart)
- * over positions [0, span), span a multiple of 32, times the packed values. */
+/* The 32 queries' outputs (rows of d floats in acc): probabilities pb (rows `stride` bf16 apart)
+ * over positions [0, span), span a multiple of 32, times the packed values; two groups of 16
+ * dimensions a pass (d a multiple of 32), the sums laid out as tiles_score's. */
 AMX_TARGET static void tiles_sum(const uint16_t *pb, const uint16_t *vp, int64_t stride, int64_t d,
                                  int64_t span, float *acc) {
     const int64_t groups = d / 16;
-    for (int64_t j = 0; j < groups; j += 4) {
-        const int64_t w = groups - j < 4 ? groups - j : 4;
+    for (int64_t j = 0; j < groups; j += 2) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t t = 0; t < span; t += 32) {
-            _tile_loadd(4, pb + t, stride * 2);
             const uint16_t *values = vp + ((t / 2) * groups + j) * 32;
-            _tile_loadd(5, values, groups * 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (w > 1) {
-                _tile_loadd(5, values + 32, groups * 64);
-                _tile_dpbf16ps(1, 4, 5);
-            }
-            if (w > 2) {
-                _tile_loadd(5, values + 64, groups * 64);
-                _tile_dpbf16ps(2, 4, 5);
-            }
-            if (w > 3) {
-                _tile_loadd(5, values + 96, groups * 64);
-                _tile_dpbf16ps(3, 4, 5);
-            }
+            _tile_loadd(4, pb + t, stride * 2);
+            _tile_loadd(5, pb + 16 * stride + t, stride * 2);
+            _tile_loadd(6, values, groups * 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_loadd(7, values + 32, groups * 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
         }
         float *at = acc + 16 * j;
         _tile_stored(0, at, d * 4);
-        if (w > 1) _tile_stored(1, at + 16, d * 4);
-        if (w > 2) _tile_stored(2, at + 32, d * 4);
-        if (w > 3) _tile_stored(3, at + 48, d * 4);
+        _tile_stored(1, at + 16, d * 4);
+        _tile_stored(2, at + 16 * d, d * 4);
+        _tile_stored(3, at + 16 * d + 16, d * 4);
     }
 }
 
-/* A query's scores [0, len) times `scale`, normalised (softmax) and rounded to bf16 (nearest
- * even) into pb, zeros over [len, span): three passes over the row where scaling, softmax_avx512
- * and the rounding took five (the softmax was the race's largest part once the tiles ran). */
-AMX_TARGET static void probabilities(const float *scores, int64_t len, int64_t span, float scale,
-                                     float *exps, uint16_t *pb) {
+/* 2^x for x <= 0 with VSCALEFPS: 2^n * p(f), n = round(x), f = x - n in [-1/2, 1/2], p the
+ * Taylor terms of e^(f ln 2) to degree 5 (relative error < 3e-6, under a thousandth of the
+ * bf16 rounding that follows), 0 below 2^-126 (no denormals). Six operations fewer a vector
+ * than exp_nonpositive512: the exponent goes in through the scaling instruction. */
+AMX_TARGET static inline __m512 exp2_nonpositive(__m512 x) {
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);                 /* ln2^5 / 120 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f)); /* ln2^4 / 24 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f)); /* ln2^3 / 6 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f)); /* ln2^2 / 2 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f)); /* ln2 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(normal, p, n);
+}
+
+/* A query's scores [0, len) times `scale`, exponentiated less their maximum and rounded to bf16
+ * (nearest even) into pb, zeros over [len, span); returns 1 / the sum of the exponentials (fp32,
+ * before rounding), by which the query's output is scaled once the values are summed (as
+ * FlashAttention does): two passes over the row where normalising each probability before
+ * rounding it took a third, and the softmax was the largest part of the race once the tiles ran.
+ * The exponentials are taken base 2, the scale folded into one multiply-add with log2(e). */
+AMX_TARGET static float exponentials(const float *scores, int64_t len, int64_t span, float scale,
+                                     uint16_t *pb) {
     __m512 top16 = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < len; t += 16) {
         const int64_t left = len - t;
@@ -150,23 +162,28 @@ AMX_TARGET static void probabilities(const float *scores, int64_t len, int64_t s
         top16 = _mm512_mask_max_ps(top16, keep, top16, _mm512_maskz_loadu_ps(keep, scores + t));
     }
     /* scale > 0 (1 / sqrt(d)), so the largest scaled score is the largest score scaled. */
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * scale);
+    const float base2 = scale * EXP_LOG2E;
+    const __m512 vscale = _mm512_set1_ps(base2);
+    const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * base2);
     __m512 total16 = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t += 16) {
-        const int64_t left = len - t;
-        const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, scores + t), vscale, vtop);
-        const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive512(x));
-        _mm512_storeu_ps(exps + t, e);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) { /* whole vectors: no masks */
+        const __m512 e =
+            exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(scores + t), vscale, vtop));
         total16 = _mm512_add_ps(total16, e);
+        _mm256_storeu_si256((__m256i *)(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
     }
-    const __m512 norm = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total16));
-    for (int64_t t = 0; t < span; t += 16) {
-        const __m512 p =
-            t < len ? _mm512_mul_ps(_mm512_loadu_ps(exps + t), norm) : _mm512_setzero_ps();
-        _mm256_storeu_si256((__m256i *)(pb + t), (__m256i)_mm512_cvtneps_pbh(p));
+    for (; t < span; t += 16) {
+        const int64_t left = len - t;
+        const __mmask16 keep = left >= 16  ? (__mmask16)0xFFFF
+                               : left <= 0 ? (__mmask16)0
+                                           : (__mmask16)((1u << left) - 1);
+        const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, scores + t), vscale, vtop);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp2_nonpositive(x));
+        total16 = _mm512_add_ps(total16, e);
+        _mm256_storeu_si256((__m256i *)(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
     }
+    return 1.0f / _mm512_reduce_add_ps(total16);
 }
 
 int slotserve_kernel_amx(void) {
@@ -176,49 +193,61 @@ int slotserve_kernel_amx(void) {
 
 size_t attention_amx_work(int64_t d, int64_t longest) {
     const size_t stride = (size_t)((longest + 31) & ~(int64_t)31);
-    /* kp, vp and the keys' rows: d * stride bf16 each; qb: 16 * d bf16; pb: 16 * stride bf16;
-     * scores: 16 * stride floats; acc: 16 * d floats (in floats, with room to align). */
-    return 3 * (size_t)d * stride / 2 + (size_t)(AMX_ROWS * d) / 2 + (size_t)AMX_ROWS * stride / 2 +
-           (size_t)AMX_ROWS * stride + (size_t)AMX_ROWS * (size_t)d + 32;
+    /* qb: 32 * d bf16; pb: 32 * stride bf16; scores: 32 * stride floats; acc: 32 * d floats (in
+     * floats, with room to align). */
+    return (size_t)(AMX_ROWS * d) / 2 + (size_t)AMX_ROWS * stride / 2 + (size_t)AMX_ROWS * stride +
+           (size_t)AMX_ROWS * (size_t)d + 32;
 }
 
-AMX_TARGET void attention_block_amx(const float *q, const float *keys, const float *values,
+AMX_TARGET void attention_block_amx(const float *q, const uint16_t *kp, const uint16_t *vp,
                                     const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                                     int64_t kv_heads, int64_t group, int64_t d, float scale,
                                     float *out, float *work) {
     const int64_t last = lens[r0 + count - 1];
     const int64_t stride = (last + 31) & ~(int64_t)31;
-    uint16_t *kp = (uint16_t *)work;
-    uint16_t *vp = kp + d * stride;
-    uint16_t *rows = vp + d * stride;
-    uint16_t *qb = rows + d * stride;
+    uint16_t *qb = (uint16_t *)work;
     uint16_t *pb = qb + AMX_ROWS * d;
     float *scores = (float *)(((uintptr_t)(pb + AMX_ROWS * stride) + 63) & ~(uintptr_t)63);
     float *acc = scores + AMX_ROWS * stride;
-    attention_bf16_pack(keys, values, last, stride, d, kp, vp, rows);
     amx_tiles_configure();
     const int64_t queries = count * group;
     for (int64_t first = 0; first < queries; first += AMX_ROWS) {
         float *outs[AMX_ROWS];
         int64_t len[AMX_ROWS], upto = 0;
         const int64_t real = queries - first < AMX_ROWS ? queries - first : AMX_ROWS;
-        for (int i = 0; i < AMX_ROWS; i++) {
-            /* Past the last query, repeat it (its results are not written). */
-            const int64_t index = i < real ? first + i : queries - 1;
+        for (int64_t i = 0; i < AMX_ROWS; i++) {
+            uint16_t *qi_b = qb + i * d;
+            if (i >= real) { /* past the last query: zeros, and results not written */
+                memset(qi_b, 0, sizeof(uint16_t) * (size_t)d);
+                len[i] = 0;
+                continue;
+            }
+            const int64_t index = first + i;
             const int64_t r = r0 + index / group, g = index % group;
             const float *qi = q + ((r * kv_heads + h) * group + g) * d;
-            for (int64_t j = 0; j < d; j++) qb[i * d + j] = bf16_bits(qi[j]);
+            for (int64_t j = 0; j < d; j += 32)
+                _mm512_storeu_si512(qi_b + j,
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qi + j + 16),
+                                                                 _mm512_loadu_ps(qi + j)));
             outs[i] = out + ((r * kv_heads + h) * group + g) * d;
             len[i] = lens[r];
             upto = len[i] > upto ? len[i] : upto;
         }
         tiles_score(qb, kp, d, (upto + 15) / 16, scores, stride);
         const int64_t span = (upto + 31) & ~(int64_t)31;
-        for (int i = 0; i < AMX_ROWS; i++)
-            probabilities(scores + i * stride, len[i], span, scale, scores + i * stride,
-                          pb + i * stride);
+        float norm[AMX_ROWS];
+        for (int64_t i = 0; i < AMX_ROWS; i++) {
+            if (i < real)
+                norm[i] = exponentials(scores + i * stride, len[i], span, scale, pb + i * stride);
+            else
+                memset(pb + i * stride, 0, sizeof(uint16_t) * (size_t)span);
+        }
         tiles_sum(pb, vp, stride, d, span, acc);
-        for (int64_t i = 0; i < real; i++) memcpy(outs[i], acc + i * d, sizeof(float) * (size_t)d);
+        for (int64_t i = 0; i < real; i++) {
+            const __m512 by = _mm512_set1_ps(norm[i]);
+            for (int64_t j = 0; j < d; j += 16)
+                _mm512_storeu_ps(outs[i] + j, _mm512_mul_ps(_mm512_loadu_ps(acc + i * d + j), by));
+        }
     }
     _tile_release();
 }
@@ -232,11 +261,11 @@ size_t attention_amx_work(int64_t d, int64_t longest) {
     (void)d, (void)longest;
     return 0;
 }
-void attention_block_amx(const float *q, const float *keys, const float *values,
+void attention_block_amx(const float *q, const uint16_t *kp, const uint16_t *vp,
                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                          int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
                          float *work) {
-    (void)q, (void)keys, (void)values, (void)lens, (void)r0, (void)count, (void)h;
+    (void)q, (void)kp, (void)vp, (void)lens, (void)r0, (void)count, (void)h;
     (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work;
 }
 #endif

@@ -33,24 +33,32 @@ static inline int32_t pair_at(const uint16_t *pairs, int64_t index) {
 }
 
 size_t attention_bf16_work(int64_t d, int64_t longest) {
-    const size_t stride = (size_t)((longest + 15) & ~(int64_t)15);
-    /* kp, vp and the keys' rows in bf16: d * stride bf16 each; qb: QUADS * d bf16; pb: QUADS *
-     * stride bf16; scores: QUADS * stride floats (in floats, rounded up for alignment). */
-    return 3 * (size_t)d * stride / 2 + (size_t)(ATTENTION_QUADS * d) / 2 +
-           (size_t)ATTENTION_QUADS * stride / 2 + (size_t)ATTENTION_QUADS * stride + 16;
+    const size_t stride = (size_t)((longest + 31) & ~(int64_t)31);
+    /* qb: QUADS * d bf16; pb: QUADS * stride bf16; scores: QUADS * stride floats (in floats,
+     * rounded up for alignment). */
+    return (size_t)(ATTENTION_QUADS * d) / 2 + (size_t)ATTENTION_QUADS * stride / 2 +
+           (size_t)ATTENTION_QUADS * stride + 16;
 }
 
-/* Keys [0, last) into kp (zeros up to stride) and values into vp (zeros up to stride); d a
- * multiple of 32, stride of 16 (attention_amx.c's tiles read these layouts as they are). */
-ATTENTION_BF16_TARGET void attention_bf16_pack(const float *keys, const float *values, int64_t last,
-                                               int64_t stride, int64_t d, uint16_t *kp,
-                                               uint16_t *vp, uint16_t *rows) {
+/* 16 cached values from element `at` on as floats: fp32 as they are, fp16 widened (exactly). */
+ATTENTION_BF16_TARGET static inline __m512 cached16(const void *cache, int half, int64_t at) {
+    if (half)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at)));
+    return _mm512_loadu_ps((const float *)cache + at);
+}
+
+/* Keys [0, last) into kp and values into vp, zeros up to stride (a multiple of 32), from the
+ * cache rows as they are (fp32, or fp16 when `half`); d a multiple of 32 (attention_amx.c's
+ * tiles read these layouts as they are). */
+ATTENTION_BF16_TARGET void attention_bf16_pack(const void *keys, const void *values, int half,
+                                               int64_t last, int64_t stride, int64_t d,
+                                               uint16_t *kp, uint16_t *vp, uint16_t *rows) {
     const int64_t pairs = d / 2, groups = d / 16;
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t t = 0; t < stride; t++)
         for (int64_t j = 0; j < d; j += 32) {
-            const __m512 lo = t < last ? _mm512_loadu_ps(keys + t * d + j) : zero;
-            const __m512 hi = t < last ? _mm512_loadu_ps(keys + t * d + j + 16) : zero;
+            const __m512 lo = t < last ? cached16(keys, half, t * d + j) : zero;
+            const __m512 hi = t < last ? cached16(keys, half, t * d + j + 16) : zero;
             _mm512_storeu_si512(rows + t * d + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     /* kp[g][p] = the pair p of keys 16g .. 16g + 15: a gather of 16 pairs a row apart. */
@@ -70,8 +78,8 @@ ATTENTION_BF16_TARGET void attention_bf16_pack(const float *keys, const float *v
     for (int64_t tp = 0; tp < stride / 2; tp++) {
         const int64_t t = 2 * tp;
         for (int64_t jg = 0; jg < groups; jg++) {
-            const __m512 a = t < last ? _mm512_loadu_ps(values + t * d + 16 * jg) : zero;
-            const __m512 b = t + 1 < last ? _mm512_loadu_ps(values + (t + 1) * d + 16 * jg) : zero;
+            const __m512 a = t < last ? cached16(values, half, t * d + 16 * jg) : zero;
+            const __m512 b = t + 1 < last ? cached16(values, half, (t + 1) * d + 16 * jg) : zero;
             const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a low, b high */
             _mm512_storeu_si512(vp + (tp * groups + jg) * 32,
                                 _mm512_permutexvar_epi16(interleave, both));
@@ -143,21 +151,17 @@ sum_values(const uint16_t *vp, const uint16_t *pb, int64_t stride, int64_t group
         for (int c = 0; c < width; c++) _mm512_storeu_ps(outs[i] + 16 * (j0 + c), acc[i][c]);
 }
 
-ATTENTION_BF16_TARGET void attention_block_bf16(const float *q, const float *keys,
-                                                const float *values, const int64_t *lens,
-                                                int64_t r0, int64_t count, int64_t h,
-                                                int64_t kv_heads, int64_t group, int64_t d,
-                                                float scale, float *out, float *work,
+ATTENTION_BF16_TARGET void attention_block_bf16(const float *q, const uint16_t *kp,
+                                                const uint16_t *vp, const int64_t *lens, int64_t r0,
+                                                int64_t count, int64_t h, int64_t kv_heads,
+                                                int64_t group, int64_t d, float scale, float *out,
+                                                float *work,
                                                 void (*softmax)(float *scores, int64_t len)) {
     const int64_t last = lens[r0 + count - 1];
-    const int64_t stride = (last + 15) & ~(int64_t)15, groups = d / 16;
-    uint16_t *kp = (uint16_t *)work;
-    uint16_t *vp = kp + d * stride;
-    uint16_t *rows = vp + d * stride;
-    uint16_t *qb = rows + d * stride;
+    const int64_t stride = (last + 31) & ~(int64_t)31, groups = d / 16;
+    uint16_t *qb = (uint16_t *)work;
     uint16_t *pb = qb + ATTENTION_QUADS * d;
     float *scores = (float *)(((uintptr_t)(pb + ATTENTION_QUADS * stride) + 63) & ~(uintptr_t)63);
-    attention_bf16_pack(keys, values, last, stride, d, kp, vp, rows);
     const int64_t queries = count * group;
     for (int64_t first = 0; first < queries; first += ATTENTION_QUADS) {
         float *outs[ATTENTION_QUADS];
@@ -218,19 +222,20 @@ ATTENTION_BF16_TARGET void attention_block_bf16(const float *q, const float *key
     }
 }
 #else
-void attention_bf16_pack(const float *keys, const float *values, int64_t last, int64_t stride,
-                         int64_t d, uint16_t *kp, uint16_t *vp, uint16_t *rows) {
-    (void)keys, (void)values, (void)last, (void)stride, (void)d, (void)kp, (void)vp, (void)rows;
+void attention_bf16_pack(const void *keys, const void *values, int half, int64_t last,
+                         int64_t stride, int64_t d, uint16_t *kp, uint16_t *vp, uint16_t *rows) {
+    (void)keys, (void)values, (void)half, (void)last, (void)stride, (void)d, (void)kp, (void)vp;
+    (void)rows;
 }
 size_t attention_bf16_work(int64_t d, int64_t longest) {
     (void)d, (void)longest;
     return 0;
 }
-void attention_block_bf16(const float *q, const float *keys, const float *values,
+void attention_block_bf16(const float *q, const uint16_t *kp, const uint16_t *vp,
                           const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                           int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
                           float *work, void (*softmax)(float *scores, int64_t len)) {
-    (void)q, (void)keys, (void)values, (void)lens, (void)r0, (void)count, (void)h;
+    (void)q, (void)kp, (void)vp, (void)lens, (void)r0, (void)count, (void)h;
     (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work, (void)softmax;
 }
 #endif

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "gemm.h"
+#include <omp.h>
 
 #if defined(__x86_64__) && defined(__linux__)
 #include <immintrin.h>
@@ -25,24 +26,56 @@
     __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,"   \
                           "avx2")))
 
-/* Rows [row, row + 32) of xb (bf16, k columns, padded with zero rows) against blocks b and b + 1
- * (`two`: b + 1 exists) into `out` (32 rows, stride `ld` floats). */
+/* Row i of x (k floats) rounded to bf16 into its place in the A tiles xt[r / 16][k / 32][16][32]
+ * (each tile 1 KB in one piece, so a tile load reads 16 consecutive lines); NULL: zeros. */
+GEMM_AMX_TARGET void amx_row_to_tiles(const float *row, int64_t i, int64_t k, uint16_t *xt) {
+    const int64_t steps = k / 32;
+    uint16_t *at = xt + ((i / 16) * steps * 16 + (i % 16)) * 32;
+    for (int64_t s = 0; s < steps; s++) {
+        const __m512i bits = row == NULL
+                                 ? _mm512_setzero_si512()
+                                 : (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 32 * s + 16),
+                                                                _mm512_loadu_ps(row + 32 * s));
+        _mm512_storeu_si512(at + s * 512, bits);
+    }
+}
+
+/* x's rows [0, m) into A tiles, rows [m, rows) zeros. */
+GEMM_AMX_TARGET static void rows_to_tiles(const float *x, int64_t m, int64_t rows, int64_t k,
+                                          uint16_t *xt, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 64)
+    for (int64_t i = 0; i < rows; i++) amx_row_to_tiles(i < m ? x + i * k : NULL, i, k, xt);
+}
+
+/* Row tiles a0 and a1 (tiled layout, `steps` tiles each) against blocks w0 and w1 (`two`: w1
+ * exists) into `out` (32 rows, stride `ld` floats), added to what `out` holds when `add`. The
+ * k steps go down when `down`: a pass that starts where the last one ended finds those rows'
+ * tiles still in L1 (alternating cut a 1,024-row gate/up product by a tenth). */
 GEMM_AMX_TARGET static inline __attribute__((always_inline)) void
-gemm_pass(const uint16_t *xb, int64_t row, int64_t k, const uint16_t *w0, const uint16_t *w1,
-          int two, float *out, int64_t ld) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const uint16_t *a = xb + row * k;
-    for (int64_t kk = 0; kk < k; kk += 32) {
-        _tile_loadd(4, a + kk, k * 2);
-        _tile_loadd(5, a + 16 * k + kk, k * 2);
-        _tile_loadd(6, w0 + kk * 16, 64);
+gemm_pass(const uint16_t *a0, const uint16_t *a1, int64_t steps, const uint16_t *w0,
+          const uint16_t *w1, int two, float *out, int64_t ld, int down, int add) {
+    if (add) {
+        _tile_loadd(0, out, ld * 4);
+        _tile_loadd(2, out + 16 * ld, ld * 4);
+        if (two) {
+            _tile_loadd(1, out + 16, ld * 4);
+            _tile_loadd(3, out + 16 * ld + 16, ld * 4);
+        }
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t i = 0; i < steps; i++) {
+        const int64_t s = down ? steps - 1 - i : i;
+        _tile_loadd(4, a0 + 512 * s, 64);
+        _tile_loadd(5, a1 + 512 * s, 64);
+        _tile_loadd(6, w0 + 512 * s, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(2, 5, 6);
         if (two) {
-            _tile_loadd(7, w1 + kk * 16, 64);
+            _tile_loadd(7, w1 + 512 * s, 64);
             _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
@@ -55,52 +88,170 @@ gemm_pass(const uint16_t *xb, int64_t row, int64_t k, const uint16_t *w0, const 
     }
 }
 
-GEMM_AMX_TARGET static void gemm_amx_blocks(const uint16_t *xb, int64_t m, int64_t rows, int64_t k,
-                                            const uint16_t *w, int64_t n, float *y, int threads) {
-    const int64_t blocks = n / 16, pairs = (blocks + 1) / 2, block = 16 * k;
+#define CHUNK_BYTES 600000
+
+/* Passes (two blocks of 16 channels each) whose weights, 64 k bytes a pass, a thread keeps in
+ * its L2 while every row tile goes over them. */
+static inline int64_t chunk_pairs(int64_t k) {
+    return CHUNK_BYTES / (64 * k) > 0 ? CHUNK_BYTES / (64 * k) : 1;
+}
+
+/* y[m, n] = xt . w^T (plus what y holds when `add`), xt in A tiles of `rows` rows (m rounded up
+ * to 32). Each thread takes its share of the passes (pairs of 16-channel blocks) in chunks
+ * whose weights stay in its L2 while every row tile goes over them. */
+GEMM_AMX_TARGET static void gemm_amx_blocks(const uint16_t *xt, int64_t m, int64_t rows, int64_t k,
+                                            const uint16_t *w, int64_t n, float *y, int add,
+                                            int threads) {
+    const int64_t blocks = n / 16, pairs = (blocks + 1) / 2, block = 16 * k, steps = k / 32;
 #pragma omp parallel num_threads(threads)
     {
         float tail[32 * 32];
         amx_tiles_configure();
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            const int64_t b = 2 * p;
-            const int two = b + 1 < blocks;
-            const uint16_t *w0 = w + b * block, *w1 = w0 + block;
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t mine_from = pairs * me / team, mine_to = pairs * (me + 1) / team;
+        const int64_t chunk = chunk_pairs(k);
+        for (int64_t c = mine_from; c < mine_to; c += chunk) {
+            const int64_t p_end = c + chunk < mine_to ? c + chunk : mine_to;
             for (int64_t row = 0; row < rows; row += 32) {
-                if (row + 32 <= m) {
-                    gemm_pass(xb, row, k, w0, w1, two, y + row * n + 16 * b, n);
-                    continue;
+                const uint16_t *a0 = xt + (row / 16) * steps * 512, *a1 = a0 + steps * 512;
+                for (int64_t p = c; p < p_end; p++) {
+                    const int64_t b = 2 * p;
+                    const int two = b + 1 < blocks, down = (int)(p & 1);
+                    const size_t width = sizeof(float) * (size_t)(two ? 32 : 16);
+                    const uint16_t *w0 = w + b * block, *w1 = w0 + block;
+                    if (row + 32 <= m) {
+                        gemm_pass(a0, a1, steps, w0, w1, two, y + row * n + 16 * b, n, down, add);
+                        continue;
+                    }
+                    /* The last rows: through a buffer, only the step's own rows read and
+                     * written. */
+                    if (add) {
+                        memset(tail, 0, sizeof tail);
+                        for (int64_t i = row; i < m; i++)
+                            memcpy(tail + (i - row) * 32, y + i * n + 16 * b, width);
+                    }
+                    gemm_pass(a0, a1, steps, w0, w1, two, tail, 32, down, add);
+                    for (int64_t i = row; i < m; i++)
+                        memcpy(y + i * n + 16 * b, tail + (i - row) * 32, width);
                 }
-                /* The last rows: through a buffer, only the step's own rows written. */
-                gemm_pass(xb, row, k, w0, w1, two, tail, 32);
-                for (int64_t i = row; i < m; i++)
-                    memcpy(y + i * n + 16 * b, tail + (i - row) * 32,
-                           sizeof(float) * (size_t)(two ? 32 : 16));
             }
         }
         _tile_release();
     }
 }
 
-int gemm_bf16_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
-                  int threads, struct scratch *s) {
+/* One pass of the MLP's gate/up product, 32 rows x 16 channels of each (gate block j, up block
+ * j), through `buf` (32 x 32 floats: the gate's 16 then the up's 16 of each row): silu(gate) *
+ * up rounded to bf16 into the down product's A tiles (act, `act_steps` tiles a row tile), where
+ * channel j's 16 columns sit in tile j / 2, half j % 2. Padded rows come out 0 (their x is). */
+GEMM_AMX_TARGET static inline __attribute__((always_inline)) void
+mlp_pass(const uint16_t *a0, const uint16_t *a1, int64_t steps, const uint16_t *gate,
+         const uint16_t *up, int64_t row, int64_t j, uint16_t *act, int64_t act_steps, float *buf) {
+    gemm_pass(a0, a1, steps, gate, up, 1, buf, 32, (int)(j & 1), 0);
+    for (int r = 0; r < 32; r++) {
+        const int64_t i = row + r;
+        uint16_t *at = act + ((i / 16) * act_steps + j / 2) * 512 + (i % 16) * 32 + (j % 2) * 16;
+        const __m512 v =
+            silu_mul16(_mm512_load_ps(buf + 32 * r), _mm512_load_ps(buf + 32 * r + 16));
+        _mm256_storeu_si256((__m256i *)at, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+GEMM_AMX_TARGET int mlp_amx_tiles(const uint16_t *xt, int64_t m, int64_t hidden,
+                                  const uint16_t *gate_up, const uint16_t *down, int64_t inter,
+                                  float *y, int add, int threads, struct scratch *s) {
     const int64_t rows = (m + 31) & ~(int64_t)31;
     const size_t mark = scratch_mark(s);
     void *owned;
-    uint16_t *xb = scratch_take(s, sizeof(uint16_t) * (size_t)(rows * k), &owned);
-    if (xb == NULL) return -1;
-    bf16_round(x, m * k, xb, threads);
-    memset(xb + m * k, 0, sizeof(uint16_t) * (size_t)((rows - m) * k));
-    gemm_amx_blocks(xb, m, rows, k, w, n, y, threads);
+    uint16_t *act = scratch_take(s, sizeof(uint16_t) * (size_t)(rows * inter), &owned);
+    if (act == NULL) return -1;
+    const int64_t blocks = inter / 16, block = 16 * hidden, steps = hidden / 32;
+#pragma omp parallel num_threads(threads)
+    {
+        float buf[32 * 32] __attribute__((aligned(64)));
+        amx_tiles_configure();
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t from = blocks * me / team, to = blocks * (me + 1) / team;
+        const int64_t chunk = chunk_pairs(hidden);
+        for (int64_t c = from; c < to; c += chunk) {
+            const int64_t end = c + chunk < to ? c + chunk : to;
+            for (int64_t row = 0; row < rows; row += 32) {
+                const uint16_t *a0 = xt + (row / 16) * steps * 512, *a1 = a0 + steps * 512;
+                for (int64_t j = c; j < end; j++)
+                    mlp_pass(a0, a1, steps, gate_up + j * block, gate_up + (blocks + j) * block,
+                             row, j, act, inter / 32, buf);
+            }
+        }
+        _tile_release();
+    }
+    gemm_amx_blocks(act, m, rows, inter, down, hidden, y, add, threads);
     free(owned);
     scratch_release(s, mark);
     return 0;
+}
+
+int gemm_amx_tiles(const uint16_t *xt, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                   int add, int threads) {
+    gemm_amx_blocks(xt, m, (m + 31) & ~(int64_t)31, k, w, n, y, add, threads);
+    return 0;
+}
+
+/* x's rows as A tiles, taken from s (*owned to free); NULL when out of memory. */
+static uint16_t *tiles_of(const float *x, int64_t m, int64_t k, int threads, struct scratch *s,
+                          void **owned) {
+    const int64_t rows = (m + 31) & ~(int64_t)31;
+    uint16_t *xt = scratch_take(s, sizeof(uint16_t) * (size_t)(rows * k), owned);
+    if (xt != NULL) rows_to_tiles(x, m, rows, k, xt, threads);
+    return xt;
+}
+
+int mlp_bf16_amx(const float *x, int64_t m, int64_t hidden, const uint16_t *gate_up,
+                 const uint16_t *down, int64_t inter, float *y, int threads, struct scratch *s) {
+    const size_t mark = scratch_mark(s);
+    void *owned;
+    uint16_t *xt = tiles_of(x, m, hidden, threads, s, &owned);
+    const int status =
+        xt == NULL ? -1 : mlp_amx_tiles(xt, m, hidden, gate_up, down, inter, y, 0, threads, s);
+    free(owned);
+    scratch_release(s, mark);
+    return status;
+}
+
+int gemm_bf16_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                  int threads, struct scratch *s) {
+    const size_t mark = scratch_mark(s);
+    void *owned;
+    uint16_t *xt = tiles_of(x, m, k, threads, s, &owned);
+    if (xt != NULL) gemm_amx_blocks(xt, m, (m + 31) & ~(int64_t)31, k, w, n, y, 0, threads);
+    free(owned);
+    scratch_release(s, mark);
+    return xt == NULL ? -1 : 0;
 }
 #else
 int gemm_bf16_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
                   int threads, struct scratch *s) {
     (void)x, (void)m, (void)k, (void)w, (void)n, (void)y, (void)threads, (void)s;
     return -1; /* never dispatched: slotserve_kernel_amx() is 0 here */
+}
+int mlp_bf16_amx(const float *x, int64_t m, int64_t hidden, const uint16_t *gate_up,
+                 const uint16_t *down, int64_t inter, float *y, int threads, struct scratch *s) {
+    (void)x, (void)m, (void)hidden, (void)gate_up, (void)down, (void)inter, (void)y;
+    (void)threads, (void)s;
+    return -1;
+}
+void amx_row_to_tiles(const float *row, int64_t i, int64_t k, uint16_t *xt) {
+    (void)row, (void)i, (void)k, (void)xt;
+}
+int gemm_amx_tiles(const uint16_t *xt, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                   int add, int threads) {
+    (void)xt, (void)m, (void)k, (void)w, (void)n, (void)y, (void)add, (void)threads;
+    return -1;
+}
+int mlp_amx_tiles(const uint16_t *xt, int64_t m, int64_t hidden, const uint16_t *gate_up,
+                  const uint16_t *down, int64_t inter, float *y, int add, int threads,
+                  struct scratch *s) {
+    (void)xt, (void)m, (void)hidden, (void)gate_up, (void)down, (void)inter, (void)y, (void)add;
+    (void)threads, (void)s;
+    return -1;
 }
 #endif

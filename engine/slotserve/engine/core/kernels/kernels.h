@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 /* Raised whenever a prototype below changes: a library of another ABI is never loaded. */
-#define SLOTSERVE_KERNEL_ABI 13
+#define SLOTSERVE_KERNEL_ABI 14
 /* Quantized weights per scale (and minimum) along K, both quantized formats. */
 #define SLOTSERVE_KERNEL_GROUP 32
 
@@ -85,6 +85,13 @@ int slotserve_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w,
                         float *y, int threads, struct scratch *s);
 int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
                       const float *minimum, int64_t n, float *y, int threads, struct scratch *s);
+/* A decoder's MLP on packed bf16 weights: y[m, hidden] = down(silu(gate(x)) * up(x)), gate_up
+ * the gate's and the up's inter channels stacked, down hidden channels of inter. One fused pass
+ * on the AMX tiles where they run (gemm_amx.c, what a bf16 step of llama_step.c takes); else
+ * the two products with SiLU between. */
+int slotserve_mlp_bf16(const float *x, int64_t m, int64_t hidden, const uint16_t *gate_up,
+                       const uint16_t *down, int64_t inter, float *y, int threads,
+                       struct scratch *s);
 
 /* ---- attention (attention.c) ---- */
 /* Softmax attention of one query token per row over cache row slots[r] (r itself when slots is

@@ -13,6 +13,7 @@
  * the model's own rotary module, so every rope scaling transformers knows is honoured.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,16 +100,8 @@ __attribute__((target("avx2,fma"))) static void silu_mul_avx2(const float *gate,
  * multiple of 16: a twentieth of a 1,000-token prefill on a Zen 5 in 8 lanes. */
 __attribute__((target("avx512f,avx512dq"))) static void
 silu_mul_avx512(const float *gate, const float *up, int64_t n, float *out) {
-    const __m512 sign = _mm512_set1_ps(-0.0f), one = _mm512_set1_ps(1.0f);
-    for (int64_t j = 0; j < n; j += 16) {
-        const __m512 g = _mm512_loadu_ps(gate + j);
-        const __m512 e = exp_nonpositive512(_mm512_or_ps(g, sign)); /* -|g| */
-        const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 sigmoid =
-            _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
-        _mm512_storeu_ps(out + j,
-                         _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + j)));
-    }
+    for (int64_t j = 0; j < n; j += 16)
+        _mm512_storeu_ps(out + j, silu_mul16(_mm512_loadu_ps(gate + j), _mm512_loadu_ps(up + j)));
 }
 #define HAVE_AVX2_CODE 1
 #else
@@ -166,6 +159,12 @@ static int wide_product(const struct step_model *model, int64_t l, int which, co
     return status;
 }
 
+static void add_bias(const float *bias, float *y, int64_t m, int64_t n) {
+    if (bias != NULL)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t c = 0; c < n; c++) y[i * n + c] += bias[c];
+}
+
 static int product(const struct step_model *model, int64_t l, int which, const float *x, int64_t m,
                    int64_t k, int64_t n, float *y, int threads, struct scratch *s) {
     const struct step_layer *layer = &model->layers[l];
@@ -176,11 +175,42 @@ static int product(const struct step_model *model, int64_t l, int which, const f
                             layer->minimum[which]};
         if (slotserve_gemm_weights(x, m, k, w, n, y, threads, s) != 0) return -1;
     }
-    const float *bias = layer->bias[which];
-    if (bias != NULL)
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t c = 0; c < n; c++) y[i * n + c] += bias[c];
+    add_bias(layer->bias[which], y, m, n);
     return 0;
+}
+
+/* Whether the whole layer runs on the AMX tiles with its rows laid out as the tiles read them
+ * (gemm_amx.c): bf16 weights, no bias but q/k/v's, shapes the tiles take, rows enough for them,
+ * and no caller's product in their place. Then the norms write bf16 tiles, not fp32 rows, the
+ * MLP is one fused call (silu(gate) * up goes to the down product as bf16 tiles), and the o and
+ * down products add themselves to the residual stream: four passes over [m, hidden] or wider a
+ * layer fewer. */
+static int layer_on_tiles(const struct step_model *model, const struct step_layer *layer,
+                          int64_t m) {
+    for (int which = 0; which < PRODUCTS; which++)
+        if (layer->kind[which] != BF16 || (which != QKV && layer->bias[which] != NULL)) return 0;
+    const int64_t nq = model->heads * model->head_dim;
+    const int64_t nqkv = nq + 2 * model->kv_heads * model->head_dim;
+    return !(model->wide != NULL && m >= model->wide_rows) && m >= AMX_GEMM_ROWS &&
+           model->hidden % 32 == 0 && model->intermediate % 32 == 0 && nq % 32 == 0 &&
+           nqkv % 16 == 0 && slotserve_kernel_amx();
+}
+
+/* Rows [0, m) of x normed (rms_norm, through one row of `temp` per thread) into the A tiles xt,
+ * the rows up to the next 32 zeros. */
+static void norm_to_tiles(const float *x, const float *weight, int64_t m, int64_t hidden, float eps,
+                          uint16_t *xt, float *temp, int threads, int avx2) {
+    const int64_t rows = (m + 31) & ~(int64_t)31;
+#pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
+    for (int64_t i = 0; i < rows; i++) {
+        if (i >= m) {
+            amx_row_to_tiles(NULL, i, hidden, xt);
+            continue;
+        }
+        float *row = temp + (int64_t)omp_get_thread_num() * hidden;
+        rms_norm(x + i * hidden, weight, hidden, eps, row, avx2);
+        amx_row_to_tiles(row, i, hidden, xt);
+    }
 }
 
 /* x [m, hidden]: the rows' embeddings in, their final-normed hidden states out. Row i is the
@@ -196,7 +226,7 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
     const int64_t nqkv = nq + 2 * nkv, group = model->heads / model->kv_heads;
     const size_t widest = (size_t)(nqkv > 2 * inter ? nqkv : 2 * inter);
     const size_t mark = scratch_mark(s);
-    void *owned[6] = {NULL};
+    void *owned[7] = {NULL};
     float *normed = scratch_take(s, sizeof(float) * (size_t)(m * hidden), &owned[0]);
     float *wide = scratch_take(s, sizeof(float) * (size_t)m * widest, &owned[1]);
     float *query = scratch_take(s, sizeof(float) * (size_t)(m * nq), &owned[2]);
@@ -204,19 +234,31 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
     float *narrow =
         scratch_take(s, sizeof(float) * (size_t)(m * (hidden > inter ? hidden : inter)), &owned[4]);
     int64_t *lens = scratch_take(s, sizeof(int64_t) * (size_t)m, &owned[5]);
+    /* The tiles' bf16 rows (layer_on_tiles), m rounded up to 32 rows of hidden or nq. */
+    uint16_t *tiles = scratch_take(
+        s, sizeof(uint16_t) * (size_t)(((m + 31) & ~(int64_t)31) * (hidden > nq ? hidden : nq)),
+        &owned[6]);
     int status = -1;
-    if (!normed || !wide || !query || !attended || !narrow || !lens) goto done;
+    if (!normed || !wide || !query || !attended || !narrow || !lens || !tiles) goto done;
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && hidden % 8 == 0 && inter % 8 == 0;
     const int avx512 = avx2 && slotserve_kernel_isa() >= ISA_AVX512 && inter % 16 == 0;
     for (int64_t i = 0; i < m; i++) lens[i] = positions[i] + 1;
 
     for (int64_t l = 0; l < model->num_layers; l++) {
         const struct step_layer *layer = &model->layers[l];
+        const int on_tiles = layer_on_tiles(model, layer, m);
+        if (on_tiles) {
+            norm_to_tiles(x, layer->input_norm, m, hidden, model->eps, tiles, narrow, threads,
+                          avx2);
+            gemm_amx_tiles(tiles, m, hidden, layer->data[QKV], nqkv, wide, 0, threads);
+            add_bias(layer->bias[QKV], wide, m, nqkv);
+        } else {
 #pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
-        for (int64_t i = 0; i < m; i++)
-            rms_norm(x + i * hidden, layer->input_norm, hidden, model->eps, normed + i * hidden,
-                     avx2);
-        if (product(model, l, QKV, normed, m, hidden, nqkv, wide, threads, s)) goto done;
+            for (int64_t i = 0; i < m; i++)
+                rms_norm(x + i * hidden, layer->input_norm, hidden, model->eps, normed + i * hidden,
+                         avx2);
+            if (product(model, l, QKV, normed, m, hidden, nqkv, wide, threads, s)) goto done;
+        }
 #pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
         for (int64_t i = 0; i < m; i++) {
             float *row = wide + i * nqkv;
@@ -236,6 +278,19 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
                         model->kv_heads, group, d, model->max_len, lens, model->scale, attended,
                         threads, s, (int)model->bf16_attention))
             goto done;
+        if (on_tiles) {
+            const int64_t rows = (m + 31) & ~(int64_t)31;
+#pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
+            for (int64_t i = 0; i < rows; i++)
+                amx_row_to_tiles(i < m ? attended + i * nq : NULL, i, nq, tiles);
+            gemm_amx_tiles(tiles, m, nq, layer->data[O], hidden, x, 1, threads);
+            norm_to_tiles(x, layer->post_attention_norm, m, hidden, model->eps, tiles, narrow,
+                          threads, avx2);
+            if (mlp_amx_tiles(tiles, m, hidden, layer->data[GATE_UP], layer->data[DOWN], inter, x,
+                              1, threads, s))
+                goto done;
+            continue;
+        }
         if (product(model, l, O, attended, m, nq, hidden, narrow, threads, s)) goto done;
 #pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
         for (int64_t j = 0; j < m * hidden; j++) x[j] += narrow[j];
@@ -266,7 +321,7 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
     memcpy(x, normed, sizeof(float) * (size_t)(m * hidden));
     status = 0;
 done:
-    for (int i = 0; i < 6; i++) free(owned[i]);
+    for (int i = 0; i < 7; i++) free(owned[i]);
     scratch_release(s, mark);
     return status;
 }

@@ -468,6 +468,30 @@ int slotserve_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w,
     return slotserve_gemm_weights(x, m, k, weights, n, y, threads, s);
 }
 
+int slotserve_mlp_bf16(const float *x, int64_t m, int64_t hidden, const uint16_t *gate_up,
+                       const uint16_t *down, int64_t inter, float *y, int threads,
+                       struct scratch *s) {
+    if (m >= AMX_GEMM_ROWS && hidden % 32 == 0 && inter % 32 == 0 && slotserve_kernel_amx())
+        return mlp_bf16_amx(x, m, hidden, gate_up, down, inter, y, threads, s);
+    const size_t mark = scratch_mark(s);
+    void *owned;
+    float *wide = scratch_take(s, sizeof(float) * (size_t)(m * 3 * inter), &owned);
+    int status = -1;
+    if (wide != NULL &&
+        slotserve_gemm_bf16(x, m, hidden, gate_up, 2 * inter, wide, threads, s) == 0) {
+        float *act = wide + m * 2 * inter;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < inter; j++) {
+                const float g = wide[i * 2 * inter + j], u = wide[i * 2 * inter + inter + j];
+                act[i * inter + j] = g / (1.0f + expf(-g)) * u;
+            }
+        status = slotserve_gemm_bf16(act, m, inter, down, hidden, y, threads, s);
+    }
+    free(owned);
+    scratch_release(s, mark);
+    return status;
+}
+
 int slotserve_gemm_q8(const float *x, int64_t m, int64_t k, const int8_t *w, const float *scale,
                       int64_t n, float *y, int threads, struct scratch *s) {
     struct weights weights = {Q8, w, scale, NULL};

@@ -62,15 +62,17 @@ void attention_block_f32(int avx512, const float *q, const float *keys, const fl
                          float *work, void (*softmax)(float *scores, int64_t len));
 
 /* attention_bf16.c: one block of a chunk's rows for one kv head in bf16 (attention_block.c's
- * block in VDPBF16PS); `work` holds attention_bf16_work(d, the block's last length)
- * floats, 64-byte aligned. `softmax` normalises scores[0, len) in place. */
+ * block in VDPBF16PS), over the chunk's keys and values packed once (attention_bf16_pack, stride
+ * the chunk's last length rounded up to 32); `work` holds attention_bf16_work(d, the block's
+ * last length) floats, 64-byte aligned. `softmax` normalises scores[0, len) in place. */
 #define ATTENTION_QUADS 4
 size_t attention_bf16_work(int64_t d, int64_t longest);
 /* Keys [0, last) packed for scoring (kp) and values for the weighted sum (vp), zeros up to
- * `stride` (a multiple of 16), through `rows` (d * stride bf16 of room). */
-void attention_bf16_pack(const float *keys, const float *values, int64_t last, int64_t stride,
-                         int64_t d, uint16_t *kp, uint16_t *vp, uint16_t *rows);
-void attention_block_bf16(const float *q, const float *keys, const float *values,
+ * `stride` (a multiple of 32), through `rows` (d * stride bf16 of room); keys and values are
+ * cache rows of floats, or of fp16 bits when `half`. */
+void attention_bf16_pack(const void *keys, const void *values, int half, int64_t last,
+                         int64_t stride, int64_t d, uint16_t *kp, uint16_t *vp, uint16_t *rows);
+void attention_block_bf16(const float *q, const uint16_t *kp, const uint16_t *vp,
                           const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                           int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
                           float *work, void (*softmax)(float *scores, int64_t len));
@@ -85,6 +87,23 @@ void bf16_widen(const uint16_t *in, int64_t count, float *out, int threads);
 #define AMX_GEMM_ROWS 16
 int gemm_bf16_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
                   int threads, struct scratch *s);
+/* gemm_amx.c: a decoder's MLP on AMX tiles, y[m, hidden] = down(silu(gate(x)) * up(x)), with
+ * gate_up the packed gate and up weights stacked (2 * inter channels) and down's packed weights
+ * (hidden channels of inter); hidden and inter multiples of 32. The same sums and roundings as
+ * the products one after the other with silu_mul16 between (bit for bit), without writing the
+ * gate/up results out: each pass's silu(gate) * up goes to the down product's rows as bf16. */
+int mlp_bf16_amx(const float *x, int64_t m, int64_t hidden, const uint16_t *gate_up,
+                 const uint16_t *down, int64_t inter, float *y, int threads, struct scratch *s);
+/* gemm_amx.c, for a step that lays its rows out as the tiles read them (llama_step.c): row i of
+ * k floats into A tiles xt (bf16, [rows / 16][k / 32][16][32], rows m rounded up to 32; NULL
+ * row: zeros), and the two products above on such rows, adding to what y holds when `add`
+ * (a residual stream: no separate pass adds the product to it). */
+void amx_row_to_tiles(const float *row, int64_t i, int64_t k, uint16_t *xt);
+int gemm_amx_tiles(const uint16_t *xt, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                   int add, int threads);
+int mlp_amx_tiles(const uint16_t *xt, int64_t m, int64_t hidden, const uint16_t *gate_up,
+                  const uint16_t *down, int64_t inter, float *y, int add, int threads,
+                  struct scratch *s);
 
 /* attention_amx.c: the tiles' configuration both AMX files use (each thread loads it before its
  * first tile instruction and releases the tiles after its last). */
@@ -93,7 +112,7 @@ void amx_tiles_configure(void);
  * slotserve_kernel_amx() says they run, its softmax fused with the scaling and the rounding;
  * `work` holds attention_amx_work(d, longest) floats. */
 size_t attention_amx_work(int64_t d, int64_t longest);
-void attention_block_amx(const float *q, const float *keys, const float *values,
+void attention_block_amx(const float *q, const uint16_t *kp, const uint16_t *vp,
                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                          int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
                          float *work);
@@ -167,6 +186,17 @@ __attribute__((target("avx512f"))) static inline __m512 exp_nonpositive512(__m51
     const __m512i bits =
         _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps((__mmask16)~underflow, p, _mm512_castsi512_ps(bits));
+}
+
+/* silu(g) * u over 16 lanes: g * sigmoid(g) * u, sigmoid from e = exp(-|g|) <= 1 (1 / (1 + e)
+ * for g >= 0, e / (1 + e) below). llama_step.c's SiLU and gemm_amx.c's fused MLP. */
+__attribute__((target("avx512f,avx512dq"))) static inline __m512 silu_mul16(__m512 g, __m512 u) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 e = exp_nonpositive512(_mm512_or_ps(g, _mm512_set1_ps(-0.0f))); /* -|g| */
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid =
+        _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
+    return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
 }
 #endif
 #endif
