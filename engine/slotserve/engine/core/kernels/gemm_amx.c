@@ -26,16 +26,25 @@
     __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,"   \
                           "avx2")))
 
-/* Row i of x (k floats) rounded to bf16 into its place in the A tiles xt[r / 16][k / 32][16][32]
- * (each tile 1 KB in one piece, so a tile load reads 16 consecutive lines); NULL: zeros. */
-GEMM_AMX_TARGET void amx_row_to_tiles(const float *row, int64_t i, int64_t k, uint16_t *xt) {
+/* Row i of x (k floats), times `weight` (k floats; NULL: none) and `scale` as rms_norm scales a
+ * row (weight * (x * scale)), rounded to bf16 into its place in the A tiles xt[r / 16][k / 32]
+ * [16][32] (each tile 1 KB in one piece, so a tile load reads 16 consecutive lines); NULL row:
+ * zeros. */
+GEMM_AMX_TARGET void amx_row_to_tiles(const float *row, const float *weight, float scale, int64_t i,
+                                      int64_t k, uint16_t *xt) {
     const int64_t steps = k / 32;
     uint16_t *at = xt + ((i / 16) * steps * 16 + (i % 16)) * 32;
+    const __m512 by = _mm512_set1_ps(scale);
     for (int64_t s = 0; s < steps; s++) {
-        const __m512i bits = row == NULL
-                                 ? _mm512_setzero_si512()
-                                 : (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 32 * s + 16),
-                                                                _mm512_loadu_ps(row + 32 * s));
+        __m512i bits = _mm512_setzero_si512();
+        if (row != NULL) {
+            __m512 lo = _mm512_loadu_ps(row + 32 * s), hi = _mm512_loadu_ps(row + 32 * s + 16);
+            if (weight != NULL) {
+                lo = _mm512_mul_ps(_mm512_loadu_ps(weight + 32 * s), _mm512_mul_ps(lo, by));
+                hi = _mm512_mul_ps(_mm512_loadu_ps(weight + 32 * s + 16), _mm512_mul_ps(hi, by));
+            }
+            bits = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        }
         _mm512_storeu_si512(at + s * 512, bits);
     }
 }
@@ -44,7 +53,8 @@ GEMM_AMX_TARGET void amx_row_to_tiles(const float *row, int64_t i, int64_t k, ui
 GEMM_AMX_TARGET static void rows_to_tiles(const float *x, int64_t m, int64_t rows, int64_t k,
                                           uint16_t *xt, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 64)
-    for (int64_t i = 0; i < rows; i++) amx_row_to_tiles(i < m ? x + i * k : NULL, i, k, xt);
+    for (int64_t i = 0; i < rows; i++)
+        amx_row_to_tiles(i < m ? x + i * k : NULL, NULL, 1, i, k, xt);
 }
 
 /* Row tiles a0 and a1 (tiled layout, `steps` tiles each) against blocks w0 and w1 (`two`: w1
@@ -239,8 +249,9 @@ int mlp_bf16_amx(const float *x, int64_t m, int64_t hidden, const uint16_t *gate
     (void)threads, (void)s;
     return -1;
 }
-void amx_row_to_tiles(const float *row, int64_t i, int64_t k, uint16_t *xt) {
-    (void)row, (void)i, (void)k, (void)xt;
+void amx_row_to_tiles(const float *row, const float *weight, float scale, int64_t i, int64_t k,
+                      uint16_t *xt) {
+    (void)row, (void)weight, (void)scale, (void)i, (void)k, (void)xt;
 }
 int gemm_amx_tiles(const uint16_t *xt, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
                    int add, int threads) {

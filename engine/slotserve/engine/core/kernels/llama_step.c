@@ -13,7 +13,6 @@
  * the model's own rotary module, so every rope scaling transformers knows is honoured.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -126,13 +125,41 @@ static void rms_norm(const float *x, const float *weight, int64_t n, float eps, 
 }
 
 /* transformers' rotate_half convention: pairs are (j, j + d/2). */
-static void rope(float *head, const float *cos, const float *sin, int64_t d) {
+static void rope_c(float *head, const float *cos, const float *sin, int64_t d) {
     const int64_t half = d / 2;
     for (int64_t j = 0; j < half; j++) {
         const float a = head[j], b = head[j + half];
         head[j] = a * cos[j] - b * sin[j];
         head[j + half] = b * cos[j + half] + a * sin[j + half];
     }
+}
+
+#if HAVE_AVX2_CODE
+/* rope_c 16 pairs at a time (d a multiple of 32), each product and sum rounded as rope_c's (no
+ * fused multiply-add): the same results. Compiled for no particular CPU, rope_c ran 4 lanes. */
+__attribute__((target("avx512f"))) static void rope_avx512(float *head, const float *cos,
+                                                           const float *sin, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < half; j += 16) {
+        const __m512 a = _mm512_loadu_ps(head + j), b = _mm512_loadu_ps(head + j + half);
+        _mm512_storeu_ps(head + j, _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(cos + j)),
+                                                 _mm512_mul_ps(b, _mm512_loadu_ps(sin + j))));
+        _mm512_storeu_ps(head + j + half,
+                         _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(cos + j + half)),
+                                       _mm512_mul_ps(a, _mm512_loadu_ps(sin + j + half))));
+    }
+}
+#else
+static void rope_avx512(float *head, const float *cos, const float *sin, int64_t d) {
+    rope_c(head, cos, sin, d);
+}
+#endif
+
+static void rope(float *head, const float *cos, const float *sin, int64_t d, int wide) {
+    if (wide)
+        rope_avx512(head, cos, sin, d);
+    else
+        rope_c(head, cos, sin, d);
 }
 
 /* The caller's bf16 product (kernels.h's slotserve_wide_product): the rows rounded to bf16,
@@ -196,20 +223,37 @@ static int layer_on_tiles(const struct step_model *model, const struct step_laye
            nqkv % 16 == 0 && slotserve_kernel_amx();
 }
 
-/* Rows [0, m) of x normed (rms_norm, through one row of `temp` per thread) into the A tiles xt,
+/* 1 / the RMS of a row as rms_norm takes it, 16 lanes wide (n a multiple of 16). */
+#if HAVE_AVX2_CODE
+__attribute__((target("avx512f"))) static float inverse_rms512(const float *x, int64_t n,
+                                                               float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    return 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps);
+}
+#else
+static float inverse_rms512(const float *x, int64_t n, float eps) {
+    (void)x, (void)n, (void)eps;
+    return 0.0f; /* never taken: layer_on_tiles needs AMX */
+}
+#endif
+
+/* Rows [0, m) of x RMS-normed straight into the A tiles xt (no fp32 copy of the normed rows),
  * the rows up to the next 32 zeros. */
 static void norm_to_tiles(const float *x, const float *weight, int64_t m, int64_t hidden, float eps,
-                          uint16_t *xt, float *temp, int threads, int avx2) {
+                          uint16_t *xt, int threads) {
     const int64_t rows = (m + 31) & ~(int64_t)31;
 #pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
     for (int64_t i = 0; i < rows; i++) {
         if (i >= m) {
-            amx_row_to_tiles(NULL, i, hidden, xt);
+            amx_row_to_tiles(NULL, NULL, 1, i, hidden, xt);
             continue;
         }
-        float *row = temp + (int64_t)omp_get_thread_num() * hidden;
-        rms_norm(x + i * hidden, weight, hidden, eps, row, avx2);
-        amx_row_to_tiles(row, i, hidden, xt);
+        const float *row = x + i * hidden;
+        amx_row_to_tiles(row, weight, inverse_rms512(row, hidden, eps), i, hidden, xt);
     }
 }
 
@@ -242,14 +286,14 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
     if (!normed || !wide || !query || !attended || !narrow || !lens || !tiles) goto done;
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && hidden % 8 == 0 && inter % 8 == 0;
     const int avx512 = avx2 && slotserve_kernel_isa() >= ISA_AVX512 && inter % 16 == 0;
+    const int wide_rope = HAVE_AVX2_CODE && slotserve_kernel_isa() >= ISA_AVX512 && d % 32 == 0;
     for (int64_t i = 0; i < m; i++) lens[i] = positions[i] + 1;
 
     for (int64_t l = 0; l < model->num_layers; l++) {
         const struct step_layer *layer = &model->layers[l];
         const int on_tiles = layer_on_tiles(model, layer, m);
         if (on_tiles) {
-            norm_to_tiles(x, layer->input_norm, m, hidden, model->eps, tiles, narrow, threads,
-                          avx2);
+            norm_to_tiles(x, layer->input_norm, m, hidden, model->eps, tiles, threads);
             gemm_amx_tiles(tiles, m, hidden, layer->data[QKV], nqkv, wide, 0, threads);
             add_bias(layer->bias[QKV], wide, m, nqkv);
         } else {
@@ -263,9 +307,9 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
         for (int64_t i = 0; i < m; i++) {
             float *row = wide + i * nqkv;
             const float *c = cos + i * d, *s = sin + i * d;
-            for (int64_t h = 0; h < model->heads; h++) rope(row + h * d, c, s, d);
+            for (int64_t h = 0; h < model->heads; h++) rope(row + h * d, c, s, d, wide_rope);
             for (int64_t h = 0; h < model->kv_heads; h++) {
-                rope(row + nq + h * d, c, s, d);
+                rope(row + nq + h * d, c, s, d, wide_rope);
                 const int64_t at =
                     ((slots[i] * model->kv_heads + h) * model->max_len + positions[i]) * d;
                 kv_store(layer->k_cache, at, row + nq + h * d, d, (int)model->kv_half);
@@ -282,10 +326,9 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
             const int64_t rows = (m + 31) & ~(int64_t)31;
 #pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
             for (int64_t i = 0; i < rows; i++)
-                amx_row_to_tiles(i < m ? attended + i * nq : NULL, i, nq, tiles);
+                amx_row_to_tiles(i < m ? attended + i * nq : NULL, NULL, 1, i, nq, tiles);
             gemm_amx_tiles(tiles, m, nq, layer->data[O], hidden, x, 1, threads);
-            norm_to_tiles(x, layer->post_attention_norm, m, hidden, model->eps, tiles, narrow,
-                          threads, avx2);
+            norm_to_tiles(x, layer->post_attention_norm, m, hidden, model->eps, tiles, threads);
             if (mlp_amx_tiles(tiles, m, hidden, layer->data[GATE_UP], layer->data[DOWN], inter, x,
                               1, threads, s))
                 goto done;

@@ -95,10 +95,12 @@ int gemm_bf16_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, int64
 int mlp_bf16_amx(const float *x, int64_t m, int64_t hidden, const uint16_t *gate_up,
                  const uint16_t *down, int64_t inter, float *y, int threads, struct scratch *s);
 /* gemm_amx.c, for a step that lays its rows out as the tiles read them (llama_step.c): row i of
- * k floats into A tiles xt (bf16, [rows / 16][k / 32][16][32], rows m rounded up to 32; NULL
- * row: zeros), and the two products above on such rows, adding to what y holds when `add`
- * (a residual stream: no separate pass adds the product to it). */
-void amx_row_to_tiles(const float *row, int64_t i, int64_t k, uint16_t *xt);
+ * k floats, times weight (k floats, or NULL) and scale as an RMS norm scales it, into A tiles xt
+ * (bf16, [rows / 16][k / 32][16][32], rows m rounded up to 32; NULL row: zeros), and the two
+ * products above on such rows, adding to what y holds when `add` (a residual stream: no
+ * separate pass adds the product to it). */
+void amx_row_to_tiles(const float *row, const float *weight, float scale, int64_t i, int64_t k,
+                      uint16_t *xt);
 int gemm_amx_tiles(const uint16_t *xt, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
                    int add, int threads);
 int mlp_amx_tiles(const uint16_t *xt, int64_t m, int64_t hidden, const uint16_t *gate_up,
