@@ -100,10 +100,16 @@ gemm_pass(const uint16_t *a0, const uint16_t *a1, int64_t steps, const uint16_t 
 
 #define CHUNK_BYTES 600000
 
-/* Passes (two blocks of 16 channels each) whose weights, 64 k bytes a pass, a thread keeps in
- * its L2 while every row tile goes over them. */
-static inline int64_t chunk_pairs(int64_t k) {
-    return CHUNK_BYTES / (64 * k) > 0 ? CHUNK_BYTES / (64 * k) : 1;
+/* The calling thread's share [from, to) of a product's `passes`, taken `chunk` at a time: the
+ * passes (two blocks of 16 channels each, 64 k bytes of weights) whose weights it keeps in its
+ * L2 while every row tile goes over them. */
+struct share {
+    int64_t from, to, chunk;
+};
+static inline struct share thread_share(int64_t passes, int64_t k) {
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t chunk = CHUNK_BYTES / (64 * k) > 0 ? CHUNK_BYTES / (64 * k) : 1;
+    return (struct share){passes * me / team, passes * (me + 1) / team, chunk};
 }
 
 /* y[m, n] = xt . w^T (plus what y holds when `add`), xt in A tiles of `rows` rows (m rounded up
@@ -117,11 +123,9 @@ GEMM_AMX_TARGET static void gemm_amx_blocks(const uint16_t *xt, int64_t m, int64
     {
         float tail[32 * 32];
         amx_tiles_configure();
-        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t mine_from = pairs * me / team, mine_to = pairs * (me + 1) / team;
-        const int64_t chunk = chunk_pairs(k);
-        for (int64_t c = mine_from; c < mine_to; c += chunk) {
-            const int64_t p_end = c + chunk < mine_to ? c + chunk : mine_to;
+        const struct share mine = thread_share(pairs, k);
+        for (int64_t c = mine.from; c < mine.to; c += mine.chunk) {
+            const int64_t p_end = c + mine.chunk < mine.to ? c + mine.chunk : mine.to;
             for (int64_t row = 0; row < rows; row += 32) {
                 const uint16_t *a0 = xt + (row / 16) * steps * 512, *a1 = a0 + steps * 512;
                 for (int64_t p = c; p < p_end; p++) {
@@ -180,11 +184,9 @@ GEMM_AMX_TARGET int mlp_amx_tiles(const uint16_t *xt, int64_t m, int64_t hidden,
     {
         float buf[32 * 32] __attribute__((aligned(64)));
         amx_tiles_configure();
-        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t from = blocks * me / team, to = blocks * (me + 1) / team;
-        const int64_t chunk = chunk_pairs(hidden);
-        for (int64_t c = from; c < to; c += chunk) {
-            const int64_t end = c + chunk < to ? c + chunk : to;
+        const struct share mine = thread_share(blocks, hidden);
+        for (int64_t c = mine.from; c < mine.to; c += mine.chunk) {
+            const int64_t end = c + mine.chunk < mine.to ? c + mine.chunk : mine.to;
             for (int64_t row = 0; row < rows; row += 32) {
                 const uint16_t *a0 = xt + (row / 16) * steps * 512, *a1 = a0 + steps * 512;
                 for (int64_t j = c; j < end; j++)
