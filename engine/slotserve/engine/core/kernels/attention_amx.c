@@ -1,6 +1,8 @@
 /* Prefill attention on AMX tiles (TDPBF16PS), for bf16 steps on CPUs with AMX-BF16: the block of
- * attention_bf16.c (the same packed keys and values, the same roundings to bf16, every sum in
- * fp32), sixteen queries a tile instead of four queries a vector.
+ * attention_bf16.c (the same packed keys and values, queries and values rounded to bf16, every
+ * sum in fp32), 32 queries a pass (two tiles) instead of four queries a vector; the
+ * probabilities are rounded before they are normalised and each output is scaled once after
+ * (exponentials below).
  *
  * Why: on an Intel Xeon with AMX the prefill products already run on the tiles through oneDNN,
  * and the VDPBF16PS blocks were left with 44% of a 1,000-token prefill race's time (perf, 2 vCPUs,
@@ -12,7 +14,8 @@
  * 16 dimension pairs, a B tile of 16 rows of 64 bytes (the keys' pairs side by side), and
  * vp[t / 2][d / 16][16][2] is, for 16 position pairs and 16 dimensions, a B tile whose rows are
  * d / 16 x 64 bytes apart. Queries (A: 16 rows of 32 dimensions) and probabilities (A: 16 rows
- * of 32 positions) are rows of bf16 in the work buffer.
+ * of 32 positions) are rows of bf16 in the work buffer; attention.c packs a chunk's keys and
+ * values once for all its blocks.
  *
  * Linux lets a process use the tiles' 8 KB of state only once it asked (arch_prctl
  * ARCH_REQ_XCOMP_PERM, as oneDNN does); a CPU or kernel without them keeps the VDPBF16PS blocks. */
