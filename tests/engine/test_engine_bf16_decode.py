@@ -303,3 +303,5 @@ def test_the_fused_mlp_matches_the_products_with_silu_between(kernels, m, hidden
         assert (results[True] - results[False]).abs().mean().item() <= 1e-5 * scale
     with pytest.raises(ValueError, match="mlp_bf16 takes packed"):
         kernels.mlp_bf16(x, pack_bf16(gate_up[:-16]), pack_bf16(down), inter)
+    with pytest.raises(ValueError, match="mlp_bf16 takes packed"):
+        kernels.mlp_bf16(x, pack_bf16(gate_up).float(), pack_bf16(down), inter)

@@ -207,15 +207,17 @@ class NativeKernels:
         on the AMX tiles where they run, else the two products with SiLU between."""
         m, hidden, out = self._begin(x, x.shape[1] if x.dim() == 2 else 0)
         if (
-            tuple(gate_up.shape) != (2 * inter // 16, hidden // 2, 16, 2)
-            or tuple(down.shape) != (-(-hidden // 16), inter // 2, 16, 2)
-            or inter % 16
+            inter % 16
             or hidden % 16
+            or tuple(gate_up.shape) != (2 * inter // 16, hidden // 2, 16, 2)
+            or tuple(down.shape) != (hidden // 16, inter // 2, 16, 2)
+            or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in (gate_up, down))
         ):
             raise ValueError(
-                f"mlp_bf16 takes packed gate/up [{2 * inter // 16}, {hidden // 2}, 16, 2] and "
-                f"down [{-(-hidden // 16)}, {inter // 2}, 16, 2], got "
-                f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
+                f"mlp_bf16 takes packed bf16 gate/up [{2 * inter // 16}, {hidden // 2}, 16, 2] "
+                f"and down [{hidden // 16}, {inter // 2}, 16, 2] (hidden and inter multiples of "
+                f"16), got {gate_up.dtype} {tuple(gate_up.shape)} and {down.dtype} "
+                f"{tuple(down.shape)}"
             )
         self._run(
             self._lib.slotserve_mlp_bf16,

@@ -227,7 +227,7 @@ static int same_chunk(const int64_t *slots, const int64_t *lens, int64_t r) {
 
 /* Where a chunk's keys and values, packed for the bf16 blocks, are (per kv head). */
 struct kv_pack {
-    const uint16_t *kp, *vp;
+    uint16_t *kp, *vp;
 };
 
 /* Every chunk's keys and values, per kv head, packed once (attention_bf16_pack) for all the
@@ -247,7 +247,7 @@ static struct kv_pack *pack_chunks(const void *k, const void *v, int kv_half,
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
             bytes += sizeof(uint16_t) * (size_t)(2 * d * total * kv_heads + team * d * widest);
-            base = scratch_take(s, bytes + 64 * (size_t)(chunks * kv_heads + team), owned);
+            base = scratch_take(s, bytes + 64, owned); /* 64: room to align the data */
             if (base == NULL) return NULL;
             last = (int64_t *)(base + sizeof(struct kv_pack) * (size_t)(chunks * kv_heads));
             slot = last + chunks;
@@ -282,8 +282,7 @@ static struct kv_pack *pack_chunks(const void *k, const void *v, int kv_half,
         uint16_t *mine = rows + (int64_t)omp_get_thread_num() * d * widest;
         attention_bf16_pack((const char *)k + element * (size_t)at,
                             (const char *)v + element * (size_t)at, kv_half, last[c],
-                            (last[c] + 31) & ~(int64_t)31, d, (uint16_t *)packs[task].kp,
-                            (uint16_t *)packs[task].vp, mine);
+                            (last[c] + 31) & ~(int64_t)31, d, packs[task].kp, packs[task].vp, mine);
     }
     return packs;
 }

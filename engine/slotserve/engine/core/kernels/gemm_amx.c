@@ -20,8 +20,9 @@
  * 576) do not both fit its 48 KB L1, and keeping partial sums in memory to split k cost more
  * than it saved (tried).
  *
- * A bf16 step's layer (llama_step.c's layer_on_tiles) hands its rows over in tile order and has
- * the MLP fused (mlp_amx_tiles) and o and down added to the residual stream (`add`). */
+ * A bf16 step's layer (llama_step.c's layer_on_tiles) hands its rows over in tile order
+ * (gemm_amx_tiles) and has the MLP fused (mlp_amx_tiles) and o and down added to the residual
+ * stream (`add`). */
 #include <stdint.h>
 #include <string.h>
 
@@ -35,14 +36,19 @@
     __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,"   \
                           "avx2")))
 
+/* Where row i, column c of rows of k columns sits in A tiles xt[r / 16][k / 32][16][32] (each
+ * tile's 16 x 32 values 1 KB in one piece, so a tile load reads 16 consecutive lines). */
+static inline uint16_t *tile_at(uint16_t *xt, int64_t i, int64_t c, int64_t k) {
+    return xt + ((i / 16) * (k / 32) + c / 32) * 512 + (i % 16) * 32 + c % 32;
+}
+
 /* Row i of x (k floats), times `weight` (k floats; NULL: none) and `scale` as rms_norm scales a
- * row (weight * (x * scale)), rounded to bf16 into its place in the A tiles xt[r / 16][k / 32]
- * [16][32] (each tile 1 KB in one piece, so a tile load reads 16 consecutive lines); NULL row:
+ * row (weight * (x * scale)), rounded to bf16 into its place in the A tiles xt; NULL row:
  * zeros. */
 GEMM_AMX_TARGET void amx_row_to_tiles(const float *row, const float *weight, float scale, int64_t i,
                                       int64_t k, uint16_t *xt) {
     const int64_t steps = k / 32;
-    uint16_t *at = xt + ((i / 16) * steps * 16 + (i % 16)) * 32;
+    uint16_t *at = tile_at(xt, i, 0, k);
     const __m512 by = _mm512_set1_ps(scale);
     for (int64_t s = 0; s < steps; s++) {
         __m512i bits = _mm512_setzero_si512();
@@ -121,12 +127,12 @@ static inline struct share thread_share(int64_t passes, int64_t k) {
     return (struct share){passes * me / team, passes * (me + 1) / team, chunk};
 }
 
-/* y[m, n] = xt . w^T (plus what y holds when `add`), xt in A tiles of `rows` rows (m rounded up
- * to 32). Each thread takes its share of the passes (pairs of 16-channel blocks) in chunks
- * whose weights stay in its L2 while every row tile goes over them. */
-GEMM_AMX_TARGET static void gemm_amx_blocks(const uint16_t *xt, int64_t m, int64_t rows, int64_t k,
-                                            const uint16_t *w, int64_t n, float *y, int add,
-                                            int threads) {
+/* y[m, n] = xt . w^T (plus what y holds when `add`), xt in A tiles (m rounded up to 32 rows).
+ * Each thread takes its share of the passes (pairs of 16-channel blocks) in chunks whose weights
+ * stay in its L2 while every row tile goes over them. */
+GEMM_AMX_TARGET void gemm_amx_tiles(const uint16_t *xt, int64_t m, int64_t k, const uint16_t *w,
+                                    int64_t n, float *y, int add, int threads) {
+    const int64_t rows = (m + 31) & ~(int64_t)31;
     const int64_t blocks = n / 16, pairs = (blocks + 1) / 2, block = 16 * k, steps = k / 32;
 #pragma omp parallel num_threads(threads)
     {
@@ -165,15 +171,15 @@ GEMM_AMX_TARGET static void gemm_amx_blocks(const uint16_t *xt, int64_t m, int64
 
 /* One pass of the MLP's gate/up product, 32 rows x 16 channels of each (gate block j, up block
  * j), through `buf` (32 x 32 floats: the gate's 16 then the up's 16 of each row): silu(gate) *
- * up rounded to bf16 into the down product's A tiles (act, `act_steps` tiles a row tile), where
- * channel j's 16 columns sit in tile j / 2, half j % 2. Padded rows come out 0 (their x is). */
+ * up rounded to bf16 into the down product's A tiles (act, rows of inter columns) as channel
+ * j's 16 columns. Padded rows come out 0 (their x is). */
 GEMM_AMX_TARGET static inline __attribute__((always_inline)) void
 mlp_pass(const uint16_t *a0, const uint16_t *a1, int64_t steps, const uint16_t *gate,
-         const uint16_t *up, int64_t row, int64_t j, uint16_t *act, int64_t act_steps, float *buf) {
+         const uint16_t *up, int64_t row, int64_t j, uint16_t *act, int64_t inter, float *buf) {
     gemm_pass(a0, a1, steps, gate, up, 1, buf, 32, (int)(j & 1), 0);
     for (int r = 0; r < 32; r++) {
         const int64_t i = row + r;
-        uint16_t *at = act + ((i / 16) * act_steps + j / 2) * 512 + (i % 16) * 32 + (j % 2) * 16;
+        uint16_t *at = tile_at(act, i, 16 * j, inter);
         const __m512 v =
             silu_mul16(_mm512_load_ps(buf + 32 * r), _mm512_load_ps(buf + 32 * r + 16));
         _mm256_storeu_si256((__m256i *)at, (__m256i)_mm512_cvtneps_pbh(v));
@@ -200,20 +206,14 @@ GEMM_AMX_TARGET int mlp_amx_tiles(const uint16_t *xt, int64_t m, int64_t hidden,
                 const uint16_t *a0 = xt + (row / 16) * steps * 512, *a1 = a0 + steps * 512;
                 for (int64_t j = c; j < end; j++)
                     mlp_pass(a0, a1, steps, gate_up + j * block, gate_up + (blocks + j) * block,
-                             row, j, act, inter / 32, buf);
+                             row, j, act, inter, buf);
             }
         }
         _tile_release();
     }
-    gemm_amx_blocks(act, m, rows, inter, down, hidden, y, add, threads);
+    gemm_amx_tiles(act, m, inter, down, hidden, y, add, threads);
     free(owned);
     scratch_release(s, mark);
-    return 0;
-}
-
-int gemm_amx_tiles(const uint16_t *xt, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
-                   int add, int threads) {
-    gemm_amx_blocks(xt, m, (m + 31) & ~(int64_t)31, k, w, n, y, add, threads);
     return 0;
 }
 
@@ -243,7 +243,7 @@ int gemm_bf16_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, int64
     const size_t mark = scratch_mark(s);
     void *owned;
     uint16_t *xt = tiles_of(x, m, k, threads, s, &owned);
-    if (xt != NULL) gemm_amx_blocks(xt, m, (m + 31) & ~(int64_t)31, k, w, n, y, 0, threads);
+    if (xt != NULL) gemm_amx_tiles(xt, m, k, w, n, y, 0, threads);
     free(owned);
     scratch_release(s, mark);
     return xt == NULL ? -1 : 0;
@@ -264,10 +264,9 @@ void amx_row_to_tiles(const float *row, const float *weight, float scale, int64_
                       uint16_t *xt) {
     (void)row, (void)weight, (void)scale, (void)i, (void)k, (void)xt;
 }
-int gemm_amx_tiles(const uint16_t *xt, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
-                   int add, int threads) {
+void gemm_amx_tiles(const uint16_t *xt, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                    float *y, int add, int threads) {
     (void)xt, (void)m, (void)k, (void)w, (void)n, (void)y, (void)add, (void)threads;
-    return -1;
 }
 int mlp_amx_tiles(const uint16_t *xt, int64_t m, int64_t hidden, const uint16_t *gate_up,
                   const uint16_t *down, int64_t inter, float *y, int add, int threads,

@@ -116,6 +116,20 @@ static void silu_mul_avx2(const float *gate, const float *up, int64_t n, float *
 }
 #endif
 
+void silu_mul_rows(const float *wide, int64_t m, int64_t inter, float *act, int threads,
+                   int vector) {
+#pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
+    for (int64_t i = 0; i < m; i++) {
+        const float *gate = wide + i * 2 * inter, *up = gate + inter;
+        if (vector == 2)
+            silu_mul_avx512(gate, up, inter, act + i * inter);
+        else if (vector == 1)
+            silu_mul_avx2(gate, up, inter, act + i * inter);
+        else
+            silu_mul_c(gate, up, inter, act + i * inter);
+    }
+}
+
 static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out,
                      int avx2) {
     if (avx2)
@@ -278,12 +292,18 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
     float *narrow =
         scratch_take(s, sizeof(float) * (size_t)(m * (hidden > inter ? hidden : inter)), &owned[4]);
     int64_t *lens = scratch_take(s, sizeof(int64_t) * (size_t)m, &owned[5]);
-    /* The tiles' bf16 rows (layer_on_tiles), m rounded up to 32 rows of hidden or nq. */
-    uint16_t *tiles = scratch_take(
-        s, sizeof(uint16_t) * (size_t)(((m + 31) & ~(int64_t)31) * (hidden > nq ? hidden : nq)),
-        &owned[6]);
+    /* The tiles' bf16 rows (layer_on_tiles), m rounded up to 32 rows of hidden or nq, where the
+     * tiles may run. */
+    const int may_tile = m >= AMX_GEMM_ROWS && slotserve_kernel_amx();
+    uint16_t *tiles = may_tile
+                          ? scratch_take(s,
+                                         sizeof(uint16_t) * (size_t)(((m + 31) & ~(int64_t)31) *
+                                                                     (hidden > nq ? hidden : nq)),
+                                         &owned[6])
+                          : NULL;
     int status = -1;
-    if (!normed || !wide || !query || !attended || !narrow || !lens || !tiles) goto done;
+    if (!normed || !wide || !query || !attended || !narrow || !lens || (may_tile && !tiles))
+        goto done;
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && hidden % 8 == 0 && inter % 8 == 0;
     const int avx512 = avx2 && slotserve_kernel_isa() >= ISA_AVX512 && inter % 16 == 0;
     const int wide_rope = HAVE_AVX2_CODE && slotserve_kernel_isa() >= ISA_AVX512 && d % 32 == 0;
@@ -291,7 +311,7 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
 
     for (int64_t l = 0; l < model->num_layers; l++) {
         const struct step_layer *layer = &model->layers[l];
-        const int on_tiles = layer_on_tiles(model, layer, m);
+        const int on_tiles = may_tile && layer_on_tiles(model, layer, m);
         if (on_tiles) {
             norm_to_tiles(x, layer->input_norm, m, hidden, model->eps, tiles, threads);
             gemm_amx_tiles(tiles, m, hidden, layer->data[QKV], nqkv, wide, 0, threads);
@@ -343,17 +363,7 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
             rms_norm(x + i * hidden, layer->post_attention_norm, hidden, model->eps,
                      normed + i * hidden, avx2);
         if (product(model, l, GATE_UP, normed, m, hidden, 2 * inter, wide, threads, s)) goto done;
-#pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
-        for (int64_t i = 0; i < m; i++) {
-            const float *gate = wide + i * 2 * inter, *up = gate + inter;
-            float *act = narrow + i * inter;
-            if (avx512)
-                silu_mul_avx512(gate, up, inter, act);
-            else if (avx2)
-                silu_mul_avx2(gate, up, inter, act);
-            else
-                silu_mul_c(gate, up, inter, act);
-        }
+        silu_mul_rows(wide, m, inter, narrow, threads, avx512 ? 2 : avx2);
         if (product(model, l, DOWN, narrow, m, inter, hidden, normed, threads, s)) goto done;
 #pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
         for (int64_t j = 0; j < m * hidden; j++) x[j] += normed[j];

@@ -480,11 +480,11 @@ int slotserve_mlp_bf16(const float *x, int64_t m, int64_t hidden, const uint16_t
     if (wide != NULL &&
         slotserve_gemm_bf16(x, m, hidden, gate_up, 2 * inter, wide, threads, s) == 0) {
         float *act = wide + m * 2 * inter;
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t j = 0; j < inter; j++) {
-                const float g = wide[i * 2 * inter + j], u = wide[i * 2 * inter + inter + j];
-                act[i * inter + j] = g / (1.0f + expf(-g)) * u;
-            }
+        const int isa = slotserve_kernel_isa();
+        silu_mul_rows(wide, m, inter, act, threads,
+                      !isa || inter % 8                      ? 0
+                      : isa >= ISA_AVX512 && inter % 16 == 0 ? 2
+                                                             : 1);
         status = slotserve_gemm_bf16(act, m, inter, down, hidden, y, threads, s);
     }
     free(owned);

@@ -39,6 +39,13 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
                 const int64_t *lens, float scale, float *out, int threads, struct scratch *s,
                 int bf16);
 
+/* llama_step.c: act[m, inter] = silu(gate) * up of each row of wide [m, 2 * inter] (its gate's
+ * inter values, then its up's), `vector` 2: 16 lanes (inter % 16 == 0), 1: 8 lanes (inter % 8
+ * == 0), 0: plain C. The step's unfused MLP, and slotserve_mlp_bf16's where the tiles do not
+ * run. */
+void silu_mul_rows(const float *wide, int64_t m, int64_t inter, float *act, int threads,
+                   int vector);
+
 /* kv_half.c: the fp16 KV cache. half_bits: fp16 bits of f, nearest even, saturating at +-65504
  * (NaN stays NaN); half_value: the float an fp16 holds. kv_store: n floats into the cache at
  * element `at` (fp16 when `half`, else as they are); kv_widen: n fp16 values to floats.
@@ -101,8 +108,8 @@ int mlp_bf16_amx(const float *x, int64_t m, int64_t hidden, const uint16_t *gate
  * separate pass adds the product to it). */
 void amx_row_to_tiles(const float *row, const float *weight, float scale, int64_t i, int64_t k,
                       uint16_t *xt);
-int gemm_amx_tiles(const uint16_t *xt, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
-                   int add, int threads);
+void gemm_amx_tiles(const uint16_t *xt, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                    float *y, int add, int threads);
 int mlp_amx_tiles(const uint16_t *xt, int64_t m, int64_t hidden, const uint16_t *gate_up,
                   const uint16_t *down, int64_t inter, float *y, int add, int threads,
                   struct scratch *s);
