@@ -395,6 +395,53 @@ def test_on_amx_a_prefill_step_runs_its_layers_on_the_tiles_and_agrees_with_vdpb
     assert figures[0] != figures[1]  # the tiles did run: another rounding order somewhere
 
 
+def greedy_logprobs(engine, prompts: list[list[int]], tokens: int) -> list[list[dict]]:
+    """Every step's five most likely tokens, with logprobs, over ``tokens`` greedy tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, logprobs=5, ignore_eos=True)
+    ids = [f"g{next(REQUESTS)}" for _ in prompts]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    found: dict[str, list[dict]] = {request_id: [] for request_id in ids}
+    while engine.has_unfinished():
+        for output in engine.step():
+            found[output.request_id] += [dict(entry.top) for entry in output.logprobs or []]
+    return [found[request_id] for request_id in ids]
+
+
+def test_with_vdpbf16ps_the_step_fuses_its_layers_on_bf16_rows_bit_for_bit(tiny_model_dir):
+    """Where the kernels multiply bf16 with VDPBF16PS (AMX off, or under its 16 rows), a bf16
+    step runs each layer fused (llama_step.c's layer_on_rows: the norms write bf16 rows, the
+    MLP is one call whose silu(gate) * up never leaves the registers, o and down add into the
+    residual stream), with the same roundings and sums as the products one by one: prefill and
+    decode steps give the same logprobs to the bit."""
+    kernels = load_kernels(CommonSettings().home)
+    if kernels.isa != "avx512_bf16":
+        pytest.skip("the kernels multiply no bf16 on this CPU")
+    engine = make_engine(
+        tiny_model_dir,
+        prefill_dtype="bfloat16",
+        decode_dtype="bfloat16",
+        linear_backend="native",
+        max_batch_size=3,
+    )
+    # 40 + 51 + 62 prompt rows in one prefill step, then decode steps of 3 rows.
+    prompts = [[(i * 17 + 3 * j) % 4000 + 50 for i in range(40 + 11 * j)] for j in range(3)]
+    amx = kernels.set_amx(False)
+    figures, runs = [], []
+    try:
+        for fused in (True, False):
+            kernels.set_fused_layers(fused)
+            before = kernels.fused_layers_run()
+            figures.append(greedy_logprobs(engine, prompts, tokens=4))
+            runs.append(kernels.fused_layers_run() - before)
+    finally:
+        kernels.set_fused_layers(True)
+        kernels.set_amx(amx)
+    assert runs[0] >= 2 * 4 and runs[1] == 0  # 2 layers a step, 4 steps or more
+    assert figures[0] == figures[1]
+    assert all(len(steps) == 4 for steps in figures[0])
+
+
 @pytest.mark.parametrize("num_rows", [1, 15, 16, 17, 40])
 def test_onednn_products_pad_rows_to_a_bucket_and_give_the_unpadded_result(num_rows):
     """Rows padded to a multiple of 16 keep oneDNN's kernels per shape few; the padding rows

@@ -139,6 +139,15 @@ class NativeKernels:
         :attr:`amx`."""
         return bool(self._lib.slotserve_kernel_set_amx(int(enabled)))
 
+    def set_fused_layers(self, enabled: bool) -> bool:
+        """Fuse the native step's layers where its products are bf16 (the default), or run
+        them product by product (tests compare the two); returns the setting."""
+        return bool(self._lib.slotserve_kernel_set_fused_layers(int(enabled)))
+
+    def fused_layers_run(self) -> int:
+        """Layers the native step has run fused so far (process-wide)."""
+        return int(self._lib.slotserve_kernel_fused_layers_run())
+
     def set_isa(self, isa: str) -> str:
         """Run ``isa``, or the widest this CPU has below it (tests, benchmarks); returns it."""
         return ISAS[self._lib.slotserve_kernel_set_isa(ISAS.index(isa))]
@@ -204,7 +213,9 @@ class NativeKernels:
     ) -> torch.Tensor:
         """A decoder MLP, ``down(silu(x @ gate.T) * (x @ up.T))``, on packed bf16 weights
         (:func:`pack_bf16` of the gate's and up's rows stacked, and of down's): one fused pass
-        on the AMX tiles where they run, else the two products with SiLU between."""
+        on the AMX tiles where they run, or on VDPBF16PS where the kernels run AVX512_BF16
+        (silu(gate) * up rounded to bf16 in the registers), else the two products with SiLU
+        between."""
         m, hidden, out = self._begin(x, x.shape[1] if x.dim() == 2 else 0)
         if (
             inter % 16

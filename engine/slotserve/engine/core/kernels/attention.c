@@ -389,7 +389,7 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
                                         group, d, scale, out, scores);
                 else
                     attention_block_bf16(q, pack->kp, pack->vp, lens, r, span.count, h, kv_heads,
-                                         group, d, scale, out, scores, softmax_avx512);
+                                         group, d, scale, out, scores);
                 continue;
             }
             if (span.count > 1) {

@@ -1,6 +1,6 @@
 /* Prefill attention on AMX tiles (TDPBF16PS), for bf16 steps on CPUs with AMX-BF16: the block of
  * attention_bf16.c (the same packed keys and values, queries and values rounded to bf16, every
- * sum in fp32), 32 queries a pass (two tiles) instead of four queries a vector; the
+ * sum in fp32), 32 queries a pass (two tiles) instead of eight queries a vector; the
  * probabilities are rounded before they are normalised and each output is scaled once after
  * (exponentials below).
  *
@@ -133,62 +133,6 @@ AMX_TARGET static void tiles_sum(const uint16_t *pb, const uint16_t *vp, int64_t
     }
 }
 
-/* 2^x for x <= 0 with VSCALEFPS: 2^n * p(f), n = round(x), f = x - n in [-1/2, 1/2], p the
- * Taylor terms of e^(f ln 2) to degree 5 (relative error < 3e-6, under a thousandth of the
- * bf16 rounding that follows), 0 below 2^-126 (no denormals). Six operations fewer a vector
- * than exp_nonpositive512: the exponent goes in through the scaling instruction. */
-AMX_TARGET static inline __m512 exp2_nonpositive(__m512 x) {
-    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);                 /* ln2^5 / 120 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f)); /* ln2^4 / 24 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f)); /* ln2^3 / 6 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f)); /* ln2^2 / 2 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f)); /* ln2 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(normal, p, n);
-}
-
-/* A query's scores [0, len) times `scale`, exponentiated less their maximum and rounded to bf16
- * (nearest even) into pb, zeros over [len, span); returns 1 / the sum of the exponentials (fp32,
- * before rounding), by which the query's output is scaled once the values are summed (as
- * FlashAttention does): two passes over the row where normalising each probability before
- * rounding it took a third, and the softmax was the largest part of the race once the tiles ran.
- * The exponentials are taken base 2, the scale folded into one multiply-add with log2(e). */
-AMX_TARGET static float exponentials(const float *scores, int64_t len, int64_t span, float scale,
-                                     uint16_t *pb) {
-    __m512 top16 = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < len; t += 16) {
-        const int64_t left = len - t;
-        const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        top16 = _mm512_mask_max_ps(top16, keep, top16, _mm512_maskz_loadu_ps(keep, scores + t));
-    }
-    /* scale > 0 (1 / sqrt(d)), so the largest scaled score is the largest score scaled. */
-    const float base2 = scale * EXP_LOG2E;
-    const __m512 vscale = _mm512_set1_ps(base2);
-    const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * base2);
-    __m512 total16 = _mm512_setzero_ps();
-    int64_t t = 0;
-    for (; t + 16 <= len; t += 16) { /* whole vectors: no masks */
-        const __m512 e =
-            exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(scores + t), vscale, vtop));
-        total16 = _mm512_add_ps(total16, e);
-        _mm256_storeu_si256((__m256i *)(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    for (; t < span; t += 16) {
-        const int64_t left = len - t;
-        const __mmask16 keep = left >= 16  ? (__mmask16)0xFFFF
-                               : left <= 0 ? (__mmask16)0
-                                           : (__mmask16)((1u << left) - 1);
-        const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, scores + t), vscale, vtop);
-        const __m512 e = _mm512_maskz_mov_ps(keep, exp2_nonpositive(x));
-        total16 = _mm512_add_ps(total16, e);
-        _mm256_storeu_si256((__m256i *)(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    return 1.0f / _mm512_reduce_add_ps(total16);
-}
-
 int slotserve_kernel_amx(void) {
     if (amx_usable < 0) amx_usable = amx_probe();
     return amx_usable && amx_wanted && slotserve_kernel_isa() >= ISA_AVX512_BF16;
@@ -241,7 +185,8 @@ AMX_TARGET void attention_block_amx(const float *q, const uint16_t *kp, const ui
         float norm[AMX_ROWS];
         for (int64_t i = 0; i < AMX_ROWS; i++) {
             if (i < real)
-                norm[i] = exponentials(scores + i * stride, len[i], span, scale, pb + i * stride);
+                norm[i] =
+                    bf16_exponentials(scores + i * stride, len[i], span, scale, pb + i * stride);
             else
                 memset(pb + i * stride, 0, sizeof(uint16_t) * (size_t)span);
         }

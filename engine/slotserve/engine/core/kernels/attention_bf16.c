@@ -87,15 +87,21 @@ ATTENTION_BF16_TARGET void attention_bf16_pack(const void *keys, const void *val
     }
 }
 
-/* Vectors of 16 keys scored at once against the four queries: 16 accumulators, so the chains
- * of VDPBF16PS (latency ~6 cycles, two a cycle on Zen 5) overlap; one vector at a time (4
- * chains) left the scores latency-bound, most of the block's time at ~1,000 positions. */
-#define SCORE_VECTORS 4
+/* Vectors of 16 keys scored at once against the eight queries (ATTENTION_QUADS): 24
+ * accumulators, so the chains of VDPBF16PS (latency ~6 cycles, two a cycle on Zen 5) overlap;
+ * one vector at a time left the scores latency-bound. Eight queries a pass rather than four:
+ * each pass reads the chunk's packed keys and values from L2 once (~256 KB at 1,000
+ * positions), and with four that traffic held a 1,024-row chunk's block to ~290 GFLOPS on two
+ * Zen 4 cores (4.1 ms a layer; eight: 3.55 ms, twelve no better). */
+#define SCORE_VECTORS 3
+/* Vectors of 16 dimensions summed at once for the eight queries: 16 accumulators. */
+#define VALUE_VECTORS 2
 
-/* The four queries' scores (times `scale`) against `width` vectors of keys from vector g on. */
+/* The eight queries' scores (unscaled: bf16_exponentials scales them) against `width` vectors
+ * of keys from vector g on. */
 ATTENTION_BF16_TARGET static inline __attribute__((always_inline)) void
-score_vectors(const uint16_t *kp, const uint16_t *qb, int64_t d, int64_t g, __m512 vscale,
-              float *scores, int64_t stride, const int width) {
+score_vectors(const uint16_t *kp, const uint16_t *qb, int64_t d, int64_t g, float *scores,
+              int64_t stride, const int width) {
     const int64_t pairs = d / 2;
     __m512 acc[ATTENTION_QUADS][SCORE_VECTORS];
     for (int i = 0; i < ATTENTION_QUADS; i++)
@@ -112,34 +118,22 @@ score_vectors(const uint16_t *kp, const uint16_t *qb, int64_t d, int64_t g, __m5
     }
     for (int i = 0; i < ATTENTION_QUADS; i++)
         for (int c = 0; c < width; c++)
-            _mm512_storeu_ps(scores + i * stride + 16 * (g + c), _mm512_mul_ps(acc[i][c], vscale));
+            _mm512_storeu_ps(scores + i * stride + 16 * (g + c), acc[i][c]);
 }
 
-/* Probabilities [0, len) to bf16 (nearest even) and zeros over [len, even), 16 at a time. */
-ATTENTION_BF16_TARGET static void probabilities_bf16(const float *sc, int64_t len, int64_t even,
-                                                     uint16_t *pb) {
-    for (int64_t t = 0; t < even; t += 16) {
-        const int64_t left = len - t;
-        const __mmask16 keep = left >= 16  ? (__mmask16)0xFFFF
-                               : left <= 0 ? (__mmask16)0
-                                           : (__mmask16)((1u << left) - 1);
-        const __m256bh bits = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, sc + t));
-        _mm256_storeu_si256((__m256i *)(pb + t), (__m256i)bits);
-    }
-}
-
-/* The four queries' outputs for `width` vectors of 16 dimensions from vector j0 on: the
- * probabilities pb (row stride `stride`) over positions [0, even) times the packed values. A
+/* The eight queries' outputs for `width` vectors of 16 dimensions from vector j0 on: the
+ * exponentials pb (row stride `stride`) over positions [0, even) times the packed values, each
+ * query's sums times its norm (1 / the sum of its exponentials). A
  * width known when compiled keeps the 4 x width accumulators in registers (a width read at run
  * time put them on the stack, with a branch per multiply-add). */
 ATTENTION_BF16_TARGET static inline __attribute__((always_inline)) void
 sum_values(const uint16_t *vp, const uint16_t *pb, int64_t stride, int64_t groups, int64_t j0,
-           int64_t even, float *const *outs, const int width) {
-    __m512 acc[ATTENTION_QUADS][4];
+           int64_t even, float *const *outs, const float *norm, const int width) {
+    __m512 acc[ATTENTION_QUADS][VALUE_VECTORS];
     for (int i = 0; i < ATTENTION_QUADS; i++)
         for (int c = 0; c < width; c++) acc[i][c] = _mm512_setzero_ps();
     for (int64_t tp = 0; tp < even / 2; tp++) {
-        __m512bh vv[4];
+        __m512bh vv[VALUE_VECTORS];
         for (int c = 0; c < width; c++)
             vv[c] = (__m512bh)_mm512_loadu_si512(vp + ((tp * groups + j0 + c) * 32));
         for (int i = 0; i < ATTENTION_QUADS; i++) {
@@ -147,16 +141,18 @@ sum_values(const uint16_t *vp, const uint16_t *pb, int64_t stride, int64_t group
             for (int c = 0; c < width; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pv, vv[c]);
         }
     }
-    for (int i = 0; i < ATTENTION_QUADS; i++)
-        for (int c = 0; c < width; c++) _mm512_storeu_ps(outs[i] + 16 * (j0 + c), acc[i][c]);
+    for (int i = 0; i < ATTENTION_QUADS; i++) {
+        const __m512 by = _mm512_set1_ps(norm[i]);
+        for (int c = 0; c < width; c++)
+            _mm512_storeu_ps(outs[i] + 16 * (j0 + c), _mm512_mul_ps(acc[i][c], by));
+    }
 }
 
 ATTENTION_BF16_TARGET void attention_block_bf16(const float *q, const uint16_t *kp,
                                                 const uint16_t *vp, const int64_t *lens, int64_t r0,
                                                 int64_t count, int64_t h, int64_t kv_heads,
                                                 int64_t group, int64_t d, float scale, float *out,
-                                                float *work,
-                                                void (*softmax)(float *scores, int64_t len)) {
+                                                float *work) {
     const int64_t last = lens[r0 + count - 1];
     const int64_t stride = (last + 31) & ~(int64_t)31, groups = d / 16;
     uint16_t *qb = (uint16_t *)work;
@@ -177,47 +173,35 @@ ATTENTION_BF16_TARGET void attention_block_bf16(const float *q, const uint16_t *
             upto = len[i] > upto ? len[i] : upto;
         }
         const int64_t padded = (upto + 15) & ~(int64_t)15;
-        const __m512 vscale = _mm512_set1_ps(scale);
-        /* Scores: four queries against 16 keys a vector, SCORE_VECTORS vectors at a time. */
+        /* Scores: eight queries against 16 keys a vector, SCORE_VECTORS vectors at a time. */
         const int64_t vectors = padded / 16;
         int64_t g = 0;
         for (; g + SCORE_VECTORS <= vectors; g += SCORE_VECTORS)
-            score_vectors(kp, qb, d, g, vscale, scores, stride, SCORE_VECTORS);
+            score_vectors(kp, qb, d, g, scores, stride, SCORE_VECTORS);
         switch (vectors - g) {
-        case 3:
-            score_vectors(kp, qb, d, g, vscale, scores, stride, 3);
-            break;
         case 2:
-            score_vectors(kp, qb, d, g, vscale, scores, stride, 2);
+            score_vectors(kp, qb, d, g, scores, stride, 2);
             break;
         case 1:
-            score_vectors(kp, qb, d, g, vscale, scores, stride, 1);
+            score_vectors(kp, qb, d, g, scores, stride, 1);
             break;
         default:
             break;
         }
+        /* Exponentials rounded to bf16 unnormalised, each output scaled once after its sums
+         * (attention_amx.c's order: two passes over a row of scores instead of three). */
         const int64_t even = (upto + 1) & ~(int64_t)1;
-        for (int i = 0; i < ATTENTION_QUADS; i++) {
-            softmax(scores + i * stride, len[i]);
-            probabilities_bf16(scores + i * stride, len[i], even, pb + i * stride);
-        }
-        /* Values: 16 dimensions a vector, two positions a multiply-add; up to 64 dimensions
-         * (four vectors) of the four queries in registers at once. */
-        for (int64_t j0 = 0; j0 < groups; j0 += 4) {
-            switch (groups - j0 < 4 ? groups - j0 : 4) {
-            case 4:
-                sum_values(vp, pb, stride, groups, j0, even, outs, 4);
-                break;
-            case 3:
-                sum_values(vp, pb, stride, groups, j0, even, outs, 3);
-                break;
-            case 2:
-                sum_values(vp, pb, stride, groups, j0, even, outs, 2);
-                break;
-            default:
-                sum_values(vp, pb, stride, groups, j0, even, outs, 1);
-                break;
-            }
+        float norm[ATTENTION_QUADS];
+        for (int i = 0; i < ATTENTION_QUADS; i++)
+            norm[i] =
+                bf16_exponentials(scores + i * stride, len[i], padded, scale, pb + i * stride);
+        /* Values: 16 dimensions a vector, two positions a multiply-add; 32 dimensions (two
+         * vectors) of the eight queries in registers at once. */
+        for (int64_t j0 = 0; j0 < groups; j0 += VALUE_VECTORS) {
+            if (groups - j0 >= 2)
+                sum_values(vp, pb, stride, groups, j0, even, outs, norm, 2);
+            else
+                sum_values(vp, pb, stride, groups, j0, even, outs, norm, 1);
         }
     }
 }
@@ -234,8 +218,8 @@ size_t attention_bf16_work(int64_t d, int64_t longest) {
 void attention_block_bf16(const float *q, const uint16_t *kp, const uint16_t *vp,
                           const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                           int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
-                          float *work, void (*softmax)(float *scores, int64_t len)) {
+                          float *work) {
     (void)q, (void)kp, (void)vp, (void)lens, (void)r0, (void)count, (void)h;
-    (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work, (void)softmax;
+    (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work;
 }
 #endif

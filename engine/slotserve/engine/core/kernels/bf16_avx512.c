@@ -33,6 +33,9 @@
 #define TASK_BLOCKS 3 /* 48 channels: 3 x 8 accumulators + 3 weights + 1 row pair of 32 zmm */
 #define TILE_ROWS 8
 #define ROW_SPAN 256 /* rows whose bf16 copy (288 KB at k = 576) stays in L2 across tasks */
+/* The fused MLP's tile: 6 rows by 2 blocks of gate and 2 of up, 24 accumulators. */
+#define MLP_ROWS 6
+#define MLP_PAIRS 2
 
 /* count floats (a multiple of 32) to bf16, rounded to nearest even (torch's .to(bfloat16)). */
 BF16_TARGET static void round_to_bf16(const float *x, int64_t count, uint16_t *out) {
@@ -47,11 +50,12 @@ BF16_TARGET static void round_to_bf16(const float *x, int64_t count, uint16_t *o
 }
 
 /* R rows of xb (bf16, k columns) against B blocks of packed weights from block `w` on; the
- * outputs of channels [0, 16 B) go to y (row stride n), the last block's masked by `last`.
+ * outputs of channels [0, 16 B) go to y (row stride n), or are added to what it holds when
+ * `add` (y + product, as a separate pass would add them), the last block's masked by `last`.
  * `next` (or NULL): weights further on, prefetched into L2 one line per block per step. */
 BF16_TARGET static inline __attribute__((always_inline)) void
 tile(const uint16_t *xb, int64_t k, const uint16_t *w, float *y, int64_t n, __mmask16 last,
-     const uint16_t *next, const int rows, const int blocks) {
+     const uint16_t *next, int add, const int rows, const int blocks) {
     const int64_t block_elems = 16 * k; /* bf16 values in one block of 16 channels */
     __m512 acc[TILE_ROWS][TASK_BLOCKS];
     for (int r = 0; r < rows; r++)
@@ -70,6 +74,13 @@ tile(const uint16_t *xb, int64_t k, const uint16_t *w, float *y, int64_t n, __mm
             for (int b = 0; b < blocks; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
         }
     }
+    if (add)
+        for (int r = 0; r < rows; r++) {
+            for (int b = 0; b + 1 < blocks; b++)
+                acc[r][b] = _mm512_add_ps(_mm512_loadu_ps(y + r * n + 16 * b), acc[r][b]);
+            acc[r][blocks - 1] = _mm512_add_ps(
+                _mm512_maskz_loadu_ps(last, y + r * n + 16 * (blocks - 1)), acc[r][blocks - 1]);
+        }
     for (int r = 0; r < rows; r++) {
         for (int b = 0; b + 1 < blocks; b++) _mm512_storeu_ps(y + r * n + 16 * b, acc[r][b]);
         _mm512_mask_storeu_ps(y + r * n + 16 * (blocks - 1), last, acc[r][blocks - 1]);
@@ -79,12 +90,12 @@ tile(const uint16_t *xb, int64_t k, const uint16_t *w, float *y, int64_t n, __mm
 /* Every instantiation the loops below call: rows 1..TILE_ROWS by blocks 1..TASK_BLOCKS. */
 #define TILE_CASE(R, B)                                                                            \
     case (R) * 4 + (B):                                                                            \
-        tile(xb, k, w, y, n, last, next, R, B);                                                    \
+        tile(xb, k, w, y, n, last, next, add, R, B);                                               \
         break;
 #define TILE_ROW(R) TILE_CASE(R, 1) TILE_CASE(R, 2) TILE_CASE(R, 3)
 
 BF16_TARGET static void tile_any(const uint16_t *xb, int64_t k, const uint16_t *w, float *y,
-                                 int64_t n, __mmask16 last, const uint16_t *next, int rows,
+                                 int64_t n, __mmask16 last, const uint16_t *next, int add, int rows,
                                  int blocks) {
     switch (rows * 4 + blocks) {
         TILE_ROW(1)
@@ -100,17 +111,8 @@ BF16_TARGET static void tile_any(const uint16_t *xb, int64_t k, const uint16_t *
     }
 }
 
-BF16_TARGET static void convert_rows(const float *x, int64_t m, int64_t k, uint16_t *xb) {
-    round_to_bf16(x, m * k, xb);
-}
-
-int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
-                     int threads, struct scratch *s) {
-    const size_t mark = scratch_mark(s);
-    void *owned;
-    uint16_t *xb = scratch_take(s, sizeof(uint16_t) * (size_t)(m * k), &owned);
-    if (xb == NULL) return -1;
-    convert_rows(x, m, k, xb);
+int gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                   int add, int threads) {
     const int64_t blocks = (n + 15) / 16;
     const int64_t tasks = (blocks + TASK_BLOCKS - 1) / TASK_BLOCKS;
     const int64_t block_elems = 16 * k;
@@ -134,13 +136,119 @@ int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, in
             for (int64_t i = span; i < span_end; i += TILE_ROWS) {
                 const int rows = (int)(span_end - i < TILE_ROWS ? span_end - i : TILE_ROWS);
                 tile_any(xb + i * k, k, weights, y + i * n + 16 * first, n, last,
-                         i == span ? next : NULL, rows, count);
+                         i == span ? next : NULL, add, rows, count);
             }
         }
     }
+    return 0;
+}
+
+/* R rows of xb against PAIRS blocks of gate weights from `gate` on and the same blocks of up
+ * weights from `up` on (block stride 16 k each); silu(gate) * up of each row's 16 PAIRS channels
+ * is rounded to bf16 into `act` (row stride inter): the gate/up results never leave the
+ * registers. `next` (or NULL): gate weights further on, prefetched with their up weights. */
+BF16_TARGET static inline __attribute__((always_inline)) void
+tile_mlp(const uint16_t *xb, int64_t k, const uint16_t *gate, const uint16_t *up, uint16_t *act,
+         int64_t inter, const uint16_t *next, int64_t up_offset, const int rows, const int pairs) {
+    const int64_t block_elems = 16 * k;
+    __m512 acc_gate[MLP_ROWS][MLP_PAIRS], acc_up[MLP_ROWS][MLP_PAIRS];
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < pairs; b++)
+            acc_gate[r][b] = _mm512_setzero_ps(), acc_up[r][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k / 2; p++) {
+        __m512bh gv[MLP_PAIRS], uv[MLP_PAIRS];
+        for (int b = 0; b < pairs; b++) {
+            gv[b] = (__m512bh)_mm512_loadu_si512(gate + b * block_elems + 32 * p);
+            uv[b] = (__m512bh)_mm512_loadu_si512(up + b * block_elems + 32 * p);
+            if (next != NULL) {
+                _mm_prefetch((const char *)(next + b * block_elems + 32 * p), _MM_HINT_T1);
+                _mm_prefetch((const char *)(next + up_offset + b * block_elems + 32 * p),
+                             _MM_HINT_T1);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            memcpy(&pair, xb + r * k + 2 * p, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int b = 0; b < pairs; b++) {
+                acc_gate[r][b] = _mm512_dpbf16_ps(acc_gate[r][b], xv, gv[b]);
+                acc_up[r][b] = _mm512_dpbf16_ps(acc_up[r][b], xv, uv[b]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < pairs; b++)
+            _mm256_storeu_si256(
+                (__m256i *)(act + r * inter + 16 * b),
+                (__m256i)_mm512_cvtneps_pbh(silu_mul16(acc_gate[r][b], acc_up[r][b])));
+}
+
+#define MLP_CASE(R, G)                                                                             \
+    case (R) * 4 + (G):                                                                            \
+        tile_mlp(xb, k, gate, up, act, inter, next, up_offset, R, G);                              \
+        break;
+#define MLP_ROW(R) MLP_CASE(R, 1) MLP_CASE(R, 2)
+
+BF16_TARGET static void tile_mlp_any(const uint16_t *xb, int64_t k, const uint16_t *gate,
+                                     const uint16_t *up, uint16_t *act, int64_t inter,
+                                     const uint16_t *next, int64_t up_offset, int rows, int pairs) {
+    switch (rows * 4 + pairs) {
+        MLP_ROW(1)
+        MLP_ROW(2)
+        MLP_ROW(3)
+        MLP_ROW(4)
+        MLP_ROW(5)
+        MLP_ROW(6)
+    default:
+        break;
+    }
+}
+
+int mlp_bf16_rows(const uint16_t *xb, int64_t m, int64_t hidden, const uint16_t *gate_up,
+                  const uint16_t *down, int64_t inter, float *y, int add, int threads,
+                  struct scratch *s) {
+    const size_t mark = scratch_mark(s);
+    void *owned;
+    uint16_t *act = scratch_take(s, sizeof(uint16_t) * (size_t)(m * inter), &owned);
+    if (act == NULL) return -1;
+    const int pairs = inter % (16 * MLP_PAIRS) == 0 ? MLP_PAIRS : 1;
+    const int64_t block_elems = 16 * hidden, up_offset = (inter / 16) * block_elems;
+    const int64_t tasks = inter / (16 * pairs);
+    const int64_t ahead = (channels_ahead(BF16, hidden) + 32 * pairs - 1) / (32 * pairs);
+#pragma omp parallel num_threads(threads)
+    for (int64_t span = 0; span < m; span += ROW_SPAN) {
+        const int64_t span_end = m - span < ROW_SPAN ? m : span + ROW_SPAN;
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t t = 0; t < tasks; t++) {
+            const uint16_t *gate = gate_up + t * pairs * block_elems;
+            const uint16_t *next = ahead > 0 && span == 0 && t + ahead < tasks
+                                       ? gate_up + (t + ahead) * pairs * block_elems
+                                       : NULL;
+            for (int64_t i = span; i < span_end; i += MLP_ROWS) {
+                const int rows = (int)(span_end - i < MLP_ROWS ? span_end - i : MLP_ROWS);
+                tile_mlp_any(xb + i * hidden, hidden, gate, gate + up_offset,
+                             act + i * inter + t * pairs * 16, inter, i == span ? next : NULL,
+                             up_offset, rows, pairs);
+            }
+        }
+    }
+    const int status = gemm_bf16_rows(act, m, inter, down, hidden, y, add, threads);
     free(owned);
     scratch_release(s, mark);
-    return 0;
+    return status;
+}
+
+int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                     int threads, struct scratch *s) {
+    const size_t mark = scratch_mark(s);
+    void *owned;
+    uint16_t *xb = scratch_take(s, sizeof(uint16_t) * (size_t)(m * k), &owned);
+    if (xb == NULL) return -1;
+    bf16_round(x, m * k, xb, threads);
+    const int status = gemm_bf16_rows(xb, m, k, w, n, y, 0, threads);
+    free(owned);
+    scratch_release(s, mark);
+    return status;
 }
 
 BF16_TARGET static void widen_from_bf16(const uint16_t *in, int64_t count, float *out) {
@@ -155,6 +263,18 @@ BF16_TARGET static void widen_from_bf16(const uint16_t *in, int64_t count, float
 int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
                      int threads, struct scratch *s) {
     (void)x, (void)m, (void)k, (void)w, (void)n, (void)y, (void)threads, (void)s;
+    return -1; /* never dispatched */
+}
+int gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                   int add, int threads) {
+    (void)xb, (void)m, (void)k, (void)w, (void)n, (void)y, (void)add, (void)threads;
+    return -1; /* never dispatched */
+}
+int mlp_bf16_rows(const uint16_t *xb, int64_t m, int64_t hidden, const uint16_t *gate_up,
+                  const uint16_t *down, int64_t inter, float *y, int add, int threads,
+                  struct scratch *s) {
+    (void)xb, (void)m, (void)hidden, (void)gate_up, (void)down, (void)inter, (void)y, (void)add;
+    (void)threads, (void)s;
     return -1; /* never dispatched */
 }
 #endif

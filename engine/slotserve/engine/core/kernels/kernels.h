@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 /* Raised whenever a prototype below changes: a library of another ABI is never loaded. */
-#define SLOTSERVE_KERNEL_ABI 14
+#define SLOTSERVE_KERNEL_ABI 15
 /* Quantized weights per scale (and minimum) along K, both quantized formats. */
 #define SLOTSERVE_KERNEL_GROUP 32
 
@@ -59,6 +59,12 @@ int slotserve_kernel_set_isa(int level);
  * returns what runs. */
 int slotserve_kernel_amx(void);
 int slotserve_kernel_set_amx(int enabled);
+/* llama_step.c: whether the native step fuses its layers (the norms writing the products' bf16
+ * rows, one MLP call, o and down added into the residual stream) where its products are bf16;
+ * on by default, turned off by tests to compare with the products one by one. Returns it. */
+int slotserve_kernel_set_fused_layers(int enabled);
+/* llama_step.c: layers the native step has run fused so far (process-wide; tests read it). */
+uint64_t slotserve_kernel_fused_layers_run(void);
 /* Buffers taken from malloc because a workspace was missing or short (process-wide). */
 uint64_t slotserve_kernel_fallback_allocations(void);
 /* Prefetch distance in bytes (negative: the default). */

@@ -67,14 +67,19 @@ static void silu_mul_c(const float *gate, const float *up, int64_t n, float *out
 #if defined(__x86_64__) || defined(__i386__)
 /* The AVX2 versions (n a multiple of 8): at 4 rows, the scalar SiLU's expf alone took ~1 ms of a
  * SmolLM2 step (184K calls). */
-__attribute__((target("avx2,fma"))) static void rms_norm_avx2(const float *x, const float *weight,
-                                                              int64_t n, float eps, float *out) {
+__attribute__((target("avx2,fma"))) static float inverse_rms_avx2(const float *x, int64_t n,
+                                                                  float eps) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j += 8) {
         const __m256 v = _mm256_loadu_ps(x + j);
         acc = _mm256_fmadd_ps(v, v, acc);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)n + eps));
+    return 1.0f / sqrtf(hsum(acc) / (float)n + eps);
+}
+
+__attribute__((target("avx2,fma"))) static void rms_norm_avx2(const float *x, const float *weight,
+                                                              int64_t n, float eps, float *out) {
+    const __m256 inv = _mm256_set1_ps(inverse_rms_avx2(x, n, eps));
     for (int64_t j = 0; j < n; j += 8)
         _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(weight + j),
                                                 _mm256_mul_ps(_mm256_loadu_ps(x + j), inv)));
@@ -110,6 +115,10 @@ static void silu_mul_avx512(const float *gate, const float *up, int64_t n, float
 }
 static void rms_norm_avx2(const float *x, const float *weight, int64_t n, float eps, float *out) {
     rms_norm_c(x, weight, n, eps, out);
+}
+static float inverse_rms_avx2(const float *x, int64_t n, float eps) {
+    (void)x, (void)n, (void)eps;
+    return 0.0f; /* never taken: layer_on_rows needs AVX512_BF16 */
 }
 static void silu_mul_avx2(const float *gate, const float *up, int64_t n, float *out) {
     silu_mul_c(gate, up, n, out);
@@ -271,6 +280,59 @@ static void norm_to_tiles(const float *x, const float *weight, int64_t m, int64_
     }
 }
 
+/* Whether the step's layers are fused (layer_on_tiles, layer_on_rows); tests turn it off to
+ * compare with the products one by one. */
+static int fused_layers = 1;
+static uint64_t fused_layers_run = 0;
+
+int slotserve_kernel_set_fused_layers(int enabled) {
+    fused_layers = enabled != 0;
+    return fused_layers;
+}
+
+uint64_t slotserve_kernel_fused_layers_run(void) {
+    return __atomic_load_n(&fused_layers_run, __ATOMIC_RELAXED);
+}
+
+/* Whether the layer runs its products on rows it rounds to bf16 itself (bf16_avx512.c's
+ * gemm_bf16_rows, mlp_bf16_rows) where the kernels run VDPBF16PS and the tiles do not take it:
+ * the norms write bf16 rows (no fp32 normed rows to round again), the MLP is one call (the
+ * gate/up results never leave the registers: at 1,024 rows they were 12 MB written and read
+ * back a layer), and o and down add themselves to the residual stream. Bit for bit the unfused
+ * layer: the same roundings and sums. */
+static int layer_on_rows(const struct step_model *model, const struct step_layer *layer) {
+    for (int which = 0; which < PRODUCTS; which++)
+        if (layer->kind[which] != BF16 || (which != QKV && layer->bias[which] != NULL)) return 0;
+    return fused_layers && model->wide == NULL && model->hidden % 16 == 0 &&
+           model->intermediate % 16 == 0 && slotserve_kernel_isa() >= ISA_AVX512_BF16;
+}
+
+/* Rows [0, m) of x RMS-normed and rounded to bf16 into xb: rms_norm_avx2's arithmetic, so the
+ * same bits as the fp32 normed row rounded afterwards. hidden a multiple of 16. */
+#if HAVE_AVX2_CODE
+__attribute__((target("avx512f,avx512bf16,avx2,fma"))) static void
+norm_row_to_bf16(const float *x, const float *weight, int64_t hidden, float eps, uint16_t *out) {
+    const __m512 inv = _mm512_set1_ps(inverse_rms_avx2(x, hidden, eps));
+    for (int64_t j = 0; j < hidden; j += 16) {
+        const __m512 v =
+            _mm512_mul_ps(_mm512_loadu_ps(weight + j), _mm512_mul_ps(_mm512_loadu_ps(x + j), inv));
+        _mm256_storeu_si256((__m256i *)(out + j), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+#else
+static void norm_row_to_bf16(const float *x, const float *weight, int64_t hidden, float eps,
+                             uint16_t *out) {
+    (void)x, (void)weight, (void)hidden, (void)eps, (void)out; /* never taken, as above */
+}
+#endif
+
+static void norm_to_bf16(const float *x, const float *weight, int64_t m, int64_t hidden, float eps,
+                         uint16_t *xb, int threads) {
+#pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
+    for (int64_t i = 0; i < m; i++)
+        norm_row_to_bf16(x + i * hidden, weight, hidden, eps, xb + i * hidden);
+}
+
 /* x [m, hidden]: the rows' embeddings in, their final-normed hidden states out. Row i is the
  * token at positions[i] of the sequence in cache row slots[i]; its keys and values are written
  * there and it attends to positions [0, positions[i]]. cos, sin: [m, head_dim].
@@ -284,7 +346,7 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
     const int64_t nqkv = nq + 2 * nkv, group = model->heads / model->kv_heads;
     const size_t widest = (size_t)(nqkv > 2 * inter ? nqkv : 2 * inter);
     const size_t mark = scratch_mark(s);
-    void *owned[7] = {NULL};
+    void *owned[8] = {NULL};
     float *normed = scratch_take(s, sizeof(float) * (size_t)(m * hidden), &owned[0]);
     float *wide = scratch_take(s, sizeof(float) * (size_t)m * widest, &owned[1]);
     float *query = scratch_take(s, sizeof(float) * (size_t)(m * nq), &owned[2]);
@@ -301,8 +363,12 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
                                                                      (hidden > nq ? hidden : nq)),
                                          &owned[6])
                           : NULL;
+    /* The bf16 rows of layer_on_rows: m rows of hidden or nq. */
+    uint16_t *rows_bf16 =
+        scratch_take(s, sizeof(uint16_t) * (size_t)(m * (hidden > nq ? hidden : nq)), &owned[7]);
     int status = -1;
-    if (!normed || !wide || !query || !attended || !narrow || !lens || (may_tile && !tiles))
+    if (!normed || !wide || !query || !attended || !narrow || !lens || (may_tile && !tiles) ||
+        !rows_bf16)
         goto done;
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && hidden % 8 == 0 && inter % 8 == 0;
     const int avx512 = avx2 && slotserve_kernel_isa() >= ISA_AVX512 && inter % 16 == 0;
@@ -311,8 +377,14 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
 
     for (int64_t l = 0; l < model->num_layers; l++) {
         const struct step_layer *layer = &model->layers[l];
-        const int on_tiles = may_tile && layer_on_tiles(model, layer, m);
-        if (on_tiles) {
+        const int on_tiles = may_tile && fused_layers && layer_on_tiles(model, layer, m);
+        const int on_rows = !on_tiles && layer_on_rows(model, layer);
+        if (on_tiles || on_rows) __atomic_add_fetch(&fused_layers_run, 1, __ATOMIC_RELAXED);
+        if (on_rows) {
+            norm_to_bf16(x, layer->input_norm, m, hidden, model->eps, rows_bf16, threads);
+            gemm_bf16_rows(rows_bf16, m, hidden, layer->data[QKV], nqkv, wide, 0, threads);
+            add_bias(layer->bias[QKV], wide, m, nqkv);
+        } else if (on_tiles) {
             norm_to_tiles(x, layer->input_norm, m, hidden, model->eps, tiles, threads);
             gemm_amx_tiles(tiles, m, hidden, layer->data[QKV], nqkv, wide, 0, threads);
             add_bias(layer->bias[QKV], wide, m, nqkv);
@@ -354,6 +426,15 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
                 goto done;
             continue;
         }
+        if (on_rows) {
+            bf16_round(attended, m * nq, rows_bf16, threads);
+            gemm_bf16_rows(rows_bf16, m, nq, layer->data[O], hidden, x, 1, threads);
+            norm_to_bf16(x, layer->post_attention_norm, m, hidden, model->eps, rows_bf16, threads);
+            if (mlp_bf16_rows(rows_bf16, m, hidden, layer->data[GATE_UP], layer->data[DOWN], inter,
+                              x, 1, threads, s))
+                goto done;
+            continue;
+        }
         if (product(model, l, O, attended, m, nq, hidden, narrow, threads, s)) goto done;
 #pragma omp parallel for num_threads(threads) if (m >= SPREAD_ROWS)
         for (int64_t j = 0; j < m * hidden; j++) x[j] += narrow[j];
@@ -374,7 +455,7 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
     memcpy(x, normed, sizeof(float) * (size_t)(m * hidden));
     status = 0;
 done:
-    for (int i = 0; i < 7; i++) free(owned[i]);
+    for (int i = 0; i < 8; i++) free(owned[i]);
     scratch_release(s, mark);
     return status;
 }

@@ -475,6 +475,17 @@ int slotserve_mlp_bf16(const float *x, int64_t m, int64_t hidden, const uint16_t
         return mlp_bf16_amx(x, m, hidden, gate_up, down, inter, y, threads, s);
     const size_t mark = scratch_mark(s);
     void *owned;
+    if (slotserve_kernel_isa() >= ISA_AVX512_BF16 && inter % 16 == 0) {
+        uint16_t *xb = scratch_take(s, sizeof(uint16_t) * (size_t)(m * hidden), &owned);
+        int status = -1;
+        if (xb != NULL) {
+            bf16_round(x, m * hidden, xb, threads);
+            status = mlp_bf16_rows(xb, m, hidden, gate_up, down, inter, y, 0, threads, s);
+        }
+        free(owned);
+        scratch_release(s, mark);
+        return status;
+    }
     float *wide = scratch_take(s, sizeof(float) * (size_t)(m * 3 * inter), &owned);
     int status = -1;
     if (wide != NULL &&

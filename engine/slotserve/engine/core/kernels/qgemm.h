@@ -71,8 +71,9 @@ void attention_block_f32(int avx512, const float *q, const float *keys, const fl
 /* attention_bf16.c: one block of a chunk's rows for one kv head in bf16 (attention_block.c's
  * block in VDPBF16PS), over the chunk's keys and values packed once (attention_bf16_pack, stride
  * the chunk's last length rounded up to 32); `work` holds attention_bf16_work(d, the block's
- * last length) floats, 64-byte aligned. `softmax` normalises scores[0, len) in place. */
-#define ATTENTION_QUADS 4
+ * last length) floats, 64-byte aligned. The probabilities are rounded unnormalised and each
+ * output scaled after its sums, as on the tiles (bf16_exponentials). */
+#define ATTENTION_QUADS 8 /* queries a pass */
 size_t attention_bf16_work(int64_t d, int64_t longest);
 /* Keys [0, last) packed for scoring (kp) and values for the weighted sum (vp), zeros up to
  * `stride` (a multiple of 32), through `rows` (d * stride bf16 of room); keys and values are
@@ -82,7 +83,7 @@ void attention_bf16_pack(const void *keys, const void *values, int half, int64_t
 void attention_block_bf16(const float *q, const uint16_t *kp, const uint16_t *vp,
                           const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                           int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
-                          float *work, void (*softmax)(float *scores, int64_t len));
+                          float *work);
 
 /* bf16_avx512.c: `count` floats rounded to bf16 (nearest even) and bf16 widened to floats, on
  * `threads` threads, VCVTNE2PS2BF16 / shifts where the ISA in use is ISA_AVX512_BF16. */
@@ -101,6 +102,17 @@ int gemm_bf16_amx(const float *x, int64_t m, int64_t k, const uint16_t *w, int64
  * gate/up results out: each pass's silu(gate) * up goes to the down product's rows as bf16. */
 int mlp_bf16_amx(const float *x, int64_t m, int64_t hidden, const uint16_t *gate_up,
                  const uint16_t *down, int64_t inter, float *y, int threads, struct scratch *s);
+/* bf16_avx512.c, for a step that rounds its rows to bf16 itself (llama_step.c; AVX512_BF16
+ * only): the product on rows already in bf16 (xb [m, k]), adding to what y holds when `add`
+ * (y + product, bit for bit what a separate pass adds); and the MLP down(silu(gate) * up) with
+ * silu(gate) * up rounded to bf16 in the gate/up product's registers (never written as fp32),
+ * bit for bit the products with silu_mul_rows between. gate_up: gate's inter channels, then
+ * up's, packed bf16. Return 0, or -1 when a buffer could not be allocated. */
+int gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                   int add, int threads);
+int mlp_bf16_rows(const uint16_t *xb, int64_t m, int64_t hidden, const uint16_t *gate_up,
+                  const uint16_t *down, int64_t inter, float *y, int add, int threads,
+                  struct scratch *s);
 /* gemm_amx.c, for a step that lays its rows out as the tiles read them (llama_step.c): row i of
  * k floats, times weight (k floats, or NULL) and scale as an RMS norm scales it, into A tiles xt
  * (bf16, [rows / 16][k / 32][16][32], rows m rounded up to 32; NULL row: zeros), and the two
@@ -206,6 +218,66 @@ __attribute__((target("avx512f,avx512dq"))) static inline __m512 silu_mul16(__m5
     const __m512 sigmoid =
         _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
     return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
+}
+
+/* The exponentials of bf16 attention (attention_bf16.c's VDPBF16PS blocks and attention_amx.c's
+ * tiles). */
+#define EXP_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* 2^x for x <= 0 with VSCALEFPS: 2^n * p(f), n = round(x), f = x - n in [-1/2, 1/2], p the
+ * Taylor terms of e^(f ln 2) to degree 5 (relative error < 3e-6, under a thousandth of the
+ * bf16 rounding that follows), 0 below 2^-126 (no denormals). Six operations fewer a vector
+ * than exp_nonpositive512: the exponent goes in through the scaling instruction. */
+EXP_BF16_TARGET static inline __m512 exp2_nonpositive(__m512 x) {
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);                 /* ln2^5 / 120 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f)); /* ln2^4 / 24 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f)); /* ln2^3 / 6 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f)); /* ln2^2 / 2 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f)); /* ln2 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(normal, p, n);
+}
+
+/* A query's scores [0, len) times `scale`, exponentiated less their maximum and rounded to bf16
+ * (nearest even) into pb, zeros over [len, span); returns 1 / the sum of the exponentials (fp32,
+ * before rounding), by which the query's output is scaled once the values are summed (as
+ * FlashAttention does): two passes over the row where normalising each probability before
+ * rounding it took a third, and the softmax was the largest part of the race once the tiles ran.
+ * The exponentials are taken base 2, the scale folded into one multiply-add with log2(e). */
+EXP_BF16_TARGET static inline float bf16_exponentials(const float *scores, int64_t len,
+                                                      int64_t span, float scale, uint16_t *pb) {
+    __m512 top16 = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < len; t += 16) {
+        const int64_t left = len - t;
+        const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        top16 = _mm512_mask_max_ps(top16, keep, top16, _mm512_maskz_loadu_ps(keep, scores + t));
+    }
+    /* scale > 0 (1 / sqrt(d)), so the largest scaled score is the largest score scaled. */
+    const float base2 = scale * EXP_LOG2E;
+    const __m512 vscale = _mm512_set1_ps(base2);
+    const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * base2);
+    __m512 total16 = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) { /* whole vectors: no masks */
+        const __m512 e =
+            exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(scores + t), vscale, vtop));
+        total16 = _mm512_add_ps(total16, e);
+        _mm256_storeu_si256((__m256i *)(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    for (; t < span; t += 16) {
+        const int64_t left = len - t;
+        const __mmask16 keep = left >= 16  ? (__mmask16)0xFFFF
+                               : left <= 0 ? (__mmask16)0
+                                           : (__mmask16)((1u << left) - 1);
+        const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, scores + t), vscale, vtop);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp2_nonpositive(x));
+        total16 = _mm512_add_ps(total16, e);
+        _mm256_storeu_si256((__m256i *)(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    return 1.0f / _mm512_reduce_add_ps(total16);
 }
 #endif
 #endif
