@@ -271,13 +271,16 @@ def test_smollm2_under_bf16_decode_keeps_fp32_choices(smollm2_dir, bf16_kernels)
 
 
 @pytest.mark.parametrize(
-    "m,hidden,inter", [(16, 64, 96), (40, 576, 1536), (33, 96, 64), (5, 64, 96)]
+    "m,hidden,inter",
+    [(16, 64, 96), (40, 576, 1536), (33, 96, 64), (5, 64, 96), (7, 64, 80)],  # 80: odd blocks
 )
 def test_the_fused_mlp_matches_the_products_with_silu_between(kernels, m, hidden, inter):
     """slotserve_mlp_bf16: on the AMX tiles (16 rows or more) one pass writes each gate/up
     block's silu(gate) * up as the down product's bf16 rows (gemm_amx.c's mlp_bf16_amx, what a
-    bf16 prefill step runs); elsewhere the two products with SiLU between. Both against the
-    reference in float64 with the same bf16 roundings, and against each other."""
+    bf16 prefill step runs); on VDPBF16PS the same in registers (bf16_avx512.c's mlp_bf16_rows,
+    two blocks of gate and up a tile, one where inter / 16 is odd); elsewhere the two products
+    with SiLU between. Each against the reference in float64 with the same bf16 roundings, and
+    the tiles against the vectors."""
     torch.manual_seed(m + hidden + inter)
     x = torch.randn(m, hidden)
     gate_up = (torch.randn(2 * inter, hidden) / hidden**0.5).to(torch.bfloat16)

@@ -59,6 +59,17 @@ def kernels_run_bf16() -> bool:
     return load_kernels(CommonSettings().home).isa == "avx512_bf16"
 
 
+def native_bf16_engine(model_dir, max_batch_size: int):
+    """An engine whose prefill and decode products are bf16 on the native kernels."""
+    return make_engine(
+        model_dir,
+        prefill_dtype="bfloat16",
+        decode_dtype="bfloat16",
+        linear_backend="native",
+        max_batch_size=max_batch_size,
+    )
+
+
 def decoder_layers(engine) -> list[NativeLinear]:
     return bf16_prefill.decoder_linears(model_runner(engine).model)
 
@@ -329,13 +340,7 @@ def test_on_amx_products_of_16_rows_or_more_run_on_the_tiles_with_fp32_results(t
     kernels = load_kernels(CommonSettings().home)
     if not kernels.amx:
         pytest.skip("this CPU (or its kernel) gives no AMX tiles")
-    engine = make_engine(
-        tiny_model_dir,
-        prefill_dtype="bfloat16",
-        decode_dtype="bfloat16",
-        linear_backend="native",
-        max_batch_size=20,
-    )
+    engine = native_bf16_engine(tiny_model_dir, max_batch_size=20)
     runner = model_runner(engine)
     step = runner.native_step
     assert step is not None and not step.bf16_products  # no oneDNN callback
@@ -417,13 +422,7 @@ def test_with_vdpbf16ps_the_step_fuses_its_layers_on_bf16_rows_bit_for_bit(tiny_
     kernels = load_kernels(CommonSettings().home)
     if kernels.isa != "avx512_bf16":
         pytest.skip("the kernels multiply no bf16 on this CPU")
-    engine = make_engine(
-        tiny_model_dir,
-        prefill_dtype="bfloat16",
-        decode_dtype="bfloat16",
-        linear_backend="native",
-        max_batch_size=3,
-    )
+    engine = native_bf16_engine(tiny_model_dir, max_batch_size=3)
     # 40 + 51 + 62 prompt rows in one prefill step, then decode steps of 3 rows.
     prompts = [[(i * 17 + 3 * j) % 4000 + 50 for i in range(40 + 11 * j)] for j in range(3)]
     amx = kernels.set_amx(False)

@@ -363,12 +363,15 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
                                                                      (hidden > nq ? hidden : nq)),
                                          &owned[6])
                           : NULL;
-    /* The bf16 rows of layer_on_rows: m rows of hidden or nq. */
+    /* The bf16 rows of layer_on_rows, m rows of hidden or nq, where it may run. */
+    const int may_rows = fused_layers && slotserve_kernel_isa() >= ISA_AVX512_BF16;
     uint16_t *rows_bf16 =
-        scratch_take(s, sizeof(uint16_t) * (size_t)(m * (hidden > nq ? hidden : nq)), &owned[7]);
+        may_rows ? scratch_take(s, sizeof(uint16_t) * (size_t)(m * (hidden > nq ? hidden : nq)),
+                                &owned[7])
+                 : NULL;
     int status = -1;
     if (!normed || !wide || !query || !attended || !narrow || !lens || (may_tile && !tiles) ||
-        !rows_bf16)
+        (may_rows && !rows_bf16))
         goto done;
     const int avx2 = HAVE_AVX2_CODE && slotserve_kernel_isa() && hidden % 8 == 0 && inter % 8 == 0;
     const int avx512 = avx2 && slotserve_kernel_isa() >= ISA_AVX512 && inter % 16 == 0;
@@ -378,7 +381,7 @@ int slotserve_llama_step(const struct step_model *model, int64_t m, float *x, co
     for (int64_t l = 0; l < model->num_layers; l++) {
         const struct step_layer *layer = &model->layers[l];
         const int on_tiles = may_tile && fused_layers && layer_on_tiles(model, layer, m);
-        const int on_rows = !on_tiles && layer_on_rows(model, layer);
+        const int on_rows = may_rows && !on_tiles && layer_on_rows(model, layer);
         if (on_tiles || on_rows) __atomic_add_fetch(&fused_layers_run, 1, __ATOMIC_RELAXED);
         if (on_rows) {
             norm_to_bf16(x, layer->input_norm, m, hidden, model->eps, rows_bf16, threads);
