@@ -77,8 +77,9 @@ __attribute__((target("avx2,fma"))) static void softmax_avx2(float *sc, int64_t 
     for (; t < len; t++) sc[t] *= 1.0f / total;
 }
 
-/* softmax_avx2 16 lanes wide, its tail masked (not expf): the bf16 blocks' softmax, which was
- * a quarter of their time on a Zen 5 at ~1,000 positions. */
+/* softmax_avx2 16 lanes wide, its tail masked (not expf): the fp16 decode head's (it was the
+ * bf16 blocks' too, a quarter of their time on a Zen 5 at ~1,000 positions, until they took
+ * qgemm.h's bf16_exponentials). */
 __attribute__((target("avx512f"))) static void softmax_avx512(float *sc, int64_t len) {
     const int64_t whole = len & ~(int64_t)15;
     const __mmask16 tail = (__mmask16)((1u << (len - whole)) - 1);

@@ -111,8 +111,8 @@ BF16_TARGET static void tile_any(const uint16_t *xb, int64_t k, const uint16_t *
     }
 }
 
-int gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
-                   int add, int threads) {
+void gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                    float *y, int add, int threads) {
     const int64_t blocks = (n + 15) / 16;
     const int64_t tasks = (blocks + TASK_BLOCKS - 1) / TASK_BLOCKS;
     const int64_t block_elems = 16 * k;
@@ -140,7 +140,6 @@ int gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, 
             }
         }
     }
-    return 0;
 }
 
 /* R rows of xb against PAIRS blocks of gate weights from `gate` on and the same blocks of up
@@ -232,10 +231,10 @@ int mlp_bf16_rows(const uint16_t *xb, int64_t m, int64_t hidden, const uint16_t 
             }
         }
     }
-    const int status = gemm_bf16_rows(act, m, inter, down, hidden, y, add, threads);
+    gemm_bf16_rows(act, m, inter, down, hidden, y, add, threads);
     free(owned);
     scratch_release(s, mark);
-    return status;
+    return 0;
 }
 
 int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
@@ -245,10 +244,10 @@ int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, in
     uint16_t *xb = scratch_take(s, sizeof(uint16_t) * (size_t)(m * k), &owned);
     if (xb == NULL) return -1;
     bf16_round(x, m * k, xb, threads);
-    const int status = gemm_bf16_rows(xb, m, k, w, n, y, 0, threads);
+    gemm_bf16_rows(xb, m, k, w, n, y, 0, threads);
     free(owned);
     scratch_release(s, mark);
-    return status;
+    return 0;
 }
 
 BF16_TARGET static void widen_from_bf16(const uint16_t *in, int64_t count, float *out) {
@@ -265,10 +264,10 @@ int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, in
     (void)x, (void)m, (void)k, (void)w, (void)n, (void)y, (void)threads, (void)s;
     return -1; /* never dispatched */
 }
-int gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
-                   int add, int threads) {
+void gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                    float *y, int add, int threads) {
     (void)xb, (void)m, (void)k, (void)w, (void)n, (void)y, (void)add, (void)threads;
-    return -1; /* never dispatched */
+    /* never dispatched */
 }
 int mlp_bf16_rows(const uint16_t *xb, int64_t m, int64_t hidden, const uint16_t *gate_up,
                   const uint16_t *down, int64_t inter, float *y, int add, int threads,

@@ -93,8 +93,9 @@ int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, co
                       const float *minimum, int64_t n, float *y, int threads, struct scratch *s);
 /* A decoder's MLP on packed bf16 weights: y[m, hidden] = down(silu(gate(x)) * up(x)), gate_up
  * the gate's and the up's inter channels stacked, down hidden channels of inter. One fused pass
- * on the AMX tiles where they run (gemm_amx.c, what a bf16 step of llama_step.c takes); else
- * the two products with SiLU between. */
+ * on the AMX tiles where they run (gemm_amx.c), or on VDPBF16PS where the kernels run
+ * AVX512_BF16 (bf16_avx512.c): what a bf16 step of llama_step.c takes; else the two products
+ * with SiLU between. */
 int slotserve_mlp_bf16(const float *x, int64_t m, int64_t hidden, const uint16_t *gate_up,
                        const uint16_t *down, int64_t inter, float *y, int threads,
                        struct scratch *s);

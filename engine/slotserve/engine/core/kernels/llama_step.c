@@ -118,7 +118,7 @@ static void rms_norm_avx2(const float *x, const float *weight, int64_t n, float 
 }
 static float inverse_rms_avx2(const float *x, int64_t n, float eps) {
     (void)x, (void)n, (void)eps;
-    return 0.0f; /* never taken: layer_on_rows needs AVX512_BF16 */
+    return 0.0f; /* never taken: the fused layers need AVX512_BF16 */
 }
 static void silu_mul_avx2(const float *gate, const float *up, int64_t n, float *out) {
     silu_mul_c(gate, up, n, out);
@@ -246,24 +246,6 @@ static int layer_on_tiles(const struct step_model *model, const struct step_laye
            nqkv % 16 == 0 && slotserve_kernel_amx();
 }
 
-/* 1 / the RMS of a row as rms_norm takes it, 16 lanes wide (n a multiple of 16). */
-#if HAVE_AVX2_CODE
-__attribute__((target("avx512f"))) static float inverse_rms512(const float *x, int64_t n,
-                                                               float eps) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-        const __m512 v = _mm512_loadu_ps(x + j);
-        acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    return 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps);
-}
-#else
-static float inverse_rms512(const float *x, int64_t n, float eps) {
-    (void)x, (void)n, (void)eps;
-    return 0.0f; /* never taken: layer_on_tiles needs AMX */
-}
-#endif
-
 /* Rows [0, m) of x RMS-normed straight into the A tiles xt (no fp32 copy of the normed rows),
  * the rows up to the next 32 zeros. */
 static void norm_to_tiles(const float *x, const float *weight, int64_t m, int64_t hidden, float eps,
@@ -276,7 +258,7 @@ static void norm_to_tiles(const float *x, const float *weight, int64_t m, int64_
             continue;
         }
         const float *row = x + i * hidden;
-        amx_row_to_tiles(row, weight, inverse_rms512(row, hidden, eps), i, hidden, xt);
+        amx_row_to_tiles(row, weight, inverse_rms_avx2(row, hidden, eps), i, hidden, xt);
     }
 }
 
@@ -299,12 +281,11 @@ uint64_t slotserve_kernel_fused_layers_run(void) {
  * the norms write bf16 rows (no fp32 normed rows to round again), the MLP is one call (the
  * gate/up results never leave the registers: at 1,024 rows they were 12 MB written and read
  * back a layer), and o and down add themselves to the residual stream. Bit for bit the unfused
- * layer: the same roundings and sums. */
+ * layer: the same roundings and sums. The caller checks the kernels run AVX512_BF16. */
 static int layer_on_rows(const struct step_model *model, const struct step_layer *layer) {
     for (int which = 0; which < PRODUCTS; which++)
         if (layer->kind[which] != BF16 || (which != QKV && layer->bias[which] != NULL)) return 0;
-    return fused_layers && model->wide == NULL && model->hidden % 16 == 0 &&
-           model->intermediate % 16 == 0 && slotserve_kernel_isa() >= ISA_AVX512_BF16;
+    return model->wide == NULL && model->hidden % 16 == 0 && model->intermediate % 16 == 0;
 }
 
 /* Rows [0, m) of x RMS-normed and rounded to bf16 into xb: rms_norm_avx2's arithmetic, so the

@@ -107,9 +107,9 @@ int mlp_bf16_amx(const float *x, int64_t m, int64_t hidden, const uint16_t *gate
  * (y + product, bit for bit what a separate pass adds); and the MLP down(silu(gate) * up) with
  * silu(gate) * up rounded to bf16 in the gate/up product's registers (never written as fp32),
  * bit for bit the products with silu_mul_rows between. gate_up: gate's inter channels, then
- * up's, packed bf16. Return 0, or -1 when a buffer could not be allocated. */
-int gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
-                   int add, int threads);
+ * up's, packed bf16; it returns 0, or -1 when its buffer could not be allocated. */
+void gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                    float *y, int add, int threads);
 int mlp_bf16_rows(const uint16_t *xb, int64_t m, int64_t hidden, const uint16_t *gate_up,
                   const uint16_t *down, int64_t inter, float *y, int add, int threads,
                   struct scratch *s);
