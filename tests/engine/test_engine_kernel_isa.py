@@ -74,7 +74,8 @@ def outputs(kernels: NativeKernels, isa: str, call) -> torch.Tensor:
 
 # K: 16-multiples take the 512-bit panels, 200 (8-multiple) the AVX2 ones in the same call;
 # rows: the 4-row blocks and 3/2/1 leftovers of the 512-bit code, one row (memory-bound), and
-# the wide products from 64 rows (row blocks of 12; 77 leaves 5).
+# the wide products from 64 rows (AVX2: packed blocks of 16 channels, tiles of 6 rows, N 12 and
+# 8 one partial block; AVX-512: row blocks of 12, 77 leaves 5).
 @pytest.mark.parametrize("n,k", [(64, 64), (132, 160), (12, 200), (8, 576)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 33, 64, 77])
 def test_every_variant_gives_the_plain_c_answers(kernels, simd, n, k, m):

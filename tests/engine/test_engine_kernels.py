@@ -95,8 +95,10 @@ def assert_int4_close(
 # 16 (the one-row loop's unrolled step). Rows: 4 and 8 take the four-row loop, 3 and 33 the
 # three-row one, 2 and 5 the two-row one (5 after three rows), 1 the one-row loop.
 # K 96 and 160 are not multiples of 64; 32 is under one 512-bit step twice over. 64 rows and
-# more take the wide products (groups of 16 panels, blocks of 12 rows): 77 leaves a 5-row
-# block, N 132 two full groups and one panel, N 6 and 10 a group of a partial panel.
+# more take the wide products. AVX2: weights packed 16 channels a block, rows split in two
+# tasks of 6-row tiles (64: 36 + 28, a 4-row tail; 77: 42 + 35, a 5-row tail), N 132 eight
+# full blocks and 4 channels, N 6 and 10 one partial block. AVX-512: groups of 16 panels,
+# blocks of 12 rows (77 leaves 5), N 132 two full groups and one panel.
 SHAPES = [(64, 64), (6, 96), (10, 32), (132, 160)]
 
 

@@ -226,28 +226,34 @@ static int same_chunk(const int64_t *slots, const int64_t *lens, int64_t r) {
     return slots != NULL && slots[r] == slots[r + 1] && lens[r + 1] == lens[r] + 1;
 }
 
-/* Where a chunk's keys and values, packed for the bf16 blocks, are (per kv head). */
+/* Where a chunk's keys and values, packed for its blocks, are (per kv head): bf16 (uint16_t) for
+ * the bf16 blocks, floats for the fp32 ones. */
 struct kv_pack {
-    uint16_t *kp, *vp;
+    void *kp, *vp;
 };
 
-/* Every chunk's keys and values, per kv head, packed once (attention_bf16_pack) for all the
- * chunk's spans: a 1,000-row chunk in spans of 128 rows packed positions [0, 128), [0, 256), ...
- * again for each span, ~4.5x its length, with an fp16 cache widened first. Returns the packs
- * ([chunk * kv_heads + head]) in one buffer (*owned to free), or NULL when out of memory. */
-static struct kv_pack *pack_chunks(const void *k, const void *v, int kv_half,
+/* Every chunk's keys and values, per kv head, packed once for all the chunk's spans, for the
+ * bf16 blocks (attention_bf16_pack) or, with `fp32`, the fp32 ones (attention_block_pack): a
+ * 1,000-row chunk in spans of 128 rows packed positions [0, 128), [0, 256), ... again for each
+ * span, ~4.5x its length, with an fp16 cache widened first. Returns the packs ([chunk *
+ * kv_heads + head]) in one buffer (*owned to free), or NULL when out of memory. */
+static struct kv_pack *pack_chunks(const void *k, const void *v, int kv_half, int fp32,
                                    const struct span *spans, int64_t num_spans, int64_t chunks,
                                    const int64_t *slots, const int64_t *lens, int64_t kv_heads,
                                    int64_t d, int64_t max_len, int team, struct scratch *s,
                                    void **owned) {
     const size_t element = kv_half ? sizeof(uint16_t) : sizeof(float);
+    /* A packed key or value: bf16, or fp32 (twice the room, counted in uint16_t). */
+    const int64_t unit = fp32 ? 2 : 1;
     int64_t *last = NULL, *slot = NULL, total = 0, widest = 0;
     size_t bytes =
         sizeof(struct kv_pack) * (size_t)(chunks * kv_heads) + 2 * sizeof(int64_t) * (size_t)chunks;
     char *base = NULL;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
-            bytes += sizeof(uint16_t) * (size_t)(2 * d * total * kv_heads + team * d * widest);
+            /* The bf16 packing's rows: a thread's chunk rounded to bf16 before the gather. */
+            const int64_t rows = fp32 ? 0 : team * d * widest;
+            bytes += sizeof(uint16_t) * (size_t)(2 * unit * d * total * kv_heads + rows);
             base = scratch_take(s, bytes + 64, owned); /* 64: room to align the data */
             if (base == NULL) return NULL;
             last = (int64_t *)(base + sizeof(struct kv_pack) * (size_t)(chunks * kv_heads));
@@ -272,18 +278,25 @@ static struct kv_pack *pack_chunks(const void *k, const void *v, int kv_half,
     for (int64_t c = 0; c < chunks; c++)
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t stride = (last[c] + 31) & ~(int64_t)31;
-            packs[c * kv_heads + h] = (struct kv_pack){data, data + d * stride};
-            data += 2 * d * stride;
+            packs[c * kv_heads + h] = (struct kv_pack){data, data + unit * d * stride};
+            data += 2 * unit * d * stride;
         }
     uint16_t *rows = data;
 #pragma omp parallel for num_threads(team) schedule(dynamic, 1)
     for (int64_t task = 0; task < chunks * kv_heads; task++) {
         const int64_t c = task / kv_heads, h = task % kv_heads;
         const int64_t at = (slot[c] * kv_heads + h) * max_len * d;
+        const void *keys = (const char *)k + element * (size_t)at;
+        const void *values = (const char *)v + element * (size_t)at;
+        const int64_t stride = (last[c] + 31) & ~(int64_t)31;
+        if (fp32) {
+            attention_block_pack(keys, values, kv_half, last[c], stride, d, packs[task].kp,
+                                 packs[task].vp);
+            continue;
+        }
         uint16_t *mine = rows + (int64_t)omp_get_thread_num() * d * widest;
-        attention_bf16_pack((const char *)k + element * (size_t)at,
-                            (const char *)v + element * (size_t)at, kv_half, last[c],
-                            (last[c] + 31) & ~(int64_t)31, d, packs[task].kp, packs[task].vp, mine);
+        attention_bf16_pack(keys, values, kv_half, last[c], stride, d, packs[task].kp,
+                            packs[task].vp, mine);
     }
     return packs;
 }
@@ -327,20 +340,13 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
      * positions on one thread). */
     const int team = work < (1 << 17) ? 1 : threads;
     /* Each thread's scores for one (row, kv head): group * longest floats; for blocks, what
-     * attention_block_work (or the bf16 blocks' work) says, and with an fp16 cache (fp32
-     * blocks) the block's keys and values widened to fp32 behind it (the blocks read floats; a
-     * block shares them among its rows, so widening once costs a small part of it). */
-    size_t floats = (size_t)(group * longest), widened = 0;
+     * attention_block_work (or the bf16 blocks' work) says. */
+    size_t floats = (size_t)(group * longest);
     if (avx2) {
         const size_t block = amx    ? attention_amx_work(d, longest)
                              : bf16 ? attention_bf16_work(d, longest)
                                     : attention_block_work(d, longest);
         floats = block > floats ? block : floats;
-        if (kv_half && !bf16) {
-            floats = (floats + 15) & ~(size_t)15;
-            widened = floats;
-            floats += 2 * (size_t)(longest * d);
-        }
     }
     const size_t per_thread = (sizeof(float) * floats + 63) & ~(size_t)63;
     const size_t mark = scratch_mark(s);
@@ -362,11 +368,11 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
         spans[num_spans++] = (struct span){r, count, count > 1 ? chunks - 1 : -1};
         r += count;
     }
-    /* bf16 blocks: each chunk's keys and values packed once per kv head, for all its spans. */
+    /* Each chunk's keys and values packed once per kv head, for all its spans. */
     struct kv_pack *packs = NULL;
-    if (bf16 && chunks > 0) {
-        packs = pack_chunks(k, v, kv_half, spans, num_spans, chunks, slots, lens, kv_heads, d,
-                            max_len, team, s, &owned[2]);
+    if (chunks > 0) {
+        packs = pack_chunks(k, v, kv_half, !bf16, spans, num_spans, chunks, slots, lens, kv_heads,
+                            d, max_len, team, s, &owned[2]);
         if (packs == NULL) goto done;
     }
 #pragma omp parallel num_threads(team)
@@ -394,16 +400,9 @@ int attend_rows(const float *q, const void *k, const void *v, int kv_half, int64
                 continue;
             }
             if (span.count > 1) {
-                const float *kf = keys, *vf = values;
-                if (kv_half) {
-                    const int64_t last = lens[r + span.count - 1];
-                    float *wk = scores + widened, *wv = wk + longest * d;
-                    kv_widen(keys, last * d, wk);
-                    kv_widen(values, last * d, wv);
-                    kf = wk, vf = wv;
-                }
-                attention_block_f32(avx512, q, kf, vf, lens, r, span.count, h, kv_heads, group, d,
-                                    scale, out, scores, softmax_avx2);
+                const struct kv_pack *pack = &packs[span.chunk * kv_heads + h];
+                attention_block_f32(avx512, q, pack->kp, pack->vp, lens, r, span.count, h, kv_heads,
+                                    group, d, scale, out, scores, softmax_avx2);
                 continue;
             }
             const int64_t len = lens[r] < max_len ? lens[r] : max_len;

@@ -1,24 +1,59 @@
 /* Prefill attention in fp32, a block of one chunk's rows at a time (attention.c's attend_rows
  * calls it for every span of up to CHUNK_ROWS rows and one kv head).
  *
- * Rows of one chunk share their slot's keys and values, so the keys up to the block's last
- * position are transposed once into [d][positions] (d rows of key vectors), then every four
- * queries (row, head pairs) score 16 keys per step with one broadcast of a query value per
- * multiply-add and no horizontal sums, and sum the values with each value vector loaded once for
- * the four. Row by row (attention.c's head_avx2), a 1,000-token chunk re-read its keys and values
- * for every row and summed 4 keys per horizontal add. Two widths: AVX-512 (16 keys a vector, d a
- * multiple of 16) and AVX2 (two vectors of 8 keys, d a multiple of 8).
+ * Rows of one chunk share their slot's keys and values, so attend_rows packs them once a chunk
+ * (attention_block_pack): the keys 16 positions a tile, each tile's d values of its 16 keys as
+ * d vectors of 16 ([stride / 16][d][16]: a tile is one run of memory), the values widened to
+ * floats where the cache is fp16. Then every BLOCK_QUADS queries (row, head pairs) score 16 keys
+ * per step with one broadcast of a query value per multiply-add and no horizontal sums, and sum
+ * the values with each value vector loaded once for all of them. Row by row (attention.c's
+ * head_avx2), a 1,000-token chunk re-read its keys and values for every row and summed 4 keys
+ * per horizontal add. The keys were first transposed to [d][positions] for every span: at
+ * ~1,024 positions a row of that layout is 4 KB, so the d lines a step of the scores read all
+ * fell in one set of the 8-way L1, and the transposes and fp16 widening were redone for each of
+ * a chunk's 32 spans. Two widths: AVX-512 (16 keys a vector, d a multiple of 16) and AVX2 (two
+ * vectors of 8 keys, d a multiple of 8).
  */
 #include <stdint.h>
+#include <string.h>
 
 #include "qgemm.h"
 
-#define BLOCK_QUADS ATTENTION_QUADS
+/* Queries a pass: 6 x 2 score accumulators of 8 keys, with the two key vectors and the
+ * broadcast, fill 15 of AVX2's 16 registers (8 spilled: 68 against 93 GFLOPS on a 1,024-row
+ * chunk of SmolLM2's heads, Zen 3); AVX-512's 6 x 4 value accumulators fit its 32 too. */
+#define BLOCK_QUADS 6
+#define KEY_TILE 16
 
-/* The transposed keys ([d][stride]) and four queries' scores ([4][stride]), stride the block's
- * last length rounded up to 16. */
+/* The scores' rows: the block's last length rounded up to 16, and 16 more, so that the rows do
+ * not start 4 KB apart (one L1 set) at ~1,024 positions. */
+static int64_t scores_stride(int64_t last) { return ((last + 15) & ~(int64_t)15) + 16; }
+
+/* Each thread's scores: BLOCK_QUADS rows. */
 size_t attention_block_work(int64_t d, int64_t longest) {
-    return (size_t)((d + BLOCK_QUADS) * ((longest + 15) & ~(int64_t)15));
+    (void)d;
+    return (size_t)(BLOCK_QUADS * scores_stride(longest));
+}
+
+void attention_block_pack(const void *keys, const void *values, int half, int64_t last,
+                          int64_t stride, int64_t d, float *kt, float *vf) {
+    /* The keys as floats first (in vf, which the values overwrite after). */
+    if (half)
+        kv_widen(keys, last * d, vf);
+    else
+        memcpy(vf, keys, sizeof(float) * (size_t)(last * d));
+    for (int64_t g = 0; g < stride / KEY_TILE; g++) {
+        float *tile = kt + g * d * KEY_TILE;
+        for (int64_t i = 0; i < KEY_TILE; i++) {
+            const int64_t t = g * KEY_TILE + i;
+            const float *key = vf + t * d;
+            for (int64_t j = 0; j < d; j++) tile[j * KEY_TILE + i] = t < last ? key[j] : 0.0f;
+        }
+    }
+    if (half)
+        kv_widen(values, last * d, vf);
+    else
+        memcpy(vf, values, sizeof(float) * (size_t)(last * d));
 }
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -27,17 +62,18 @@ size_t attention_block_work(int64_t d, int64_t longest) {
 #define BLOCK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define BLOCK_AVX2 __attribute__((target("avx2,fma")))
 
-/* Scores of four queries (qs) against keys [0, upto), from kt [d][stride]; scaled. upto and
- * stride are multiples of 16. */
+/* Scores of BLOCK_QUADS queries (qs) against keys [0, upto), from the packed tiles kt; scaled,
+ * into scores' rows `stride` apart. upto is a multiple of 16. */
 BLOCK_AVX512 static void quad_scores_avx512(const float *const qs[BLOCK_QUADS], const float *kt,
                                             int64_t stride, int64_t d, int64_t upto, float scale,
                                             float *scores) {
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t = 0; t < upto; t += 16) {
+        const float *tile = kt + t * d; /* tile t / 16 of d * 16 floats */
         __m512 acc[BLOCK_QUADS];
         for (int i = 0; i < BLOCK_QUADS; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t j = 0; j < d; j++) {
-            const __m512 keys = _mm512_loadu_ps(kt + j * stride + t);
+            const __m512 keys = _mm512_loadu_ps(tile + j * KEY_TILE);
             for (int i = 0; i < BLOCK_QUADS; i++)
                 acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][j]), keys, acc[i]);
         }
@@ -75,11 +111,12 @@ BLOCK_AVX2 static void quad_scores_avx2(const float *const qs[BLOCK_QUADS], cons
                                         float *scores) {
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t t = 0; t < upto; t += 16) {
+        const float *tile = kt + t * d;
         __m256 lo[BLOCK_QUADS], hi[BLOCK_QUADS];
         for (int i = 0; i < BLOCK_QUADS; i++) lo[i] = hi[i] = _mm256_setzero_ps();
         for (int64_t j = 0; j < d; j++) {
-            const __m256 k0 = _mm256_loadu_ps(kt + j * stride + t);
-            const __m256 k1 = _mm256_loadu_ps(kt + j * stride + t + 8);
+            const __m256 k0 = _mm256_loadu_ps(tile + j * KEY_TILE);
+            const __m256 k1 = _mm256_loadu_ps(tile + j * KEY_TILE + 8);
             for (int i = 0; i < BLOCK_QUADS; i++) {
                 const __m256 query = _mm256_set1_ps(qs[i][j]);
                 lo[i] = _mm256_fmadd_ps(query, k0, lo[i]);
@@ -115,15 +152,12 @@ BLOCK_AVX2 static void quad_values_avx2(const float *scores, int64_t stride, con
     }
 }
 
-void attention_block_f32(int avx512, const float *q, const float *keys, const float *values,
+void attention_block_f32(int avx512, const float *q, const float *kt, const float *values,
                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                          int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
                          float *work, void (*softmax)(float *scores, int64_t len)) {
-    const int64_t last = lens[r0 + count - 1];
-    const int64_t stride = (last + 15) & ~(int64_t)15;
-    float *kt = work, *scores = work + d * stride;
-    for (int64_t t = 0; t < stride; t++)
-        for (int64_t j = 0; j < d; j++) kt[j * stride + t] = t < last ? keys[t * d + j] : 0.0f;
+    const int64_t stride = scores_stride(lens[r0 + count - 1]);
+    float *scores = work;
     const int64_t queries = count * group;
     for (int64_t first = 0; first < queries; first += BLOCK_QUADS) {
         const float *qs[BLOCK_QUADS];
@@ -155,11 +189,11 @@ void attention_block_f32(int avx512, const float *q, const float *keys, const fl
     }
 }
 #else
-void attention_block_f32(int avx512, const float *q, const float *keys, const float *values,
+void attention_block_f32(int avx512, const float *q, const float *kt, const float *values,
                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                          int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
                          float *work, void (*softmax)(float *scores, int64_t len)) {
-    (void)avx512, (void)q, (void)keys, (void)values, (void)lens, (void)r0, (void)count, (void)h;
+    (void)avx512, (void)q, (void)kt, (void)values, (void)lens, (void)r0, (void)count, (void)h;
     (void)kv_heads, (void)group, (void)d, (void)scale, (void)out, (void)work; /* never taken */
     (void)softmax;
 }

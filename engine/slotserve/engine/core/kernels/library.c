@@ -7,6 +7,7 @@
  * so they can be read, formatted and linted alone; `make lint` compiles this file as built. */
 #include "dispatch.c"
 #include "products.c"
+#include "wide_avx2.c"
 #include "quantized_rows.c"
 #include "quantize.c"
 #include "qgemm_avx512.c"

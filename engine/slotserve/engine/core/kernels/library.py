@@ -57,6 +57,7 @@ HERE = Path(__file__).parent
 SOURCES = (
     HERE / "dispatch.c",
     HERE / "products.c",
+    HERE / "wide_avx2.c",
     HERE / "quantized_rows.c",
     HERE / "quantize.c",
     HERE / "qgemm_avx512.c",

@@ -302,15 +302,17 @@ static const float *panel_weights(struct weights w, int64_t n0, int64_t rows, in
     return buffer;
 }
 
-/* Wide products (prefill chunks, WIDE_ROWS rows and more): the panels are taken GROUP_PANELS at
- * a time, and every block of PANEL_ROWS rows of x passes over the whole group, whose weights
- * (64 channels: 147 KB at k = 576 in fp32) stay in L2 meanwhile; the row block stays in L1.
+/* Wide products (prefill chunks, WIDE_ROWS rows and more). With AVX2 alone the weights are
+ * repacked for broadcast products (gemm_wide_packed, below). With AVX-512 the panels are taken
+ * GROUP_PANELS at a time, and every block of PANEL_ROWS rows of x passes over the whole group,
+ * whose weights (64 channels: 147 KB at k = 576 in fp32) stay in L2 meanwhile; the row block
+ * stays in L1.
  * Panel by panel, as below, every panel read all of x again: past L2 (2,048 rows of 576 floats
  * are 4.7 MB) that was a pass over L3 per panel, and SmolLM2's products of a layer cost 1.05x
  * aten's at 256 rows, 1.97x at 1,024 and 3.1x at 2,048 on an Intel Xeon. */
 #define WIDE_ROWS 64
 #define GROUP_PANELS 16
-#define PANEL_ROWS 12 /* the 3-row (AVX2) and 4-row (AVX-512) register blocks both divide it */
+#define PANEL_ROWS 12 /* the 4-row AVX-512 register blocks divide it */
 
 /* Each thread's buffer for unpacked quantized panels, `bytes` each (none for fp32 weights):
  * 0, or -1 when out of memory (the workspace is then released to `mark`). */
@@ -324,8 +326,71 @@ static int panel_buffers(struct scratch *s, enum kind kind, size_t bytes, int th
     return -1;
 }
 
+/* The AVX2 wide product (wide_avx2.c): a task packs a group of 16-channel blocks (at most
+ * WIDE_GROUP_BYTES of them, so that they stay in L2 while every row tile of the task passes over
+ * them) and multiplies its rows against it. With few groups (a 576-channel product is 36
+ * blocks, 6 groups at k = 576) the rows are split too, so that two threads get even shares.
+ * SmolLM2's products of a layer at 1,024 rows on two Zen 3 cores: 126 -> 143 GFLOPS (in
+ * process, interleaved; 196 is the FMA peak); under ~48 rows the panels below are faster (the
+ * packing costs more than the tiles save), so the switch stays at WIDE_ROWS. */
+#define WIDE_GROUP_BYTES (256 * 1024)
+
+static int gemm_wide_packed(const float *x, int64_t m, int64_t k, struct weights w, int64_t n,
+                            float *y, int threads, struct scratch *s) {
+    const int64_t blocks = (n + WIDE_CHANNELS - 1) / WIDE_CHANNELS;
+    const int64_t block_floats = k * WIDE_CHANNELS;
+    int64_t per_group = WIDE_GROUP_BYTES / (int64_t)(sizeof(float) * (size_t)block_floats);
+    per_group = per_group < 1 ? 1 : (per_group > blocks ? blocks : per_group);
+    const int64_t groups = (blocks + per_group - 1) / per_group;
+    int64_t parts = 1;
+    while (groups * parts < 4 * threads && m / (2 * parts) >= 4 * WIDE_TILE_ROWS) parts *= 2;
+    int64_t part_rows = (m + parts - 1) / parts;
+    part_rows = (part_rows + WIDE_TILE_ROWS - 1) / WIDE_TILE_ROWS * WIDE_TILE_ROWS;
+    /* Each thread: the packed group, and for quantized (or bf16) weights the block's channels
+     * unpacked first (WIDE_CHANNELS rows of k floats). */
+    const size_t unpacked = w.kind == F32 ? 0 : (size_t)block_floats;
+    const size_t per_thread = sizeof(float) * ((size_t)(per_group * block_floats) + unpacked);
+    const size_t mark = scratch_mark(s);
+    void *owned;
+    char *buffers = scratch_take(s, per_thread * (size_t)threads, &owned);
+    if (buffers == NULL) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *packed = (float *)(buffers + per_thread * (size_t)omp_get_thread_num());
+        float *rows_buffer = packed + per_group * block_floats;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < groups * parts; task++) {
+            const int64_t g = task / parts, first = task % parts * part_rows;
+            if (first >= m) continue;
+            const int64_t b0 = g * per_group;
+            const int64_t count = blocks - b0 < per_group ? blocks - b0 : per_group;
+            for (int64_t b = 0; b < count; b++) {
+                const int64_t c0 = (b0 + b) * WIDE_CHANNELS;
+                const int channels = n - c0 < WIDE_CHANNELS ? (int)(n - c0) : WIDE_CHANNELS;
+                const float *rows[WIDE_CHANNELS] = {NULL};
+                for (int p = 0; p * PANEL < channels; p++) {
+                    const int64_t panel_rows =
+                        channels - p * PANEL < PANEL ? channels - p * PANEL : PANEL;
+                    const float *panel =
+                        panel_weights(w, c0 + p * PANEL, panel_rows, k, 1,
+                                      w.kind == F32 ? NULL : rows_buffer + p * PANEL * k);
+                    for (int r = 0; r < panel_rows; r++) rows[p * PANEL + r] = panel + r * k;
+                }
+                wide_pack16(rows, channels, k, packed + b * block_floats);
+            }
+            const int64_t count_rows = m - first < part_rows ? m - first : part_rows;
+            wide_rows(x + first * k, count_rows, k, packed, count, b0 * WIDE_CHANNELS, n,
+                      y + first * n);
+        }
+    }
+    free(owned);
+    scratch_release(s, mark);
+    return 0;
+}
+
 static int gemm_wide(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
                      int threads, struct scratch *s, int avx512) {
+    if (!avx512) return gemm_wide_packed(x, m, k, w, n, y, threads, s);
     const int64_t panels = (n + PANEL - 1) / PANEL;
     const int64_t num_groups = (panels + GROUP_PANELS - 1) / GROUP_PANELS;
     const size_t group_bytes = sizeof(float) * PANEL * GROUP_PANELS * (size_t)k;

@@ -60,10 +60,15 @@ void decode_head_half512(const float *query, const uint16_t *keys, const uint16_
                          float *dst, void (*softmax)(float *, int64_t));
 
 /* attention_block.c: one block of a chunk's rows for one kv head, 512 bits wide when `avx512`
- * (d % 16 == 0), else AVX2 (d % 8 == 0); `work` holds attention_block_work(d, the block's last
- * length) floats. `softmax` normalises scores[0, len) in place. */
+ * (d % 16 == 0), else AVX2 (d % 8 == 0), over the chunk's keys and values packed once
+ * (attention_block_pack: keys [stride / 16][d][16], each 16 positions' d values as d vectors;
+ * values [position][d] as floats; stride a multiple of 16, keys zero past `last`); `work` holds
+ * attention_block_work(d, the block's last length) floats. `softmax` normalises scores[0, len)
+ * in place. */
 size_t attention_block_work(int64_t d, int64_t longest);
-void attention_block_f32(int avx512, const float *q, const float *keys, const float *values,
+void attention_block_pack(const void *keys, const void *values, int half, int64_t last,
+                          int64_t stride, int64_t d, float *kt, float *vf);
+void attention_block_f32(int avx512, const float *q, const float *kt, const float *values,
                          const int64_t *lens, int64_t r0, int64_t count, int64_t h,
                          int64_t kv_heads, int64_t group, int64_t d, float scale, float *out,
                          float *work, void (*softmax)(float *scores, int64_t len));
@@ -89,6 +94,17 @@ void attention_block_bf16(const float *q, const uint16_t *kp, const uint16_t *vp
  * `threads` threads, VCVTNE2PS2BF16 / shifts where the ISA in use is ISA_AVX512_BF16. */
 void bf16_round(const float *x, int64_t count, uint16_t *out, int threads);
 void bf16_widen(const uint16_t *in, int64_t count, float *out, int threads);
+
+/* wide_avx2.c: the wide fp32 product with AVX2/FMA on weights packed WIDE_CHANNELS channels a
+ * block as [k][WIDE_CHANNELS] (64-byte aligned). wide_pack16 packs `count` (<= WIDE_CHANNELS)
+ * channel rows of k floats, zeros for the rest; wide_rows multiplies rows [0, m) of x against
+ * `blocks` packed blocks, the first at channel n0 of y's n (the last block's channels past n
+ * are not stored). */
+#define WIDE_CHANNELS 16
+#define WIDE_TILE_ROWS 6
+void wide_pack16(const float *const rows[WIDE_CHANNELS], int count, int64_t k, float *out);
+void wide_rows(const float *x, int64_t m, int64_t k, const float *packed, int64_t blocks,
+               int64_t n0, int64_t n, float *y);
 
 /* gemm_amx.c: gemm_bf16_avx512's product on AMX tiles, fp32 results; k % 32 == 0, n % 16 == 0,
  * where slotserve_kernel_amx() says the tiles run. */
