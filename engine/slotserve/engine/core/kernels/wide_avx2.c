@@ -12,8 +12,10 @@
  * output is summed in the order of k, one multiply-add at a time, as the plain C reference sums
  * it.
  *
- * products.c drives it: it packs a group of 16-channel blocks once per call into a buffer that
- * stays in L2 (wide_pack16) and runs every row tile of the chunk over the group (wide_rows).
+ * products.c drives it: each task packs a group of 16-channel blocks into a buffer that stays
+ * in L2 (wide_pack16) and runs its row tiles over the group (wide_rows). Where the rows are split
+ * in parts for the threads, each part's task packs its group again (~1 / (2 x its rows) of its
+ * multiply-adds' time: 0.2% at 256 rows).
  */
 #include <stdint.h>
 #include <string.h>
