@@ -99,38 +99,39 @@ WIDE_AVX2 static inline __attribute__((always_inline)) void wide_tile(const floa
     }
 }
 
+/* wide_tile with its row count a constant in each case, so that its sums stay in registers. */
+WIDE_AVX2 static void wide_block(const float *x, int64_t k, const float *b, float *y, int64_t n,
+                                 int width, int64_t rows) {
+    switch (rows) {
+    case 1:
+        wide_tile(x, k, b, y, n, width, 1);
+        break;
+    case 2:
+        wide_tile(x, k, b, y, n, width, 2);
+        break;
+    case 3:
+        wide_tile(x, k, b, y, n, width, 3);
+        break;
+    case 4:
+        wide_tile(x, k, b, y, n, width, 4);
+        break;
+    case 5:
+        wide_tile(x, k, b, y, n, width, 5);
+        break;
+    default:
+        wide_tile(x, k, b, y, n, width, WIDE_TILE_ROWS);
+        break;
+    }
+}
+
 WIDE_AVX2 void wide_rows(const float *x, int64_t m, int64_t k, const float *packed, int64_t blocks,
                          int64_t n0, int64_t n, float *y) {
-    int64_t i = 0;
-    for (; i + WIDE_TILE_ROWS <= m; i += WIDE_TILE_ROWS)
+    for (int64_t i = 0; i < m; i += WIDE_TILE_ROWS) {
+        const int64_t rows = m - i < WIDE_TILE_ROWS ? m - i : WIDE_TILE_ROWS;
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t c = n0 + b * WIDE_CHANNELS;
             const int width = n - c < WIDE_CHANNELS ? (int)(n - c) : WIDE_CHANNELS;
-            wide_tile(x + i * k, k, packed + b * k * WIDE_CHANNELS, y + i * n + c, n, width,
-                      WIDE_TILE_ROWS);
-        }
-    if (i == m) return;
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t c = n0 + b * WIDE_CHANNELS;
-        const int width = n - c < WIDE_CHANNELS ? (int)(n - c) : WIDE_CHANNELS;
-        const float *block = packed + b * k * WIDE_CHANNELS;
-        float *out = y + i * n + c;
-        switch (m - i) { /* a constant row count each, so the sums stay in registers */
-        case 1:
-            wide_tile(x + i * k, k, block, out, n, width, 1);
-            break;
-        case 2:
-            wide_tile(x + i * k, k, block, out, n, width, 2);
-            break;
-        case 3:
-            wide_tile(x + i * k, k, block, out, n, width, 3);
-            break;
-        case 4:
-            wide_tile(x + i * k, k, block, out, n, width, 4);
-            break;
-        default:
-            wide_tile(x + i * k, k, block, out, n, width, 5);
-            break;
+            wide_block(x + i * k, k, packed + b * k * WIDE_CHANNELS, y + i * n + c, n, width, rows);
         }
     }
 }
