@@ -82,7 +82,7 @@ def run_lm_eval(venv: Path, model_args: str, out: Path, tasks: str, timeout: flo
         "HF_DATASETS_CACHE": str(out / "datasets-cache"),
         "TOKENIZERS_PARALLELISM": "false",
     }
-    argv = [str(venv / "bin" / "python"), str(DRIVER), model_args, str(out), tasks]
+    argv = [str(venv / "bin" / "python"), str(DRIVER), model_args, str(out), tasks, str(TASKS)]
     result = subprocess.run(
         argv, cwd=TASKS, env=env, capture_output=True, text=True, timeout=timeout
     )
