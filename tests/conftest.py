@@ -41,6 +41,7 @@ LONG_FILES = (
     "tests/local/test_local_up.py",
     "tests/engine/test_engine_server_drain.py",
     "tests/engine/test_engine_hostile_fuzz.py",
+    "tests/bench/test_bench_prefix_routing.py",
 )
 
 
