@@ -42,15 +42,12 @@ test: $(STAMP) redis tools
 	$(MAKE) --no-print-directory -j$(SERIAL_JOBS) --output-sync=line serial-alone \
 		serial-wall-clock serial-wall-clock-redis
 
-# --no-loadscope-reorder: xdist otherwise deals the files largest (most tests) first, which
-# undoes tests/conftest.py's LONG_FILES (the longest files first, so that none is dealt last).
 # The collection first, in one process: it writes pytest's assertion-rewritten bytecode of the ~320
 # test files once, which the workers, all starting together on a fresh clone, would each write
 # again (~10 s of CPU apiece: 21 s a worker's collection with an empty cache, 11 s with it).
 suite: $(STAMP)
 	$(BIN)/pytest --collect-only -q > /dev/null
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" \
-		--durations=25
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=25
 
 # Two sessions, not pytest-xdist's loadgroup (it stopped grouping with pytest 9.2:
 # pytest-dev/pytest-xdist#1386, so two "alone" tests ran at once): the tests that mostly sleep on

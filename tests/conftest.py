@@ -25,9 +25,7 @@ os.environ.setdefault("SLOTSERVE_ENGINE_KV_CACHE_DTYPE", "float32")
 
 # The files holding the suite's longest tests (each over ~15 s in CI's --durations), handed
 # to the workers first: with --dist loadfile a long file dealt last keeps one worker busy while
-# the others idle; dealt first, the short files fill in around it. (xdist deals files in this
-# order only with --no-loadscope-reorder, which the Makefile passes: by default it deals the
-# files with the most tests first.)
+# the others idle; dealt first, the short files fill in around it.
 LONG_FILES = (
     "tests/engine/test_engine_stops_server.py",
     "tests/gateway/test_gateway_admission_fuzz.py",
