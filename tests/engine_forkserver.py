@@ -10,8 +10,7 @@ log and working folder a ``subprocess.Popen`` of the ``slotserve`` script would 
 is the real engine from its argument parsing on: only the imports are shared. `slotserve gateway`
 starts the same way (~0.9 of a gateway's ~1 CPU-second of start-up is imports, and the suite
 starts ~65 gateways); a gateway never touches torch, which only sits in its memory, shared with
-the server's. So do the tests' own helper scripts (``python tests/.../script.py``, run with
-``runpy`` as ``__main__``: the engine double, ~80 starts of ~0.3 s of aiohttp imports each).
+the server's.
 
 Where a start cannot be faithful (an environment that differs in what torch, libgomp or Python
 read at import: ``OMP_*``, ``TORCH_*``, ``PYTHON*``, ...), it runs the script as before, and
@@ -28,7 +27,6 @@ import atexit
 import contextlib
 import json
 import os
-import runpy
 import signal
 import subprocess
 import sys
@@ -42,7 +40,6 @@ from typing import Any
 # differs from the server's in one of these runs the script instead.
 IMPORT_TIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "TORCH", "PYTORCH", "PYTHON", "LD_", "HF_")
 SCRIPT = Path(sys.executable).with_name("slotserve")
-TESTS = Path(__file__).resolve().parent
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
@@ -105,20 +102,15 @@ def _child(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        if _is_helper_script(request["argv"]):
-            sys.argv = list(request["argv"][1:])  # as `python script.py ...` sets it
-            runpy.run_path(sys.argv[0], run_name="__main__")
-            code = 0
-        else:
-            sys.argv = list(request["argv"])
-            # As under the script: a spawned child (the tokenizer worker) re-imports __main__
-            # from the script's path, not this server's module.
-            main = types.ModuleType("__main__")
-            main.__file__ = str(SCRIPT)
-            sys.modules["__main__"] = main
-            import slotserve.cli
+        sys.argv = list(request["argv"])
+        # As under the script: a spawned child (the tokenizer worker) re-imports __main__ from
+        # the script's path, not this server's module.
+        main = types.ModuleType("__main__")
+        main.__file__ = str(SCRIPT)
+        sys.modules["__main__"] = main
+        import slotserve.cli
 
-            code = slotserve.cli.main(sys.argv[1:])
+        code = slotserve.cli.main(sys.argv[1:])
     except SystemExit as exit_:
         code = exit_.code
     except BaseException:
@@ -224,23 +216,12 @@ class ForkServer:
         return ForkedProcess(self, self.request(message)["pid"], argv)
 
 
-def _is_helper_script(argv: list[str]) -> bool:
-    return (
-        len(argv) > 1
-        and argv[0] == sys.executable
-        and argv[1].endswith(".py")
-        and Path(argv[1]).resolve().is_relative_to(TESTS)
-    )
-
-
-def start_process(
+def start_engine(
     argv: list[str], log: Path, env: dict[str, str]
 ) -> subprocess.Popen[bytes] | ForkedProcess:
-    """``argv`` (``slotserve engine|gateway ...``, or ``python tests/.../script.py ...``) forked
-    from the server where it is faithful; anything else, and a start that cannot be faithful,
-    run as a subprocess."""
-    cli = Path(argv[0]).name == SCRIPT.name and argv[1:2] in (["engine"], ["gateway"])
-    forkable = cli or _is_helper_script(argv)
+    """``argv`` (``slotserve engine|gateway ...``) forked from the server where it is faithful;
+    anything else, and a start that cannot be faithful, run as a subprocess."""
+    forkable = Path(argv[0]).name == SCRIPT.name and argv[1:2] in (["engine"], ["gateway"])
     if forkable and os.environ.get("SLOTSERVE_TEST_FORKSERVER", "1") != "0":
         server = ForkServer.shared()
         if server.can_fork(env):

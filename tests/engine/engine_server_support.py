@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine_forkserver import ForkedProcess, start_process
+from tests.engine_forkserver import ForkedProcess, start_engine
 from tests.support import free_port, wait_until
 
 SLOTSERVE = Path(sys.executable).with_name("slotserve")
@@ -46,7 +46,7 @@ class EngineProcess:
 
     def start(self, wait_ready: bool = True, timeout: float = 120) -> EngineProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = start_process(self.argv, self.log_path, env)
+        self.proc = start_engine(self.argv, self.log_path, env)
         if wait_ready:
             self.wait_ready(timeout)
         return self

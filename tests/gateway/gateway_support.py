@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import yaml
 
-from tests.engine_forkserver import ForkedProcess, start_process
+from tests.engine_forkserver import ForkedProcess, start_engine
 from tests.support import free_port, http_ok, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ class Spawner:
     ) -> ProcT:
         log = self.tmp_path / f"{name}-{port}.log"
         full_env = {**os.environ, **(env or {})}
-        popen = start_process(argv, log, full_env)  # runs what it cannot fork as is
+        popen = start_engine(argv, log, full_env)  # runs anything that is not an engine as is
         proc = cls(name, popen, f"http://127.0.0.1:{port}", log)
         self.procs.append(proc)
         return proc
