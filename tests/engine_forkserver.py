@@ -7,10 +7,7 @@ CPU-bound. A fork server (the idea of multiprocessing's forkserver start method,
 line rather than a function) imports them once per test worker, before any thread or torch op
 runs, and forks a child per engine that runs ``slotserve.cli.main`` with the argv, environment,
 log and working folder a ``subprocess.Popen`` of the ``slotserve`` script would have had. The child
-is the real engine from its argument parsing on: only the imports are shared. `slotserve gateway`
-starts the same way (~0.9 of a gateway's ~1 CPU-second of start-up is imports, and the suite
-starts ~65 gateways); a gateway never touches torch, which only sits in its memory, shared with
-the server's.
+is the real engine from its argument parsing on: only the imports are shared.
 
 Where a start cannot be faithful (an environment that differs in what torch, libgomp or Python
 read at import: ``OMP_*``, ``TORCH_*``, ``PYTHON*``, ...), it runs the script as before, and
@@ -59,9 +56,7 @@ def _serve() -> None:
     import slotserve.cli
     import slotserve.engine.cli
     import slotserve.engine.core.model.loader
-    import slotserve.engine.http.server
-    import slotserve.gateway.cli
-    import slotserve.gateway.http.app  # noqa: F401  (the imports are the point)
+    import slotserve.engine.http.server  # noqa: F401  (the imports are the point)
 
     children: set[int] = set()
     lines = os.fdopen(0, "rb", buffering=0)
@@ -219,10 +214,9 @@ class ForkServer:
 def start_engine(
     argv: list[str], log: Path, env: dict[str, str]
 ) -> subprocess.Popen[bytes] | ForkedProcess:
-    """``argv`` (``slotserve engine|gateway ...``) forked from the server where it is faithful;
-    anything else, and a start that cannot be faithful, run as a subprocess."""
-    forkable = Path(argv[0]).name == SCRIPT.name and argv[1:2] in (["engine"], ["gateway"])
-    if forkable and os.environ.get("SLOTSERVE_TEST_FORKSERVER", "1") != "0":
+    """``argv`` (``slotserve engine ...``) forked from the server where it is faithful, else run."""
+    engine = Path(argv[0]).name == SCRIPT.name and argv[1:2] == ["engine"]
+    if engine and os.environ.get("SLOTSERVE_TEST_FORKSERVER", "1") != "0":
         server = ForkServer.shared()
         if server.can_fork(env):
             return server.fork(argv, env, log)
