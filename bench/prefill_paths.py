@@ -11,6 +11,11 @@ measures them all on one engine, switching the path between runs and rotating th
 round: a slow moment of a shared machine costs every path alike. Each run prefills 8 distinct
 prompts of the given length (1 new token, no prefix cache). Prints prompt tokens/s (median over
 rounds) and the ratio to the native fp32 step; ``--out`` writes JSON.
+
+With ``--quantization int8`` or ``int4`` the model's layers are quantized and two paths are
+compared: the native step's fp32 products on the unpacked weights, and its bf16 products on the
+weights widened to bf16 as they are multiplied (``kernels/quantized_bf16.c``, where the kernels
+run AVX512_BF16).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ PATHS = (
     "native fp32", "native bf16 packed", "native bf16 onednn",
     "modules fp32", "modules bf16 packed", "modules bf16 onednn",
 )  # fmt: skip
+QUANTIZED_PATHS = ("native fp32", "native bf16")
 NUM_PROMPTS = 8
 
 
@@ -76,7 +82,7 @@ def set_path(engine: LLMEngine, path: str, plain: dict[NativeLinear, torch.Tenso
     runner.native_step.prefill = path.startswith("native")
     # oneDNN: the step's callback for its wide products, the layers' plain copies for theirs;
     # packed: neither, so every product takes the packed weights.
-    runner.native_step.bf16_products = path.endswith("onednn")
+    runner.native_step.bf16_products = path.endswith("onednn") and bool(plain)
     for layer, weight in plain.items():
         layer.weight_bf16 = weight if path.endswith("onednn") else None
 
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[170, 1000])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if not bf16_units():
@@ -111,14 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_size=NUM_PROMPTS,
         max_model_len=max(2048, longest + 16),
         enable_prefix_caching=False,
+        quantization=args.quantization,
     )
     engine = LLMEngine.load(settings)
     runner = engine.runner
     if not (isinstance(runner, ModelRunner) and runner.native_step and runner.bf16_gate):
         print("the model's layers are not native (see the engine's log): nothing to compare")
         return 2
-    weights = both_routes(engine)
-    paths = [p for p in PATHS if "packed" not in p or runner.native_step.kernels.isa == ISA]
+    if args.quantization == "none":
+        weights = both_routes(engine)
+        paths = [p for p in PATHS if "packed" not in p or runner.native_step.kernels.isa == ISA]
+    elif runner.native_step.quantized_bf16:
+        weights, paths = {}, list(QUANTIZED_PATHS)
+    else:
+        print("quantized layers take bf16 rows only where the kernels run AVX512_BF16")
+        return 2
     rng = random.Random(0)
     load = os.getloadavg()
     results: dict[int, dict[str, float]] = {}

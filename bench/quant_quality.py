@@ -102,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         help="each --engine dtype with each of these KV caches (float16: the default where the "
         "native kernels run)",
     )
+    parser.add_argument(
+        "--engine-quantization",
+        choices=["none", "int8", "int4"],
+        default="none",
+        help="the --engine engines' weights (int8/int4: held to those weights' bars)",
+    )
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--step", type=int, default=STEP, help="tokens per forward call")
@@ -138,9 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     ):
         reference_scores = ref_scores if step == args.step else prefill_scores
         assert reference_scores is not None
-        engine, seconds = load_engine(str(source), dtype, window, step, kv)
+        engine, seconds = load_engine(
+            str(source), dtype, window, step, kv, quantization=args.engine_quantization
+        )
         kv_label = "-kv16" if kv == "float16" else ""
-        mode = f"engine-{'bf16' if dtype == 'bfloat16' else 'fp32'}{kv_label}{label}"
+        weights = "" if args.engine_quantization == "none" else f"{args.engine_quantization}-"
+        mode = f"engine-{weights}{'bf16' if dtype == 'bfloat16' else 'fp32'}{kv_label}{label}"
         rows[mode] = compare(reference_scores, engine_score(engine, token_ids, window, step))
         print(f"  {mode}: {step} tokens a step, loaded in {seconds:.1f} s")
         del engine

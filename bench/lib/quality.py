@@ -28,6 +28,13 @@ THRESHOLDS = {
     # The fp16 KV cache is a default (where the native kernels run): the same bar.
     "engine-fp32-kv16": (0.99, 0.005), "engine-fp32-kv16-prefill": (0.99, 0.005),
     "engine-bf16-kv16": (0.99, 0.005), "engine-bf16-kv16-prefill": (0.99, 0.005),
+    # Quantized engines (--engine-quantization) are held to their weights' bars, whatever
+    # their products' dtype (bf16 prefill rows over int4 weights: kernels/quantized_bf16.c).
+    **{
+        f"engine-{q}-{dtype}{kv}{step}": (0.97, 0.02) if q == "int8" else (0.90, 0.08)
+        for q in ("int8", "int4") for dtype in ("fp32", "bf16") for kv in ("", "-kv16")
+        for step in ("", "-prefill")
+    },
 }  # fmt: skip
 # Tokens per forward call (the KV cache carries a window across calls): every matrix product
 # sees at most this many rows, as in a decode step of a large batch, so quantized layers run the
@@ -143,20 +150,23 @@ def load_engine(
     window: int,
     step: int,
     kv_cache_dtype: Literal["float32", "float16"] = "float32",
+    quantization: Literal["none", "int8", "int4"] = "none",
 ) -> tuple[Any, float]:
     """A slotserve engine on ``source`` whose prefill and decode products run in ``dtype``
     (bfloat16 or float32), scoring prompts in that dtype too (the engine scores them in fp32),
     ``step`` tokens a step, its KV cache in ``kv_cache_dtype``; returns it and the load
-    seconds."""
+    seconds. A quantized engine's decode products stay fp32 (there is no bf16 decode for
+    quantized weights): ``dtype`` sets its prefill's."""
     from slotserve.engine.core.engine import LLMEngine
     from slotserve.engine.core.model.runner import ModelRunner
     from slotserve.engine.settings import EngineSettings
 
     start = time.perf_counter()
     settings = EngineSettings(
-        model=source, prefill_dtype=dtype, decode_dtype=dtype, max_batch_size=1,
+        model=source, prefill_dtype=dtype, max_batch_size=1,
+        decode_dtype=dtype if quantization == "none" else "auto",
         max_batched_tokens=step, max_model_len=window + 16, enable_prefix_caching=False,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, quantization=quantization,
     )  # fmt: skip
     engine = LLMEngine.load(settings)
     runner = engine.runner

@@ -1,8 +1,9 @@
 """Prefill products in bfloat16 (issue 24, item 2): with ``prefill_dtype bfloat16`` a prefill
 chunk's decoder products run as bf16 GEMMs on bf16 copies of the weights (fp32 accumulation),
 decode steps stay fp32 in the native step, the output projection stays fp32; a CPU without bf16
-units or a quantized model keeps fp32 prefill with a warning. The real model's prompt
-logprobs under bf16 prefill stay close to fp32's (the quality figures are bench/quant_quality.py's).
+units keeps fp32 prefill with a warning (quantized models: test_engine_quantized_bf16.py). The
+real model's prompt logprobs under bf16 prefill stay close to fp32's (the quality figures are
+bench/quant_quality.py's).
 
 On a CPU without bf16 units the tests that need the bf16 path claim the flags (torch then
 emulates bf16: slower, same numbers), so they run on every machine.
@@ -223,9 +224,7 @@ def test_the_engine_default_is_auto():
     assert EngineSettings.model_fields["prefill_dtype"].default == "auto"
 
 
-def test_a_cpu_without_bf16_units_or_a_quantized_model_keeps_fp32_prefill(
-    tiny_model_dir, monkeypatch, caplog
-):
+def test_a_cpu_without_bf16_units_keeps_fp32_prefill(tiny_model_dir, monkeypatch, caplog):
     bare = {**bf16_prefill.cpu_identity(), "cpu_flags": "fpu sse2 avx2 fma"}
     monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: bare)
     with caplog.at_level(logging.WARNING, logger=bf16_prefill.__name__):
@@ -233,13 +232,7 @@ def test_a_cpu_without_bf16_units_or_a_quantized_model_keeps_fp32_prefill(
     assert not model_runner(engine).prefill_bf16
     assert all(layer.weight_bf16 is None for layer in decoder_layers(engine))
     assert "needs a CPU with AMX-BF16 or AVX512_BF16" in caplog.text
-
-    caplog.clear()
-    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**bare, "cpu_flags": "avx512_bf16"})
-    with caplog.at_level(logging.WARNING, logger=bf16_prefill.__name__):
-        engine = make_engine(tiny_model_dir, prefill_dtype="bfloat16", quantization="int8")
-    assert not model_runner(engine).prefill_bf16
-    assert "needs the decoder's linear layers on the native kernels" in caplog.text
+    # A quantized model: test_engine_quantized_bf16.py.
 
 
 SENTENCES = [

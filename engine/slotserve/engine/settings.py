@@ -73,9 +73,11 @@ class EngineSettings(BaseSettings):
     prefill_dtype: PrefillDType = Field(
         "auto",
         description="CPU prefill products (chunks wider than the native kernels take): auto "
-        "(bfloat16 on CPUs with AMX-BF16 or AVX512_BF16 and native fp32 layers, else float32), "
-        "float32, or bfloat16 (bf16 weight copies, activations rounded to bf16, fp32 "
-        "accumulation; refused with a warning where the CPU would emulate it). Requests scoring "
+        "(bfloat16 on CPUs with AMX-BF16 or AVX512_BF16 and native fp32 layers, or int8/int4 "
+        "layers where the native kernels run AVX512_BF16; else float32), float32, or bfloat16 "
+        "(bf16 weight copies, or int8/int4 weights widened to bf16 as they are multiplied; "
+        "activations rounded to bf16, fp32 accumulation; refused with a warning where the CPU "
+        "would emulate it). Requests scoring "
         "their prompt (prompt logprobs) stay float32; decode_dtype sets the decode products.",
     )
     decode_dtype: PrefillDType = Field(

@@ -276,6 +276,49 @@ class NativeKernels:
         )
         return out
 
+    def gemm_quantized_bf16(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``x @ W.T`` for int8 (``minimum`` None) or int4 weights (:meth:`quantize_q8`,
+        :meth:`quantize_q4`) with the rows of x and the dequantized weights rounded to bf16 and
+        the products accumulated in fp32: what a quantized model's prefill chunks take where the
+        kernels run AVX512_BF16 (VDPBF16PS; the plain C reference elsewhere)."""
+        m, k, out = self._begin(x, q.shape[0])
+        kind, dtype, width = (1, torch.int8, k) if minimum is None else (2, torch.uint8, k // 2)
+        groups = (q.shape[0], k // GROUP_SIZE)
+        if (
+            k % GROUP_SIZE
+            or q.dtype != dtype
+            or tuple(q.shape) != (q.shape[0], width)
+            or tuple(scale.shape) != groups
+            or (minimum is not None and tuple(minimum.shape) != groups)
+            or not all(
+                t.is_contiguous() for t in (q, scale) + (() if minimum is None else (minimum,))
+            )
+        ):
+            raise ValueError(
+                f"gemm_quantized_bf16 takes quantize_q8's or quantize_q4's tensors for rows of "
+                f"{k} (a multiple of {GROUP_SIZE}), got {q.dtype} {tuple(q.shape)}"
+            )
+        self._run(
+            self._lib.slotserve_gemm_quantized_bf16,
+            kind,
+            x.data_ptr(),
+            m,
+            k,
+            q.data_ptr(),
+            scale.data_ptr(),
+            None if minimum is None else minimum.data_ptr(),
+            q.shape[0],
+            out.data_ptr(),
+            _threads(),
+        )
+        return out
+
     def quantize_q8(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Symmetric int8 in groups of 32 along K: ``(q [N, K] int8, scale [N, K/32])``."""
         w, n, k = _weight(weight)

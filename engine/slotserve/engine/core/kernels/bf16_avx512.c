@@ -142,6 +142,15 @@ void gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w,
     }
 }
 
+BF16_TARGET void bf16_task_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w,
+                                float *y, int64_t n, int blocks, int tail) {
+    const __mmask16 last = tail == 0 ? (__mmask16)0xFFFF : (__mmask16)((1u << tail) - 1);
+    for (int64_t i = 0; i < m; i += TILE_ROWS) {
+        const int rows = (int)(m - i < TILE_ROWS ? m - i : TILE_ROWS);
+        tile_any(xb + i * k, k, w, y + i * n, n, last, NULL, 0, rows, blocks);
+    }
+}
+
 /* R rows of xb against PAIRS blocks of gate weights from `gate` on and the same blocks of up
  * weights from `up` on (block stride 16 k each); silu(gate) * up of each row's 16 PAIRS channels
  * is rounded to bf16 into `act` (row stride inter): the gate/up results never leave the
@@ -267,6 +276,11 @@ int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, in
 void gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                     float *y, int add, int threads) {
     (void)xb, (void)m, (void)k, (void)w, (void)n, (void)y, (void)add, (void)threads;
+    /* never dispatched */
+}
+void bf16_task_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, float *y,
+                    int64_t n, int blocks, int tail) {
+    (void)xb, (void)m, (void)k, (void)w, (void)y, (void)n, (void)blocks, (void)tail;
     /* never dispatched */
 }
 int mlp_bf16_rows(const uint16_t *xb, int64_t m, int64_t hidden, const uint16_t *gate_up,

@@ -34,6 +34,9 @@ int gemv_quantized(const float *x, int64_t k, struct weights w, int64_t n, float
                    struct scratch *s);
 #endif
 
+/* products.c: channels [n0, n0 + rows) of quantized (or bf16) weights as fp32 rows of k. */
+void dequantize_channels(struct weights w, int64_t n0, int64_t rows, int64_t k, float *out);
+
 /* bf16_avx512.c: y = x . W^T on packed bf16 weights (kernels.h) with VDPBF16PS (k even;
  * AVX512_BF16 only). */
 int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,

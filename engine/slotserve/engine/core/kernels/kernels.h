@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 /* Raised whenever a prototype below changes: a library of another ABI is never loaded. */
-#define SLOTSERVE_KERNEL_ABI 15
+#define SLOTSERVE_KERNEL_ABI 16
 /* Quantized weights per scale (and minimum) along K, both quantized formats. */
 #define SLOTSERVE_KERNEL_GROUP 32
 
@@ -91,6 +91,13 @@ int slotserve_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w,
                         float *y, int threads, struct scratch *s);
 int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
                       const float *minimum, int64_t n, float *y, int threads, struct scratch *s);
+/* int8 (kind Q8) or int4 (Q4) weights, k a multiple of 32, with the rows of x rounded to bf16
+ * and the weights widened to bf16 (quantized_bf16.c): what a quantized model's prefill chunks
+ * take where the CPU has AVX512_BF16 (llama_step.c's bf16_quantized). Returns 0, or -1 when a
+ * buffer could not be allocated or the kind or k is not one it takes. */
+int slotserve_gemm_quantized_bf16(int kind, const float *x, int64_t m, int64_t k, const void *data,
+                                  const float *scale, const float *minimum, int64_t n, float *y,
+                                  int threads, struct scratch *s);
 /* A decoder's MLP on packed bf16 weights: y[m, hidden] = down(silu(gate(x)) * up(x)), gate_up
  * the gate's and the up's inter channels stacked, down hidden channels of inter. One fused pass
  * on the AMX tiles where they run (gemm_amx.c), or on VDPBF16PS where the kernels run

@@ -12,6 +12,7 @@
 #include "quantize.c"
 #include "qgemm_avx512.c"
 #include "bf16_avx512.c"
+#include "quantized_bf16.c"
 #include "attention_block.c"
 #include "attention_bf16.c"
 #include "attention_amx.c"

@@ -62,6 +62,7 @@ SOURCES = (
     HERE / "quantize.c",
     HERE / "qgemm_avx512.c",
     HERE / "bf16_avx512.c",
+    HERE / "quantized_bf16.c",
     HERE / "attention_block.c",
     HERE / "attention_bf16.c",
     HERE / "attention_amx.c",

@@ -25,6 +25,10 @@ enum { QKV, O, GATE_UP, DOWN, PRODUCTS };
  * embedding and cache writes, SiLU * up, residual adds) is spread over the thread team; below
  * it stays on the calling thread, where a decode step's few rows cost less than a wake-up. */
 #define SPREAD_ROWS 64
+/* From this many rows a bf16 step's int8/int4 products widen their weights to bf16 per task
+ * (quantized_bf16.c); below it the weights' unpacking is a large part of the product and the
+ * fp32 panels keep them. */
+#define QUANTIZED_BF16_ROWS 32
 
 struct step_layer {
     int64_t kind[PRODUCTS]; /* enum kind */
@@ -50,6 +54,10 @@ struct step_model {
     int64_t bf16_attention;
     /* Nonzero: the caches hold fp16 (kv_half.c). */
     int64_t kv_half;
+    /* Nonzero: products of QUANTIZED_BF16_ROWS rows or more on int8/int4 weights take their rows
+     * in bf16 (quantized_bf16.c): a quantized model's prefill steps where the CPU has
+     * AVX512_BF16. */
+    int64_t bf16_quantized;
 };
 
 static void rms_norm_c(const float *x, const float *weight, int64_t n, float eps, float *out) {
@@ -223,7 +231,12 @@ static int product(const struct step_model *model, int64_t l, int which, const f
     } else {
         struct weights w = {(enum kind)layer->kind[which], layer->data[which], layer->scale[which],
                             layer->minimum[which]};
-        if (slotserve_gemm_weights(x, m, k, w, n, y, threads, s) != 0) return -1;
+        const int quantized = w.kind == Q8 || w.kind == Q4;
+        if (model->bf16_quantized && quantized && m >= QUANTIZED_BF16_ROWS && k % 32 == 0) {
+            if (gemm_quantized_bf16(x, m, k, w, n, y, threads, s) != 0) return -1;
+        } else if (slotserve_gemm_weights(x, m, k, w, n, y, threads, s) != 0) {
+            return -1;
+        }
     }
     add_bias(layer->bias[which], y, m, n);
     return 0;

@@ -302,6 +302,15 @@ static const float *panel_weights(struct weights w, int64_t n0, int64_t rows, in
     return buffer;
 }
 
+void dequantize_channels(struct weights w, int64_t n0, int64_t rows, int64_t k, float *out) {
+    const int avx2 = slotserve_kernel_isa() && k % 8 == 0;
+    for (int64_t r = 0; r < rows; r += PANEL) {
+        const int64_t count = rows - r < PANEL ? rows - r : PANEL;
+        const float *from = panel_weights(w, n0 + r, count, k, avx2, out + r * k);
+        if (from != out + r * k) memcpy(out + r * k, from, sizeof(float) * (size_t)(count * k));
+    }
+}
+
 /* Wide products (prefill chunks, WIDE_ROWS rows and more). With AVX2 alone the weights are
  * repacked for broadcast products (gemm_wide_packed, below). With AVX-512 the panels are taken
  * GROUP_PANELS at a time, and every block of PANEL_ROWS rows of x passes over the whole group,

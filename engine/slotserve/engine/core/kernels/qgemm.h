@@ -129,6 +129,16 @@ void gemm_bf16_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w,
 int mlp_bf16_rows(const uint16_t *xb, int64_t m, int64_t hidden, const uint16_t *gate_up,
                   const uint16_t *down, int64_t inter, float *y, int add, int threads,
                   struct scratch *s);
+/* bf16_avx512.c: every row of xb (bf16 [m, k]) against `blocks` (1 to 3) packed bf16 blocks of
+ * one task, on the calling thread, into y's channels [0, 16 blocks) of n; `tail`: the last
+ * block's channels (n % 16) when it ends the weights short of a full block, else 0. */
+void bf16_task_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w, float *y,
+                    int64_t n, int blocks, int tail);
+/* quantized_bf16.c: y = x . W^T for int8 or int4 weights with x rounded to bf16 and the weights
+ * widened to bf16 a task at a time (VDPBF16PS where the ISA in use is ISA_AVX512_BF16, else the
+ * plain C reference); k % 32 == 0. Returns 0, or -1 (a buffer, or weights not quantized). */
+int gemm_quantized_bf16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n,
+                        float *y, int threads, struct scratch *s);
 /* gemm_amx.c, for a step that lays its rows out as the tiles read them (llama_step.c): row i of
  * k floats, times weight (k floats, or NULL) and scale as an RMS norm scales it, into A tiles xt
  * (bf16, [rows / 16][k / 32][16][32], rows m rounded up to 32; NULL row: zeros), and the two

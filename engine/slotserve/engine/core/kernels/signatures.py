@@ -33,6 +33,10 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "slotserve_gemm_q8": (INT, [PTR, I64, I64, PTR, PTR, I64, PTR, INT, SCRATCH]),
     "slotserve_gemm_q4": (INT, [PTR, I64, I64, PTR, PTR, PTR, I64, PTR, INT, SCRATCH]),
     "slotserve_gemm_bf16": (INT, [PTR, I64, I64, PTR, I64, PTR, INT, SCRATCH]),
+    "slotserve_gemm_quantized_bf16": (
+        INT,
+        [INT, PTR, I64, I64, PTR, PTR, PTR, I64, PTR, INT, SCRATCH],
+    ),
     "slotserve_mlp_bf16": (INT, [PTR, I64, I64, PTR, PTR, I64, PTR, INT, SCRATCH]),
     "slotserve_attend": (
         INT,

@@ -6,7 +6,9 @@ weights, fp32 out: on the AMX tiles from 16 rows where the CPU has AMX (``kernel
 as fast as oneDNN's GEMM there), VDPBF16PS otherwise (``kernels/bf16_avx512.c``, faster than
 oneDNN's on a Zen 4). Only where the kernels cannot multiply bf16 do products of 16 rows or more
 (:data:`AMX_ROWS`) run as one bf16 GEMM through torch (oneDNN), whose bf16 results cost
-quality. Decode-only steps follow ``--decode-dtype`` (bf16_decode.py).
+quality. Decode-only steps follow ``--decode-dtype`` (bf16_decode.py). An int8 or int4 model
+keeps no bf16 copy: where the kernels run AVX512_BF16 its prefill products widen the weights to
+bf16 a few channels at a time as they multiply (``kernels/quantized_bf16.c``).
 
 Why: serving with prompts is prefill-bound, and a prefill chunk's products are compute-bound.
 Where the CPU has bf16 dot-product units, oneDNN's bf16 GEMM does several times the fp32 work
@@ -81,12 +83,19 @@ def packed_route(units: list[str], kernels: NativeKernels | None) -> bool:
 
 
 def install_bf16_prefill(
-    model: Any, prefill_dtype: PrefillDType, units: list[str], kernels: NativeKernels | None
+    model: Any,
+    prefill_dtype: PrefillDType,
+    units: list[str],
+    kernels: NativeKernels | None,
+    *,
+    native_step: bool = False,
 ) -> Bf16Gate | None:
     """Give the decoder's fp32 native layers their bf16 prefill weights when asked (``auto``:
     wherever it can run) and the CPU has bf16 ``units`` (:func:`bf16_units`): packed for the
-    native kernels or plain for oneDNN (:func:`packed_route`). Returns the gate they share,
-    else None. Only an explicit ``bfloat16`` that cannot run warns."""
+    native kernels or plain for oneDNN (:func:`packed_route`). int8/int4 layers get no copy:
+    where the kernels run AVX512_BF16 and the model's prefill runs in the native step
+    (``native_step``), that step widens their weights as it multiplies. Returns the gate they
+    share, else None. Only an explicit ``bfloat16`` that cannot run warns."""
     if prefill_dtype == "float32":
         return None
     explicit = prefill_dtype == "bfloat16"
@@ -99,15 +108,29 @@ def install_bf16_prefill(
             "emulated, slower than fp32): prefill runs in float32"
         )
         return None
-    layers = [layer for layer in decoder_linears(model) if layer.weight_fp32 is not None]
+    linears = decoder_linears(model)
+    layers = [layer for layer in linears if layer.weight_fp32 is not None]
+    quantized = [layer for layer in linears if layer.format in ("int8", "int4")]
+    every_quantized = bool(quantized) and len(quantized) == len(linears)
+    if not layers and every_quantized and native_step and packed_route(units, kernels):
+        # int8/int4 layers keep no bf16 copy: the native step widens their weights to bf16 a
+        # few channels at a time as it multiplies (kernels/quantized_bf16.c).
+        logger.info(
+            "prefill products in bfloat16 on %s (native kernels, VDPBF16PS): %d decoder layers' "
+            "%s weights widened to bf16 as they are multiplied, no copy kept",
+            "+".join(units),
+            len(quantized),
+            quantized[0].format,
+        )
+        return Bf16Gate(on=False)
     if not layers:
         if not explicit:
             logger.info("prefill products in float32: the decoder's layers are not native fp32")
             return None
         logger.warning(
             "prefill_dtype bfloat16 needs the decoder's linear layers on the native kernels "
-            "(fp32 weights, no quantization, linear_backend auto or native): prefill runs in "
-            "the layers' own precision"
+            "(fp32 weights, or int8/int4 where they run AVX512_BF16; linear_backend auto or "
+            "native): prefill runs in the layers' own precision"
         )
         return None
     gate = Bf16Gate(on=False)

@@ -93,6 +93,7 @@ class StepModel(ctypes.Structure):
         ("wide_rows", ctypes.c_int64),
         ("bf16_attention", ctypes.c_int64),
         ("kv_half", ctypes.c_int64),
+        ("bf16_quantized", ctypes.c_int64),
     ]
 
 
@@ -235,6 +236,7 @@ class NativeDecodeStep:
         self._wide_error: BaseException | None = None
         self.wide_products = 0  # bf16 products run through the callback (tests, benchmarks)
         self.bf16_products = False  # use_bf16_products' switch (benchmarks turn it off)
+        self.quantized_bf16 = False  # use_quantized_bf16's switch
         # Steps with prefill chunks run here too (False: through transformers, as before).
         self.prefill = True
         # The cache rows the C code writes: [slots, kv_heads, max_len, head_dim] per layer.
@@ -275,6 +277,19 @@ class NativeDecodeStep:
                 layers[index].scale[slot] = layers[index].minimum[slot] = None
         self._layers_bf16 = layers
         self._gate = gate
+        return True
+
+    def use_quantized_bf16(self, gate: Bf16Gate) -> bool:
+        """Multiply int8/int4 weights with their rows in bf16 while ``gate`` is on (prefill
+        chunks of a quantized model, ``kernels/quantized_bf16.c``): the weights widened to bf16
+        a few channels at a time, no bf16 copy kept. False unless every layer is quantized and
+        the kernels run AVX512_BF16."""
+        if self.kernels.isa != "avx512_bf16" or any(
+            linear.format not in ("int8", "int4") for linear in self._linears
+        ):
+            return False
+        self._gate = gate
+        self.quantized_bf16 = True
         return True
 
     def _wide_product(self, layer: int, which: int, x: int, m: int, k: int, y: int, n: int) -> int:
@@ -343,6 +358,7 @@ class NativeDecodeStep:
             packed = on and self._layers_bf16 is not None
             self.struct.layers = self._layers_bf16 if packed else self._layers
             self.struct.bf16_attention = int(on)  # the C code runs it where the CPU can
+            self.struct.bf16_quantized = int(on and self.quantized_bf16)
         ids = torch.tensor(token_ids)
         positions_t = torch.tensor(positions)
         hidden = self.embed(ids).contiguous()  # a fresh tensor: the step overwrites it

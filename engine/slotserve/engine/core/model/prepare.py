@@ -72,11 +72,13 @@ class PreparedModel:
         if step is None or gate is None:
             return step
         # bf16 products in the native step: its wide products calling back into oneDNN's bf16
-        # GEMM (plain weights), or every product on the packed weights; a prefill that can
-        # have neither runs through the layers' torch path.
+        # GEMM (plain weights), every product on the packed weights, or quantized weights
+        # widened to bf16 as they are multiplied; a prefill that can have none runs through the
+        # layers' torch path.
         callback = step.use_bf16_products(gate)
         packed = step.use_packed_bf16(gate)
-        if self.bf16_prefill and not (callback or packed):
+        quantized = step.use_quantized_bf16(gate)
+        if self.bf16_prefill and not (callback or packed or quantized):
             step.prefill = False
         return step
 
@@ -124,7 +126,13 @@ def prepare_model(
         and wants_bf16_prefill(prefill_dtype, quantization, units),
         decode_bf16=decode_bf16,
     )
-    prefill_gate = install_bf16_prefill(model, prefill_dtype, units, kernels)
+    prefill_gate = install_bf16_prefill(
+        model,
+        prefill_dtype,
+        units,
+        kernels,
+        native_step=native_decode and kernels is not None and eligible,
+    )
     decode_gate = install_bf16_decode(model, layers.logits, prefill_gate) if decode_bf16 else None
     return PreparedModel(
         model=model,
