@@ -32,6 +32,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.lib.kv_simulate import MODES as KV_MODES
+from bench.lib.kv_simulate import simulated_kv
 from bench.lib.output import line_buffered_stdout
 from bench.lib.quality import (
     DEFAULT_TEXT,
@@ -108,6 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help="the --engine engines' weights (int8/int4: held to those weights' bars)",
     )
+    parser.add_argument(
+        "--simulate-kv",
+        nargs="*",
+        choices=sorted(KV_MODES),
+        default=[],
+        help="also score the fp32 model reading its keys and values as a cache of these formats "
+        "would hold them (bench/lib/kv_simulate.py; a cache format would be a default: the 99%% "
+        "bar)",
+    )
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--step", type=int, default=STEP, help="tokens per forward call")
@@ -130,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         rows[mode] = compare(ref_scores, score(candidate, token_ids, window, args.step))
         print(f"  {mode}: loaded and quantized in {seconds:.1f} s")
         del candidate
+    for kv_mode in args.simulate_kv:
+        with simulated_kv(kv_mode):
+            rows[f"kv-{kv_mode}"] = compare(
+                ref_scores, score(reference, token_ids, window, args.step)
+            )
     if args.prefill_dtype == "bfloat16":
         candidate, seconds = load_bf16_prefill(source)
         prefill_ref = score(reference, token_ids, window, args.prefill_step)

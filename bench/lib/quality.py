@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import torch
 
+from bench.lib.kv_simulate import MODES as KV_MODES
 from slotserve.contracts.weights import Quantization
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "data" / "quality_text.txt"
@@ -28,6 +29,8 @@ THRESHOLDS = {
     # The fp16 KV cache is a default (where the native kernels run): the same bar.
     "engine-fp32-kv16": (0.99, 0.005), "engine-fp32-kv16-prefill": (0.99, 0.005),
     "engine-bf16-kv16": (0.99, 0.005), "engine-bf16-kv16-prefill": (0.99, 0.005),
+    # Simulated KV cache formats (--simulate-kv) would be defaults: the same bar.
+    **{f"kv-{mode}": (0.99, 0.005) for mode in KV_MODES},
     # Quantized engines (--engine-quantization) are held to their weights' bars, whatever
     # their products' dtype (bf16 prefill rows over int4 weights: kernels/quantized_bf16.c).
     **{

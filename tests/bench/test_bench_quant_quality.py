@@ -99,3 +99,33 @@ def test_the_shipped_text_holds_2000_smollm2_tokens(smollm2_dir: Path) -> None:
 
     ids = text_token_ids(AutoTokenizer.from_pretrained(str(smollm2_dir)), DEFAULT_TEXT)
     assert len(ids) >= 2000
+
+
+def test_int8_groups_round_each_group_on_its_own_grid_once():
+    from bench.lib.kv_simulate import int8_groups
+
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 5, 64) * torch.tensor([0.01, 1.0, 100.0]).view(1, 3, 1, 1)
+    x[0, 0, 0] = 0.0  # an all-zero group stays zero (no 0 / 0)
+    rounded = int8_groups(x, 32)
+    groups = x.reshape(2, 3, 5, 2, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    error = (rounded.reshape(groups.shape) - groups).abs()
+    # Half a step, plus the fp16 scale's own rounding (2^-11 relative) over 127 steps.
+    assert (error <= step * (0.5 + 127 * 2**-11)).all()
+    assert torch.equal(rounded[0, 0, 0], torch.zeros(64))
+    assert torch.equal(int8_groups(rounded, 32), rounded)  # rounding twice is rounding once
+
+
+def test_a_simulated_kv_cache_changes_the_reading_only_while_it_is_open():
+    from bench.lib.kv_simulate import simulated_kv
+
+    model = tiny_llama()
+    ids = token_ids(96)
+    before = score(model, ids, window=96, step=32)
+    with simulated_kv("int8-keys"):
+        coarse = score(model, ids, window=96, step=32)
+    after = score(model, ids, window=96, step=32)
+    assert torch.equal(before.nll, after.nll)
+    assert not torch.equal(before.nll, coarse.nll)
+    assert (before.nll - coarse.nll).abs().max() < 0.1  # rounded, not broken
