@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -51,7 +52,14 @@ def simulated_kv(mode: str) -> Iterator[None]:
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     rounding = MODES[mode]
 
-    def attention(module, query, key, value, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def attention(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         key, value = rounding(key, value)
         return sdpa(module, query, key, value, *args, **kwargs)
 

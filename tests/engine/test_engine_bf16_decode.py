@@ -3,7 +3,8 @@ CPU has AVX512_BF16, bf16 widened to fp32 on every narrower instruction set) aga
 reference on every instruction set the machine runs; with ``decode_dtype bfloat16`` the native
 step and the layers' own path multiply decode rows on bf16 copies of the weights, the output
 projection too, while a step that scores its prompt stays fp32; ``auto`` takes bf16 only where
-the kernels run AVX512_BF16, and an explicit ``bfloat16`` that cannot run warns and stays fp32.
+the kernels run AVX512_BF16, and an explicit ``bfloat16`` that cannot run warns and stays fp32
+(quantized models: test_engine_quantized_bf16.py).
 """
 
 from __future__ import annotations
@@ -226,15 +227,6 @@ def test_auto_takes_bf16_only_where_the_kernels_run_it(tiny_model_dir, kernels, 
         kernels.set_isa(ISAS[-1])
     if "avx512_bf16" in kernels.supported_isas:
         assert model_runner(make_engine(tiny_model_dir, decode_dtype="auto")).decode_bf16
-
-
-def test_a_quantized_model_keeps_its_own_products(tiny_model_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger=bf16_decode.__name__):
-        engine = make_engine(tiny_model_dir, decode_dtype="bfloat16", quantization="int8")
-    assert not model_runner(engine).decode_bf16
-    assert "decode_dtype bfloat16 needs" in caplog.text
-    auto = make_engine(tiny_model_dir, decode_dtype="auto", quantization="int4")
-    assert not model_runner(auto).decode_bf16
 
 
 def test_the_engine_default_is_auto():

@@ -100,45 +100,67 @@ def dequantized_copy(kernels: NativeKernels, model_dir: Path, dest: Path, fmt: s
     return dest
 
 
-def prefill_hidden(engine, rows: int, gate: bool) -> torch.Tensor:
-    """The native step's final hidden states for a chunk of ``rows`` prompt tokens in slot 0,
-    its products in bf16 when ``gate``."""
+def step_hidden(engine, rows: int, gate: bool, *, decode: bool = False) -> torch.Tensor:
+    """The native step's final hidden states for a chunk of ``rows`` prompt tokens in slot 0
+    (``decode``: one token in each of ``rows`` slots), its products in bf16 when ``gate``."""
     runner = model_runner(engine)
     assert runner.native_step is not None and runner.bf16_gate is not None
     runner.bf16_gate.on = gate
     tokens = [(i * 37) % 4000 + 50 for i in range(rows)]
+    if decode:
+        return runner.native_step(tokens, [0] * rows, list(range(rows))).clone()
     return runner.native_step(tokens, list(range(rows)), [0] * rows).clone()
 
 
-def test_an_int4_prefill_step_equals_the_bf16_step_on_the_dequantized_weights(
+def test_int4_steps_equal_the_bf16_steps_on_the_dequantized_weights(
     kernels, tiny_model_dir, tmp_path, caplog
 ):
     if kernels.isa != "avx512_bf16":
         pytest.skip("the kernels multiply no bf16 on this CPU")
     reference_dir = dequantized_copy(kernels, tiny_model_dir, tmp_path / "dequantized", "int4")
-    with caplog.at_level(logging.INFO, logger=bf16_prefill.__name__):
-        engine = make_engine(tiny_model_dir, quantization="int4", prefill_dtype="auto")
+    with caplog.at_level(logging.INFO):
+        engine = make_engine(
+            tiny_model_dir,
+            quantization="int4",
+            prefill_dtype="auto",
+            decode_dtype="auto",
+            max_batch_size=12,
+        )
     runner = model_runner(engine)
-    assert runner.prefill_bf16 and runner.native_step is not None
+    assert runner.prefill_bf16 and runner.decode_bf16 and runner.native_step is not None
     assert runner.native_step.quantized_bf16 and runner.native_step.prefill
     assert "int4 weights widened to bf16 as they are multiplied, no copy kept" in caplog.text
+    assert "decode products in bfloat16 in steps of 12 rows or more" in caplog.text
     # No layer holds a bf16 copy: the point of quantizing is the memory.
     assert all(
         layer.weight_bf16 is None and layer.weight_packed is None
         for layer in bf16_prefill.decoder_linears(runner.model)
     )
-    dense = make_engine(reference_dir, prefill_dtype="bfloat16", linear_backend="native")
-    # 40 rows: every product of the chunk takes the bf16 rows (32 and up, llama_step.c).
-    bf16 = prefill_hidden(engine, 40, gate=True)
-    assert torch.equal(bf16, prefill_hidden(dense, 40, gate=True))
-    # With the gate off (a prompt being scored) the same chunk multiplies in fp32: it differs,
-    # by bf16's rounding and no more.
-    fp32 = prefill_hidden(engine, 40, gate=False)
-    assert not torch.equal(bf16, fp32)
-    torch.testing.assert_close(bf16, fp32, rtol=0.05, atol=0.05)
+    dense = make_engine(
+        reference_dir,
+        prefill_dtype="bfloat16",
+        decode_dtype="bfloat16",
+        linear_backend="native",
+        max_batch_size=12,
+    )
+    # A 40-row prefill chunk, and a decode step of 12 rows: every product takes the bf16 rows
+    # (12 and up, llama_step.c's QUANTIZED_BF16_ROWS), to the bit what the packed bf16 weights
+    # give.
+    for rows, decode in ((40, False), (12, True)):
+        bf16 = step_hidden(engine, rows, True, decode=decode)
+        assert torch.equal(bf16, step_hidden(dense, rows, True, decode=decode)), (rows, decode)
+        # With the gate off (a prompt being scored) the same rows multiply in fp32: they differ,
+        # by bf16's rounding and no more.
+        fp32 = step_hidden(engine, rows, False, decode=decode)
+        assert not torch.equal(bf16, fp32)
+        torch.testing.assert_close(bf16, fp32, rtol=0.05, atol=0.05)
+    # Under 12 rows the weights stream through the fp32 panels, gate or not.
+    assert torch.equal(
+        step_hidden(engine, 11, True, decode=True), step_hidden(engine, 11, False, decode=True)
+    )
 
 
-def test_where_the_kernels_multiply_no_bf16_a_quantized_prefill_stays_fp32(
+def test_where_the_kernels_multiply_no_bf16_a_quantized_model_stays_fp32(
     kernels, tiny_model_dir, monkeypatch, caplog
 ):
     identity = bf16_prefill.cpu_identity()
@@ -147,15 +169,25 @@ def test_where_the_kernels_multiply_no_bf16_a_quantized_prefill_stays_fp32(
     )
     kernels.set_isa("avx512")  # the widest below AVX512_BF16 this CPU has
     try:
-        with caplog.at_level(logging.INFO, logger=bf16_prefill.__name__):
-            auto = make_engine(tiny_model_dir, quantization="int4", prefill_dtype="auto")
-            asked = make_engine(tiny_model_dir, quantization="int8", prefill_dtype="bfloat16")
+        with caplog.at_level(logging.INFO):
+            auto = make_engine(
+                tiny_model_dir, quantization="int4", prefill_dtype="auto", decode_dtype="auto"
+            )
+            asked = make_engine(
+                tiny_model_dir,
+                quantization="int8",
+                prefill_dtype="bfloat16",
+                decode_dtype="bfloat16",
+            )
     finally:
         kernels.set_isa(ISAS[-1])
     for engine in (auto, asked):
         runner = model_runner(engine)
-        assert not runner.prefill_bf16
+        assert not runner.prefill_bf16 and not runner.decode_bf16
         assert runner.native_step is not None and not runner.native_step.quantized_bf16
-    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1  # only the explicit bfloat16 warns
-    assert "needs the decoder's linear layers on the native kernels" in warnings[0].getMessage()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2, warnings  # only the explicit bfloat16s warn, once each
+    assert any("needs the decoder's linear layers on the native kernels" in w for w in warnings)
+    assert any(
+        "decode_dtype bfloat16 needs the native kernels on a CPU with" in w for w in warnings
+    )

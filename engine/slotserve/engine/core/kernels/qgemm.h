@@ -137,8 +137,8 @@ void bf16_task_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w,
 /* quantized_bf16.c: y = x . W^T for int8 or int4 weights with x rounded to bf16 and the weights
  * widened to bf16 a task at a time (VDPBF16PS where the ISA in use is ISA_AVX512_BF16, else the
  * plain C reference); k % 32 == 0. Returns 0, or -1 (a buffer, or weights not quantized). */
-int gemm_quantized_bf16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n,
-                        float *y, int threads, struct scratch *s);
+int gemm_quantized_bf16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
+                        int threads, struct scratch *s);
 /* gemm_amx.c, for a step that lays its rows out as the tiles read them (llama_step.c): row i of
  * k floats, times weight (k floats, or NULL) and scale as an RMS norm scales it, into A tiles xt
  * (bf16, [rows / 16][k / 32][16][32], rows m rounded up to 32; NULL row: zeros), and the two

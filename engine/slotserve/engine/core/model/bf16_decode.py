@@ -47,30 +47,46 @@ ISA = "avx512_bf16"  # the kernels' instruction set that multiplies bf16 nativel
 def wants_bf16_decode(
     decode_dtype: PrefillDType, quantization: str, kernels: NativeKernels | None
 ) -> bool:
-    """Whether decode products run in bf16: asked for (or auto), fp32 weights, and native
-    kernels running AVX512_BF16. Only an explicit ``bfloat16`` that cannot run warns."""
+    """Whether decode products run in bf16: asked for (or auto) and native kernels running
+    AVX512_BF16 (fp32 weights: on bf16 copies; int8/int4: widened as they are multiplied, in
+    steps of 12 rows or more). Only an explicit ``bfloat16`` that cannot run warns."""
     if decode_dtype == "float32":
         return False
-    if quantization == "none" and kernels is not None and kernels.isa == ISA:
+    if kernels is not None and kernels.isa == ISA:
         return True
     if decode_dtype == "bfloat16":
         logger.warning(
-            "decode_dtype bfloat16 needs the native kernels on a CPU with AVX512_BF16 and "
-            "fp32 weights (quantization none; this CPU's kernels: %s): decode runs in the "
-            "layers' own precision",
+            "decode_dtype bfloat16 needs the native kernels on a CPU with AVX512_BF16 (this "
+            "CPU's kernels: %s): decode runs in the layers' own precision",
             "none" if kernels is None else kernels.isa,
         )
     return False
 
 
 def install_bf16_decode(
-    model: Any, logits: Callable[[torch.Tensor], torch.Tensor], gate: Bf16Gate | None
+    model: Any,
+    logits: Callable[[torch.Tensor], torch.Tensor],
+    gate: Bf16Gate | None,
+    *,
+    native_step: bool = False,
 ) -> Bf16Gate | None:
     """Give the decoder's fp32 native layers (and the output projection, when native) their
     packed bf16 weights (:func:`~slotserve.engine.core.kernels.pack_bf16`), sharing ``gate`` (a
     new one if None); returns the gate, or None when no layer is native fp32 (the kernels are
-    then not in use)."""
-    layers = [layer for layer in decoder_linears(model) if layer.weight_fp32 is not None]
+    then not in use). int8/int4 layers get no copy: where decode runs in the native step
+    (``native_step``), its steps of 12 rows or more widen their weights as they multiply
+    (``kernels/quantized_bf16.c``); the output projection stays int8."""
+    linears = decoder_linears(model)
+    layers = [layer for layer in linears if layer.weight_fp32 is not None]
+    quantized = [layer for layer in linears if layer.format in ("int8", "int4")]
+    if not layers and native_step and quantized and len(quantized) == len(linears):
+        logger.info(
+            "decode products in bfloat16 in steps of 12 rows or more (VDPBF16PS on %d layers' "
+            "%s weights widened as they are multiplied; fewer rows stream them in fp32)",
+            len(quantized),
+            quantized[0].format,
+        )
+        return gate or Bf16Gate(on=False)
     if not layers:
         logger.info("decode products in float32: the decoder's layers are not native fp32")
         return None

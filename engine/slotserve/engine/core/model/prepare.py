@@ -113,6 +113,7 @@ def prepare_model(
     units = bf16_units() if prefill_dtype != "float32" else []
     decode_bf16 = wants_bf16_decode(decode_dtype, quantization, kernels)
     eligible = step_eligible(model)
+    native_step = native_decode and kernels is not None and eligible
     layers = set_up_linears(
         model,
         kernels,
@@ -120,20 +121,20 @@ def prepare_model(
         quantization=quantization,
         num_slots=max_rows,
         calibration=calibration,
-        native_step=native_decode and kernels is not None and eligible,
+        native_step=native_step,
         native_for_prefill=native_decode
         and eligible
         and wants_bf16_prefill(prefill_dtype, quantization, units),
         decode_bf16=decode_bf16,
     )
     prefill_gate = install_bf16_prefill(
-        model,
-        prefill_dtype,
-        units,
-        kernels,
-        native_step=native_decode and kernels is not None and eligible,
+        model, prefill_dtype, units, kernels, native_step=native_step
     )
-    decode_gate = install_bf16_decode(model, layers.logits, prefill_gate) if decode_bf16 else None
+    decode_gate = (
+        install_bf16_decode(model, layers.logits, prefill_gate, native_step=native_step)
+        if decode_bf16
+        else None
+    )
     return PreparedModel(
         model=model,
         logits=layers.logits,
