@@ -129,7 +129,7 @@ def test_int4_steps_equal_the_bf16_steps_on_the_dequantized_weights(
     runner = model_runner(engine)
     assert runner.prefill_bf16 and runner.decode_bf16 and runner.native_step is not None
     assert runner.native_step.quantized_bf16 and runner.native_step.prefill
-    assert "int4 weights widened to bf16 as they are multiplied, no copy kept" in caplog.text
+    assert "decoder's int4 weights widened to bf16 as they are multiplied, no copy" in caplog.text
     assert "decode products in bfloat16 in steps of 12 rows or more" in caplog.text
     # No layer holds a bf16 copy: the point of quantizing is the memory.
     assert all(

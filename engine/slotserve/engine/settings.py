@@ -83,10 +83,11 @@ class EngineSettings(BaseSettings):
     decode_dtype: PrefillDType = Field(
         "auto",
         description="CPU decode products (rows the native kernels take: decode rows, small "
-        "chunks) and the output projection: auto (bfloat16 on CPUs with AVX512_BF16 and native "
-        "fp32 layers, else float32), float32, or bfloat16 (bf16 weight copies multiplied by "
-        "VDPBF16PS, rows rounded to bf16, fp32 accumulation; refused with a warning where the "
-        "CPU lacks AVX512_BF16). Requests scoring their prompt (prompt logprobs) stay float32.",
+        "chunks) and the output projection: auto (bfloat16 where the native kernels run "
+        "AVX512_BF16, else float32), float32, or bfloat16 (bf16 weight copies multiplied by "
+        "VDPBF16PS, or int8/int4 weights widened to bf16 in steps of 12 rows or more; rows "
+        "rounded to bf16, fp32 accumulation; refused with a warning where the CPU lacks "
+        "AVX512_BF16). Requests scoring their prompt (prompt logprobs) stay float32.",
     )
     kv_cache_dtype: KVCacheDType = Field(
         "auto",

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from slotserve.engine.core.kernels import NativeKernels, pack_bf16
-from slotserve.engine.core.model.bf16_prefill import decoder_linears
+from slotserve.engine.core.model.bf16_prefill import decoder_linears, quantized_format
 from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear
 from slotserve.engine.settings import PrefillDType
 
@@ -76,17 +76,15 @@ def install_bf16_decode(
     then not in use). int8/int4 layers get no copy: where decode runs in the native step
     (``native_step``), its steps of 12 rows or more widen their weights as they multiply
     (``kernels/quantized_bf16.c``); the output projection stays int8."""
-    linears = decoder_linears(model)
-    layers = [layer for layer in linears if layer.weight_fp32 is not None]
-    quantized = [layer for layer in linears if layer.format in ("int8", "int4")]
-    if not layers and native_step and quantized and len(quantized) == len(linears):
+    quantized = quantized_format(model)
+    if quantized and native_step:
         logger.info(
-            "decode products in bfloat16 in steps of 12 rows or more (VDPBF16PS on %d layers' "
-            "%s weights widened as they are multiplied; fewer rows stream them in fp32)",
-            len(quantized),
-            quantized[0].format,
+            "decode products in bfloat16 in steps of 12 rows or more (VDPBF16PS on the "
+            "decoder's %s weights widened as they are multiplied; fewer rows stream them in fp32)",
+            quantized,
         )
         return gate or Bf16Gate(on=False)
+    layers = [layer for layer in decoder_linears(model) if layer.weight_fp32 is not None]
     if not layers:
         logger.info("decode products in float32: the decoder's layers are not native fp32")
         return None

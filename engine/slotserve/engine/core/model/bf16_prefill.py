@@ -67,6 +67,13 @@ def decoder_linears(model: Any) -> list[NativeLinear]:
     return list(found.values())
 
 
+def quantized_format(model: Any) -> str | None:
+    """``int8`` or ``int4`` when every decoder linear of ``model`` is native and quantized to it
+    (their products can take bf16 rows: ``kernels/quantized_bf16.c``), else None."""
+    formats = {layer.format for layer in decoder_linears(model)}
+    return formats.pop() if formats in ({"int8"}, {"int4"}) else None
+
+
 def wants_bf16_prefill(prefill_dtype: PrefillDType, quantization: str, units: list[str]) -> bool:
     """Whether the linear setup should keep native fp32 layers for bf16 prefill (asked for or
     auto, fp32 weights, a CPU with bf16 ``units``): decided before the layers are chosen."""
@@ -108,21 +115,18 @@ def install_bf16_prefill(
             "emulated, slower than fp32): prefill runs in float32"
         )
         return None
-    linears = decoder_linears(model)
-    layers = [layer for layer in linears if layer.weight_fp32 is not None]
-    quantized = [layer for layer in linears if layer.format in ("int8", "int4")]
-    every_quantized = bool(quantized) and len(quantized) == len(linears)
-    if not layers and every_quantized and native_step and packed_route(units, kernels):
+    quantized = quantized_format(model)
+    if quantized and native_step and packed_route(units, kernels):
         # int8/int4 layers keep no bf16 copy: the native step widens their weights to bf16 a
         # few channels at a time as it multiplies (kernels/quantized_bf16.c).
         logger.info(
-            "prefill products in bfloat16 on %s (native kernels, VDPBF16PS): %d decoder layers' "
-            "%s weights widened to bf16 as they are multiplied, no copy kept",
+            "prefill products in bfloat16 on %s (native kernels, VDPBF16PS): the decoder's %s "
+            "weights widened to bf16 as they are multiplied, no copy kept",
             "+".join(units),
-            len(quantized),
-            quantized[0].format,
+            quantized,
         )
         return Bf16Gate(on=False)
+    layers = [layer for layer in decoder_linears(model) if layer.weight_fp32 is not None]
     if not layers:
         if not explicit:
             logger.info("prefill products in float32: the decoder's layers are not native fp32")
