@@ -418,7 +418,8 @@ def test_with_vdpbf16ps_the_step_fuses_its_layers_on_bf16_rows_bit_for_bit(tiny_
     engine = native_bf16_engine(tiny_model_dir, max_batch_size=3)
     # 40 + 51 + 62 prompt rows in one prefill step, then decode steps of 3 rows.
     prompts = [[(i * 17 + 3 * j) % 4000 + 50 for i in range(40 + 11 * j)] for j in range(3)]
-    amx = kernels.set_amx(False)
+    amx = kernels.amx  # set_amx returns what runs after it, not before
+    kernels.set_amx(False)
     figures, runs = [], []
     try:
         for fused in (True, False):
