@@ -285,7 +285,7 @@ class NativeKernels:
     ) -> torch.Tensor:
         """``x @ W.T`` for int8 (``minimum`` None) or int4 weights (:meth:`quantize_q8`,
         :meth:`quantize_q4`) with the rows of x and the dequantized weights rounded to bf16 and
-        the products accumulated in fp32: what a quantized model's prefill chunks take where the
+        the products accumulated in fp32: what a quantized model's wide steps take where the
         kernels run AVX512_BF16 (VDPBF16PS; the plain C reference elsewhere)."""
         m, k, out = self._begin(x, q.shape[0])
         kind, dtype, width = (1, torch.int8, k) if minimum is None else (2, torch.uint8, k // 2)

@@ -93,8 +93,8 @@ int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, co
                       const float *minimum, int64_t n, float *y, int threads, struct scratch *s);
 /* int8 (kind Q8) or int4 (Q4) weights, k a multiple of 32, with the rows of x rounded to bf16
  * and the weights widened to bf16 (quantized_bf16.c): what a quantized model's prefill chunks
- * take where the CPU has AVX512_BF16 (llama_step.c's bf16_quantized). Returns 0, or -1 when a
- * buffer could not be allocated or the kind or k is not one it takes. */
+ * and wide decode steps take where the CPU has AVX512_BF16 (llama_step.c's bf16_quantized).
+ * Returns 0, or -1 when a buffer could not be allocated or the kind or k is not one it takes. */
 int slotserve_gemm_quantized_bf16(int kind, const float *x, int64_t m, int64_t k, const void *data,
                                   const float *scale, const float *minimum, int64_t n, float *y,
                                   int threads, struct scratch *s);

@@ -1,14 +1,14 @@
 /* Quantized weights (int8, int4: products.c's formats) against rows rounded to bf16: the
- * products of a quantized model's prefill chunks on CPUs with AVX512_BF16 (the step's
- * bf16_quantized, llama_step.c).
+ * products of a quantized model's steps of QUANTIZED_BF16_ROWS rows or more (prefill chunks,
+ * wide decode steps) on CPUs with AVX512_BF16 (the step's bf16_quantized, llama_step.c).
  *
  * Why: those products ran in fp32 on the unpacked weights (the panels), where VDPBF16PS does
- * twice the multiply-adds an instruction; on a 2-core Zen 4 an int4 model prefilled at ~0.45x
+ * twice the multiply-adds an instruction; on a 2-core Zen 4 an int4 model prefilled at ~0.43x
  * the prompt tokens a second of the default (fp32 weights with bf16 copies). Keeping bf16
  * copies of quantized weights would undo what quantizing saves in memory, so each task widens
  * its QUANT_BLOCKS blocks of 16 channels to packed bf16 (kernels.h's layout: the bits
  * kernels.pack_bf16 gives the dequantized weights) once per call, into a buffer of its thread's,
- * and every row of the chunk then passes over them (bf16_avx512.c's tiles): the widening is
+ * and every row of the step then passes over them (bf16_avx512.c's tiles): the widening is
  * about 1 / m of the products' work.
  *
  * The plain C version runs on any CPU and is the reference the tests hold the vector one to:
@@ -75,7 +75,7 @@ QBF16_TARGET static inline void transpose_units(const __m512i r[16], int32_t *ou
  * channel's weights 2p and 2p + 1 side by side, channel c in the 32 bits at 4c. Each channel's
  * run of 32 floats rounds to 16 such pairs (VCVTNE2PS2BF16, nearest even); 16 channels' runs
  * are one 16 x 16 matrix of pairs whose transpose is 16 lines of the block (a scatter of each
- * run into its column took ~5x as long). */
+ * run into its column took ~3.5x as long: at 32 rows the widening was most of the product). */
 QBF16_TARGET static void pack_block(const float *wide, int64_t k, uint16_t *out) {
     int32_t *lines = (int32_t *)out;
     for (int64_t p = 0; p < k / 2; p += 16) {
