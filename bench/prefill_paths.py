@@ -82,7 +82,7 @@ def set_path(engine: LLMEngine, path: str, plain: dict[NativeLinear, torch.Tenso
     runner.native_step.prefill = path.startswith("native")
     # oneDNN: the step's callback for its wide products, the layers' plain copies for theirs;
     # packed: neither, so every product takes the packed weights.
-    runner.native_step.bf16_products = path.endswith("onednn") and bool(plain)
+    runner.native_step.bf16_products = path.endswith("onednn")
     for layer, weight in plain.items():
         layer.weight_bf16 = weight if path.endswith("onednn") else None
 

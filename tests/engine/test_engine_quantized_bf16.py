@@ -75,6 +75,8 @@ def test_the_rows_and_the_widened_weights_multiply_as_their_bf16_roundings(
 def test_tensors_that_are_not_quantize_outputs_are_refused(kernels):
     x = torch.randn(4, 64)
     (q, scale, minimum), _ = quantized(kernels, torch.randn(16, 64), "int4")
+    # No rows: an empty result, as gemm_q4 gives (not an allocation error).
+    assert kernels.gemm_quantized_bf16(torch.zeros(0, 64), q, scale, minimum).shape == (0, 16)
     with pytest.raises(ValueError, match="gemm_quantized_bf16"):
         kernels.gemm_quantized_bf16(x, q.view(torch.int8), scale, minimum)  # int4 bytes as int8
     with pytest.raises(ValueError, match="gemm_quantized_bf16"):
