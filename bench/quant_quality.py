@@ -91,10 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--engine",
         nargs="*",
-        choices=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "int16"],
         default=[],
-        help="also score a slotserve engine with these product dtypes (prefill and decode), "
-        "--step and --prefill-step tokens a step: the engine's own kernels, bf16 ones included",
+        help="also score a slotserve engine with these product dtypes (prefill and decode; "
+        "int16: prefill, where the kernels run AVX512_VNNI), --step and --prefill-step tokens a "
+        "step: the engine's own kernels, bf16 and int16 ones included",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         kv_label = "-kv16" if kv == "float16" else ""
         weights = "" if args.engine_quantization == "none" else f"{args.engine_quantization}-"
-        mode = f"engine-{weights}{'bf16' if dtype == 'bfloat16' else 'fp32'}{kv_label}{label}"
+        short = {"bfloat16": "bf16", "int16": "int16"}.get(dtype, "fp32")
+        mode = f"engine-{weights}{short}{kv_label}{label}"
         rows[mode] = compare(reference_scores, engine_score(engine, token_ids, window, step))
         print(f"  {mode}: {step} tokens a step, loaded in {seconds:.1f} s")
         del engine

@@ -30,6 +30,11 @@ THRESHOLDS = {
     # The fp16 KV cache is a default (where the native kernels run): the same bar.
     "engine-fp32-kv16": (0.99, 0.005), "engine-fp32-kv16-prefill": (0.99, 0.005),
     "engine-bf16-kv16": (0.99, 0.005), "engine-bf16-kv16-prefill": (0.99, 0.005),
+    # int16 prefill products are a default (CPUs with AVX512_VNNI, no bf16 units): the same bar.
+    **{
+        f"engine-int16{kv}{step}": (0.99, 0.005)
+        for kv in ("", "-kv16") for step in ("", "-prefill")
+    },
     # Simulated KV cache formats (--simulate-kv) would be defaults: the same bar.
     **{f"kv-{mode}": (0.99, 0.005) for mode in KV_MODES},
     # Quantized engines (--engine-quantization) are held to their weights' bars, whatever
@@ -150,24 +155,25 @@ def engine_score(engine: Any, token_ids: list[int], window: int, step: int) -> S
 
 def load_engine(
     source: str,
-    dtype: Literal["float32", "bfloat16"],
+    dtype: Literal["float32", "bfloat16", "int16"],
     window: int,
     step: int,
     kv_cache_dtype: Literal["float32", "float16"] = "float32",
     quantization: Literal["none", "int8", "int4"] = "none",
 ) -> tuple[Any, float]:
     """A slotserve engine on ``source`` whose prefill and decode products run in ``dtype``
-    (bfloat16 or float32), scoring prompts in that dtype too (the engine scores them in fp32),
-    ``step`` tokens a step, its KV cache in ``kv_cache_dtype``; returns it and the load
-    seconds; ``quantization`` int8/int4 quantizes its layers (bf16 products then widen the
-    weights as they multiply)."""
+    (bfloat16 or float32; int16: prefill only, decode in float32), scoring prompts in that
+    dtype too (the engine scores them in fp32), ``step`` tokens a step, its KV cache in
+    ``kv_cache_dtype``; returns it and the load seconds; ``quantization`` int8/int4 quantizes
+    its layers (bf16 products then widen the weights as they multiply)."""
     from slotserve.engine.core.engine import LLMEngine
     from slotserve.engine.core.model.runner import ModelRunner
     from slotserve.engine.settings import EngineSettings
 
     start = time.perf_counter()
     settings = EngineSettings(
-        model=source, prefill_dtype=dtype, decode_dtype=dtype, max_batch_size=1,
+        model=source, prefill_dtype=dtype,
+        decode_dtype="float32" if dtype == "int16" else dtype, max_batch_size=1,
         max_batched_tokens=step, max_model_len=window + 16, enable_prefix_caching=False,
         kv_cache_dtype=kv_cache_dtype, quantization=quantization,
     )  # fmt: skip

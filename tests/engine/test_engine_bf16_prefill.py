@@ -210,9 +210,15 @@ def test_auto_takes_bf16_where_it_can_run_and_fp32_silently_elsewhere(
     engine = make_engine(tiny_model_dir, prefill_dtype="auto", linear_backend="native")
     assert model_runner(engine).prefill_bf16
     monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**identity, "cpu_flags": "avx2 fma"})
-    with caplog.at_level(logging.INFO, logger=bf16_prefill.__name__):
-        engine = make_engine(tiny_model_dir, prefill_dtype="auto", linear_backend="native")
-        quantized = make_engine(tiny_model_dir, prefill_dtype="auto", quantization="int8")
+    # An AVX2 CPU: no bf16 units, and no AVX512_VNNI for int16 products (int16_prefill.py).
+    kernels = load_kernels(CommonSettings().home)
+    kernels.set_isa("avx2_fma")
+    try:
+        with caplog.at_level(logging.INFO, logger=bf16_prefill.__name__):
+            engine = make_engine(tiny_model_dir, prefill_dtype="auto", linear_backend="native")
+            quantized = make_engine(tiny_model_dir, prefill_dtype="auto", quantization="int8")
+    finally:
+        kernels.set_isa(ISAS[-1])
     assert not model_runner(engine).prefill_bf16 and not model_runner(quantized).prefill_bf16
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # auto never warns
     assert "prefill products in float32: no bf16 units" in caplog.text

@@ -118,8 +118,16 @@ def test_the_enums_match_what_python_passes():
     kind = re.search(r"enum kind \{([^}]*)\}", HEADER)
     assert kind is not None
     kinds = dict(re.findall(r"(\w+) = (\d+)", kind.group(1)))
-    assert {k: int(v) for k, v in kinds.items()} == {"F32": 0, "Q8": 1, "Q4": 2, "BF16": 3}
-    assert native_decode.KINDS == {"float32": 0, "int8": 1, "int4": 2, "bfloat16": 3}
+    assert {k: int(v) for k, v in kinds.items()} == {
+        "F32": 0,
+        "Q8": 1,
+        "Q4": 2,
+        "BF16": 3,
+        "I16": 4,
+    }
+    assert native_decode.KINDS == {
+        "float32": 0, "int8": 1, "int4": 2, "bfloat16": 3, "int16": 4
+    }  # fmt: skip
     isa = re.search(r"enum \{ (ISA_C[^}]*)\}", HEADER)
     assert isa is not None
     levels = [int(v) for _, v in re.findall(r"(ISA_\w+) = (\d+)", isa.group(1))]

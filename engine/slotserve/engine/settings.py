@@ -29,7 +29,8 @@ from slotserve.engine.core.tool_parsers import ToolParserName
 LinearBackend = Literal["auto", "onednn", "aten", "native"]
 DecodeStep = Literal["auto", "classic", "static", "compiled"]
 OverlapSteps = Literal["auto", "on", "off"]
-PrefillDType = Literal["auto", "float32", "bfloat16"]
+PrefillDType = Literal["auto", "float32", "bfloat16", "int16"]
+DecodeDType = Literal["auto", "float32", "bfloat16"]
 KVCacheDType = Literal["auto", "float32", "float16"]
 
 
@@ -74,13 +75,17 @@ class EngineSettings(BaseSettings):
         "auto",
         description="CPU prefill products (chunks wider than the native kernels take): auto "
         "(bfloat16 on CPUs with AMX-BF16 or AVX512_BF16 and native fp32 layers, or int8/int4 "
-        "layers where the native kernels run AVX512_BF16; else float32), float32, or bfloat16 "
+        "layers where the native kernels run AVX512_BF16; int16 on CPUs with AVX512_VNNI and no "
+        "bf16 units and native fp32 layers; else float32), float32, bfloat16 "
         "(bf16 weight copies, or int8/int4 weights widened to bf16 as they are multiplied; "
         "activations rounded to bf16, fp32 accumulation; refused with a warning where the CPU "
-        "would emulate it). Requests scoring "
+        "would emulate it), or int16 "
+        "(int16 weight copies and activations multiplied by VPDPWSSD, exact integer sums per "
+        "64 columns, fp32 accumulation; refused with a warning without AVX512_VNNI or where "
+        "the layers are not native fp32). Requests scoring "
         "their prompt (prompt logprobs) stay float32; decode_dtype sets the decode products.",
     )
-    decode_dtype: PrefillDType = Field(
+    decode_dtype: DecodeDType = Field(
         "auto",
         description="CPU decode products (rows the native kernels take: decode rows, small "
         "chunks) and the output projection: auto (bfloat16 where the native kernels run "

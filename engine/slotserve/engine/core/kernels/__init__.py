@@ -46,6 +46,7 @@ __all__ = [
     "load_kernels",
     "load_library",
     "pack_bf16",
+    "pack_int16",
     "prebuild",
 ]
 
@@ -134,6 +135,12 @@ class NativeKernels:
         ``avx512_bf16`` is in use and they are not turned off."""
         return bool(self._lib.slotserve_kernel_amx())
 
+    @property
+    def vnni(self) -> bool:
+        """Whether int16 products (:meth:`gemm_int16`) run on AVX512_VNNI's VPDPWSSD: the CPU
+        has it and ``avx512`` or wider is in use (else plain C, to the bit the same results)."""
+        return bool(self._lib.slotserve_kernel_vnni())
+
     def set_amx(self, enabled: bool) -> bool:
         """Turn the AMX tiles on (where they can run) or off (tests, benchmarks); returns
         :attr:`amx`."""
@@ -176,6 +183,41 @@ class NativeKernels:
             k,
             weight.data_ptr(),
             weight.shape[0],
+            out.data_ptr(),
+            _threads(),
+        )
+        return out
+
+    def gemm_int16(
+        self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int
+    ) -> torch.Tensor:
+        """``x @ W.T`` for the ``n`` channels of ``packed`` and ``scale`` (:func:`pack_int16`'s
+        layout): x's rows scaled to int16 per group of 64 columns, exact int32 sums per group,
+        then fp32 (``kernels/int16_vnni.c``)."""
+        m, k, out = self._begin(x, n)
+        blocks = -(-n // 16)
+        if (
+            packed.dtype != torch.int16
+            or not packed.is_contiguous()
+            or tuple(packed.shape) != (blocks, k // 2, 16, 2)
+            or k % 2
+            or scale.dtype != torch.float32
+            or not scale.is_contiguous()
+            or scale.numel() != blocks * 16
+        ):
+            raise ValueError(
+                f"gemm_int16 takes packed int16 weights [{blocks}, {k // 2}, 16, 2] and "
+                f"{blocks * 16} fp32 scales for {n} channels of {k} (pack_int16), got "
+                f"{packed.dtype} {tuple(packed.shape)} and {scale.dtype} {tuple(scale.shape)}"
+            )
+        self._run(
+            self._lib.slotserve_gemm_int16,
+            x.data_ptr(),
+            m,
+            k,
+            packed.data_ptr(),
+            scale.data_ptr(),
+            n,
             out.data_ptr(),
             _threads(),
         )
@@ -524,6 +566,32 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return w.view(blocks, 16, k // 2, 2).transpose(1, 2).contiguous()
 
 
+# The packed int16 weights' bound (int16_vnni.c): 64 products of it and the rows' 4095 fit int32.
+INT16_WEIGHT_MAX = 8191
+
+
+def pack_int16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [N, K] (K even) as :meth:`NativeKernels.gemm_int16` reads it: each channel
+    scaled to integers within +-8191 (nearest even; its scale its largest magnitude / 8191),
+    laid out as :func:`pack_bf16`'s blocks; returns the integers [ceil(N/16), K/2, 16, 2] and
+    the scales [ceil(N/16) * 16] (zeros past N)."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"packed int16 weights need an even K, got {k}")
+    w = weight.detach().float()
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("packed int16 weights need finite weights")
+    blocks = -(-n // 16)
+    scale = w.abs().amax(1) / INT16_WEIGHT_MAX
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(w * inverse[:, None]).clamp_(-INT16_WEIGHT_MAX, INT16_WEIGHT_MAX)
+    q = q.to(torch.int16)
+    if blocks * 16 != n:
+        q = torch.cat([q, q.new_zeros(blocks * 16 - n, k)])
+        scale = torch.cat([scale, scale.new_zeros(blocks * 16 - n)])
+    return q.view(blocks, 16, k // 2, 2).transpose(1, 2).contiguous(), scale.contiguous()
+
+
 def _weight(weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     w = weight.detach().float().contiguous()
     n, k = w.shape
@@ -553,7 +621,8 @@ def load_kernels(home: Path) -> NativeKernels:
         built.seconds,
         {
             "avx512_bf16": "AVX512_BF16 bf16 products, AVX-512 fp32 panels, AVX2/FMA elsewhere",
-            "avx512": "AVX-512 fp32 panels, AVX2/FMA elsewhere",
+            "avx512": "AVX-512 fp32 panels, AVX2/FMA elsewhere"
+            + (", AVX512_VNNI int16 products" if kernels.vnni else ""),
             "avx2_fma": "AVX2/FMA",
             "plain_c": "plain C (no AVX2/FMA on this CPU)",
         }[kernels.isa]

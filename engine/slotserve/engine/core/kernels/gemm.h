@@ -47,7 +47,7 @@ int gemm_bf16_avx512(const float *x, int64_t m, int64_t k, const uint16_t *w, in
 /* Bytes of one output channel's weights (and scales, minimums). */
 static inline int64_t channel_bytes(enum kind kind, int64_t k) {
     if (kind == F32) return 4 * k;
-    if (kind == BF16) return 2 * k;
+    if (kind == BF16 || kind == I16) return 2 * k;
     if (kind == Q8) return k + 4 * (k / GROUP);
     return k / 2 + 8 * (k / GROUP);
 }
@@ -75,7 +75,7 @@ static inline void prefetch_span(const void *start, int64_t bytes);
 /* The weights (and scales, minimums) of channels [c, c + count). */
 static inline void prefetch_channels(struct weights w, int64_t c, int64_t count, int64_t k) {
     const int64_t groups = k / GROUP;
-    if (w.kind == F32 || w.kind == BF16) {
+    if (w.kind == F32 || w.kind == BF16 || w.kind == I16) {
         prefetch_span((const char *)w.data + c * channel_bytes(w.kind, k),
                       channel_bytes(w.kind, k) * count);
         return;

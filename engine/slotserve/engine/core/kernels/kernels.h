@@ -11,12 +11,13 @@
 #include <stdint.h>
 
 /* Raised whenever a prototype below changes: a library of another ABI is never loaded. */
-#define SLOTSERVE_KERNEL_ABI 16
+#define SLOTSERVE_KERNEL_ABI 17
 /* Quantized weights per scale (and minimum) along K, both quantized formats. */
 #define SLOTSERVE_KERNEL_GROUP 32
 
 /* Weight formats (native_decode.py's KINDS, slotserve_dequantize's `kind`). */
-enum kind { F32 = 0, Q8 = 1, Q4 = 2, BF16 = 3 }; /* BF16: packed (slotserve_gemm_bf16) */
+/* BF16: packed (slotserve_gemm_bf16); I16: packed int16 (slotserve_gemm_int16). */
+enum kind { F32 = 0, Q8 = 1, Q4 = 2, BF16 = 3, I16 = 4 };
 
 /* Instruction sets, narrowest first (kernels/__init__.py's ISAS): what slotserve_kernel_isa()
  * returns (nonzero: the AVX2/FMA code of every kernel runs; ISA_AVX512: the fp32 panel products
@@ -59,6 +60,9 @@ int slotserve_kernel_set_isa(int level);
  * returns what runs. */
 int slotserve_kernel_amx(void);
 int slotserve_kernel_set_amx(int enabled);
+/* int16_vnni.c: whether int16 products run VPDPWSSD (the CPU has AVX512_VNNI and the ISA in use
+ * is ISA_AVX512 or wider); else they run the plain C version, to the bit the same results. */
+int slotserve_kernel_vnni(void);
 /* llama_step.c: whether the native step fuses its layers (the norms writing the products' bf16
  * rows, one MLP call, o and down added into the residual stream) where its products are bf16;
  * on by default, turned off by tests to compare with the products one by one. Returns it. */
@@ -98,6 +102,13 @@ int slotserve_gemm_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, co
 int slotserve_gemm_quantized_bf16(int kind, const float *x, int64_t m, int64_t k, const void *data,
                                   const float *scale, const float *minimum, int64_t n, float *y,
                                   int threads, struct scratch *s);
+/* Packed int16 weights (k even): packed bf16's layout holding integers within +-8191, each
+ * channel's scale in scale[ceil(N/16) * 16] (zeros past N): weight = integer * scale. The rows of
+ * x are scaled to integers within +-4095 per group of 64 columns, each group's int32 sums exact,
+ * then scaled and summed in fp32 (int16_vnni.c: VPDPWSSD where slotserve_kernel_vnni()). Returns
+ * 0, or -1 when a buffer could not be allocated or k is odd. */
+int slotserve_gemm_int16(const float *x, int64_t m, int64_t k, const int16_t *w, const float *scale,
+                         int64_t n, float *y, int threads, struct scratch *s);
 /* A decoder's MLP on packed bf16 weights: y[m, hidden] = down(silu(gate(x)) * up(x)), gate_up
  * the gate's and the up's inter channels stacked, down hidden channels of inter. One fused pass
  * on the AMX tiles where they run (gemm_amx.c), or on VDPBF16PS where the kernels run

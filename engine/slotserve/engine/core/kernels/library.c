@@ -13,6 +13,7 @@
 #include "qgemm_avx512.c"
 #include "bf16_avx512.c"
 #include "quantized_bf16.c"
+#include "int16_vnni.c"
 #include "attention_block.c"
 #include "attention_bf16.c"
 #include "attention_amx.c"

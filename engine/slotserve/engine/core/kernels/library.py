@@ -63,6 +63,7 @@ SOURCES = (
     HERE / "qgemm_avx512.c",
     HERE / "bf16_avx512.c",
     HERE / "quantized_bf16.c",
+    HERE / "int16_vnni.c",
     HERE / "attention_block.c",
     HERE / "attention_bf16.c",
     HERE / "attention_amx.c",

@@ -12,8 +12,8 @@
 
 struct weights {
     enum kind kind;
-    const void *data;     /* float[N,K], int8[N,K] or uint8[N,K/2] */
-    const float *scale;   /* Q8, Q4: [N, K/32] */
+    const void *data;     /* float[N,K], int8[N,K], uint8[N,K/2] or packed (BF16, I16) */
+    const float *scale;   /* Q8, Q4: [N, K/32]; I16: [ceil(N/16) * 16] */
     const float *minimum; /* Q4: [N, K/32] */
 };
 
@@ -139,6 +139,10 @@ void bf16_task_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w,
  * plain C reference); k % 32 == 0. Returns 0, or -1 (a buffer, or weights not quantized). */
 int gemm_quantized_bf16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
                         int threads, struct scratch *s);
+/* int16_vnni.c: y = x . W^T (or y + x . W^T when `add`) on packed int16 weights (kind I16,
+ * scale: the channels' scales), k even. Returns 0, or -1 (a buffer, or weights not I16). */
+int gemm_int16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y, int add,
+               int threads, struct scratch *s);
 /* gemm_amx.c, for a step that lays its rows out as the tiles read them (llama_step.c): row i of
  * k floats, times weight (k floats, or NULL) and scale as an RMS norm scales it, into A tiles xt
  * (bf16, [rows / 16][k / 32][16][32], rows m rounded up to 32; NULL row: zeros), and the two

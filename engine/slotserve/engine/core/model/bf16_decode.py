@@ -37,7 +37,7 @@ import torch
 from slotserve.engine.core.kernels import NativeKernels, pack_bf16
 from slotserve.engine.core.model.bf16_prefill import decoder_linears, quantized_format
 from slotserve.engine.core.model.native_linear import Bf16Gate, NativeLinear
-from slotserve.engine.settings import PrefillDType
+from slotserve.engine.settings import DecodeDType
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ ISA = "avx512_bf16"  # the kernels' instruction set that multiplies bf16 nativel
 
 
 def wants_bf16_decode(
-    decode_dtype: PrefillDType, quantization: str, kernels: NativeKernels | None
+    decode_dtype: DecodeDType, quantization: str, kernels: NativeKernels | None
 ) -> bool:
     """Whether decode products run in bf16: asked for (or auto) and native kernels running
     AVX512_BF16 (fp32 weights: on bf16 copies; int8/int4: widened as they are multiplied, in

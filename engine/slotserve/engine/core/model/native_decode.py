@@ -40,7 +40,7 @@ from slotserve.engine.core.model.native_rows_watch import STEP_OBSERVER
 logger = logging.getLogger(__name__)
 
 PRODUCTS = 4  # q/k/v, o, gate/up, down: the order of struct step_layer's arrays
-KINDS = {"float32": 0, "int8": 1, "int4": 2, "bfloat16": 3}  # enum kind in kernels.h
+KINDS = {"float32": 0, "int8": 1, "int4": 2, "bfloat16": 3, "int16": 4}  # enum kind in kernels.h
 # Decoder layers and norms whose forward is exactly Llama's (transformers 5.x; Qwen2 adds a
 # q/k/v bias, which the native layers carry; sliding windows are refused by the runner).
 LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
@@ -224,9 +224,10 @@ class NativeDecodeStep:
             kv_half=int(k_cache[0].dtype == torch.float16),
         )
         self._layers = layers  # the struct points into it
-        # The same layers on the packed bf16 weights (use_packed_bf16), for steps with the gate
-        # on; None: every step multiplies the layers' own weights.
-        self._layers_bf16: Any = None
+        # The same layers on the packed bf16 weights (use_packed_bf16) or the packed int16 ones
+        # (use_packed_int16), for steps with the gate on; None: every step multiplies the
+        # layers' own weights.
+        self._layers_gated: Any = None
         self.struct.wide_rows = NEVER
         # bf16 prefill products (use_bf16_products): the layers' bf16 weights, the gate that
         # turns them off for a step, the callback the C code calls and what it raised.
@@ -275,7 +276,26 @@ class NativeDecodeStep:
                 layers[index].kind[slot] = KINDS["bfloat16"]
                 layers[index].data[slot] = weight.data_ptr()
                 layers[index].scale[slot] = layers[index].minimum[slot] = None
-        self._layers_bf16 = layers
+        self._layers_gated = layers
+        self._gate = gate
+        return True
+
+    def use_packed_int16(self, gate: Bf16Gate) -> bool:
+        """Multiply on the layers' packed int16 weights (``kernels/int16_vnni.c``) while
+        ``gate`` is on: every product of the step. False if a layer has no int16 weights."""
+        if any(linear.weight_int16 is None for linear in self._linears):
+            return False
+        layers = (StepLayer * len(self._layers))()
+        for index, entry in enumerate(self._layers):
+            ctypes.memmove(ctypes.byref(layers[index]), ctypes.byref(entry), ctypes.sizeof(entry))
+            for slot in range(PRODUCTS):
+                linear = self._linears[index * PRODUCTS + slot]
+                assert linear.weight_int16 is not None and linear.scale_int16 is not None
+                layers[index].kind[slot] = KINDS["int16"]
+                layers[index].data[slot] = linear.weight_int16.data_ptr()
+                layers[index].scale[slot] = linear.scale_int16.data_ptr()
+                layers[index].minimum[slot] = None
+        self._layers_gated = layers
         self._gate = gate
         return True
 
@@ -355,8 +375,8 @@ class NativeDecodeStep:
         if self._gate is not None:
             on = self._gate.on
             self.struct.wide_rows = self.onednn_rows if on and self.bf16_products else NEVER
-            packed = on and self._layers_bf16 is not None
-            self.struct.layers = self._layers_bf16 if packed else self._layers
+            packed = on and self._layers_gated is not None
+            self.struct.layers = self._layers_gated if packed else self._layers
             self.struct.bf16_attention = int(on)  # the C code runs it where the CPU can
             self.struct.bf16_quantized = int(on and self.quantized_bf16)
         ids = torch.tensor(token_ids)

@@ -109,6 +109,10 @@ class NativeLinear(nn.Module):
         # kernels (kernels.pack_bf16; bf16_prefill.py, bf16_decode.py).
         self.weight_bf16: torch.Tensor | None = None
         self.weight_packed: torch.Tensor | None = None
+        # An int16 copy and its channel scales (kernels.pack_int16; int16_prefill.py), used
+        # while the gate is on where the kernels run VPDPWSSD.
+        self.weight_int16: torch.Tensor | None = None
+        self.scale_int16: torch.Tensor | None = None
         # Where the CPU has AMX (bf16_prefill.py): bf16 products of this many rows or more run
         # on the plain copy through oneDNN even below the native row limit; an AMX tile holds
         # 16 rows, and from there oneDNN's tiles beat the packed kernels (docs/engine.md).
@@ -125,7 +129,15 @@ class NativeLinear(nn.Module):
 
     def nbytes(self) -> int:
         tensors = [
-            t for t in (self.weight_fp32, self.weight_bf16, self.weight_packed) if t is not None
+            t
+            for t in (
+                self.weight_fp32,
+                self.weight_bf16,
+                self.weight_packed,
+                self.weight_int16,
+                self.scale_int16,
+            )
+            if t is not None
         ]
         tensors += [self.q, self.scale, self.minimum]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -157,6 +169,12 @@ class NativeLinear(nn.Module):
             out = self.kernels.gemm_bf16(rows, self.weight_packed, self.out_features)
             if self.bias is not None:
                 out.add_(self.bias)
+        elif bf16 and self.weight_int16 is not None and self.scale_int16 is not None:
+            out = self.kernels.gemm_int16(
+                rows, self.weight_int16, self.scale_int16, self.out_features
+            )
+            if self.bias is not None:
+                out.add_(self.bias)
         elif wide:
             out = F.linear(rows, self.dense_weight(), self.bias)
         else:
@@ -176,6 +194,7 @@ class NativeLinear(nn.Module):
             f"native up to {self.max_native_rows} rows"
             + (f", bf16 from {self.onednn_rows()} rows" if self.weight_bf16 is not None else "")
             + (", packed bf16" if self.weight_packed is not None else "")
+            + (", packed int16" if self.weight_int16 is not None else "")
         )
 
 

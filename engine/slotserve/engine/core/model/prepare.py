@@ -8,6 +8,7 @@ benchmark one per batch size.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +27,12 @@ from slotserve.engine.core.model.bf16_prefill import (
     wants_bf16_prefill,
 )
 from slotserve.engine.core.model.calibration import CalibrationCache, CalibrationRecord
+from slotserve.engine.core.model.int16_prefill import install_int16_prefill, wants_int16_prefill
 from slotserve.engine.core.model.linear_setup import set_up_linears
 from slotserve.engine.core.model.native_decode import NativeDecodeStep, native_step, step_eligible
-from slotserve.engine.settings import DecodeStep, LinearBackend, PrefillDType
+from slotserve.engine.settings import DecodeDType, DecodeStep, LinearBackend, PrefillDType
+
+logger = logging.getLogger(__name__)
 
 
 def is_static(decode_step: str) -> bool:
@@ -76,7 +80,7 @@ class PreparedModel:
         # widened to bf16 as they are multiplied; a prefill that can have none runs through the
         # layers' torch path.
         callback = step.use_bf16_products(gate)
-        packed = step.use_packed_bf16(gate)
+        packed = step.use_packed_bf16(gate) or step.use_packed_int16(gate)
         quantized = step.use_quantized_bf16(gate)
         if self.bf16_prefill and not (callback or packed or quantized):
             step.prefill = False
@@ -94,7 +98,7 @@ def prepare_model(
     native_decode: bool = True,
     decode_step: DecodeStep = "classic",
     prefill_dtype: PrefillDType = "float32",
-    decode_dtype: PrefillDType = "float32",
+    decode_dtype: DecodeDType = "float32",
 ) -> PreparedModel:
     """Set up ``model``'s layers in place for runners of up to ``max_rows`` slots.
 
@@ -111,7 +115,15 @@ def prepare_model(
         kernels, native_decode, linear_backend = None, False, "aten"
     # The CPU's bf16 units, read once: they decide whether prefill multiplies in bf16.
     units = bf16_units() if prefill_dtype != "float32" else []
+    # int16 prefill (AVX512_VNNI without bf16 units, or asked for) on fp32 weights only.
+    int16 = prefill_dtype == "int16" or (
+        quantization == "none" and wants_int16_prefill(prefill_dtype, units, kernels)
+    )
     decode_bf16 = wants_bf16_decode(decode_dtype, quantization, kernels)
+    if int16 and decode_bf16:
+        # One gate turns a step's narrow products on: a step cannot hold both copies apart.
+        logger.info("decode products in float32: prefill_dtype int16 takes the layers' gate")
+        decode_bf16 = False
     eligible = step_eligible(model)
     native_step = native_decode and kernels is not None and eligible
     layers = set_up_linears(
@@ -124,11 +136,13 @@ def prepare_model(
         native_step=native_step,
         native_for_prefill=native_decode
         and eligible
-        and wants_bf16_prefill(prefill_dtype, quantization, units),
+        and (int16 or wants_bf16_prefill(prefill_dtype, quantization, units)),
         decode_bf16=decode_bf16,
     )
-    prefill_gate = install_bf16_prefill(
-        model, prefill_dtype, units, kernels, native_step=native_step
+    prefill_gate = (
+        install_int16_prefill(model, prefill_dtype, units, kernels)
+        if int16
+        else install_bf16_prefill(model, prefill_dtype, units, kernels, native_step=native_step)
     )
     decode_gate = (
         install_bf16_decode(model, layers.logits, prefill_gate, native_step=native_step)

@@ -1,0 +1,192 @@
+"""int16 prefill products on AVX512_VNNI (issue 24, item 2, for CPUs with VNNI but no bf16
+units): packed int16 weights and rows scaled to int16 per 64 columns, exact int32 sums per
+group, multiplied by VPDPWSSD (``kernels/int16_vnni.c``) where the kernels run AVX-512 on a CPU
+with VNNI; the plain C version computes the same integers and fp32 operations, so the two agree
+to the bit on every shape."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from slotserve.engine.core.kernels import ISAS, NativeKernels, load_kernels, pack_int16
+from slotserve.engine.core.model import bf16_prefill
+from slotserve.engine.core.model.int16_prefill import wants_int16_prefill
+from slotserve.settings import CommonSettings
+from tests.engine.engine_core_support import make_engine, model_runner
+
+
+@pytest.fixture(scope="module")
+def kernels() -> NativeKernels:
+    return load_kernels(CommonSettings().home)
+
+
+@pytest.fixture(params=["plain_c", "vnni"])
+def isa(request, kernels: NativeKernels) -> Iterator[str]:
+    if request.param == "vnni" and not kernels.vnni:
+        pytest.skip("this CPU has no AVX512_VNNI")
+    kernels.set_isa("plain_c" if request.param == "plain_c" else ISAS[-1])
+    try:
+        yield request.param
+    finally:
+        kernels.set_isa(ISAS[-1])
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> float:
+    """The worst error of the product: every row element off by half its group's step (max /
+    4095), every weight by half its channel's (max / 8191), k of them."""
+    k = x.shape[1]
+    return k * x.abs().max().item() * w.abs().max().item() * (0.5 / 4095 + 0.5 / 8191 + 1e-6)
+
+
+# (rows, channels, k): one row and one group; a partial last group (98 = 64 + 34) and a channel
+# count that is no multiple of 16; k = 2; SmolLM2's down and q/k/v shapes; more rows than one
+# span of 256 (two spans, the second short).
+SHAPES = [(1, 16, 64), (3, 33, 98), (9, 100, 2), (17, 576, 1536), (130, 960, 576), (300, 48, 128)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_product_is_within_the_int16_steps_and_both_versions_agree_to_the_bit(
+    kernels, isa, shape
+):
+    m, n, k = shape
+    torch.manual_seed(m * n + k)
+    x = torch.randn(m, k)
+    x[:, :3] *= 40.0  # outlier columns, as a model's activations have: only their group pays
+    w = torch.randn(n, k) * 0.05
+    packed, scale = pack_int16(w)
+    got = kernels.gemm_int16(x, packed, scale, n)
+    reference = x.double() @ w.double().T
+    assert got.shape == (m, n)
+    assert (got.double() - reference).abs().max().item() <= bound(x, w)
+    if isa == "vnni":
+        # The plain C version: the same integers, the same fp32 operations in the same order.
+        kernels.set_isa("plain_c")
+        assert torch.equal(got, kernels.gemm_int16(x, packed, scale, n))
+
+
+def test_every_product_at_its_bound_fits_the_int32_sums(kernels, isa):
+    # Rows and weights at their largest magnitude in every column: each group's 64 products
+    # sum to 64 * 4095 * -8191, just inside int32; a wider group or bound would wrap here.
+    m, n, k = 8, 48, 64 * 5
+    x, w = torch.full((m, k), 3.0), torch.full((n, k), -0.7)
+    got = kernels.gemm_int16(x, *pack_int16(w), n)
+    torch.testing.assert_close(got, torch.full((m, n), -3.0 * 0.7 * k), rtol=1e-6, atol=0)
+
+
+def test_non_finite_rows_give_non_finite_results_and_zero_rows_zeros(kernels, isa):
+    x = torch.randn(4, 128)
+    x[1, 70] = float("nan")
+    x[2, 5] = float("inf")
+    x[3] = 0.0
+    w = torch.randn(20, 128)
+    got = kernels.gemm_int16(x, *pack_int16(w), 20)
+    assert torch.isfinite(got[0]).all()
+    assert not torch.isfinite(got[1]).any() and not torch.isfinite(got[2]).any()
+    assert torch.equal(got[3], torch.zeros(20))
+
+
+def test_bad_weights_and_shapes_are_refused(kernels):
+    with pytest.raises(ValueError, match="even K"):
+        pack_int16(torch.randn(16, 33))
+    with pytest.raises(ValueError, match="finite"):
+        pack_int16(torch.tensor([[1.0, float("inf")]]))
+    packed, scale = pack_int16(torch.randn(20, 64))
+    assert kernels.gemm_int16(torch.zeros(0, 64), packed, scale, 20).shape == (0, 20)
+    with pytest.raises(ValueError, match="gemm_int16"):
+        kernels.gemm_int16(torch.randn(2, 64), packed, scale[:16], 20)
+    with pytest.raises(ValueError, match="gemm_int16"):
+        kernels.gemm_int16(torch.randn(2, 62), packed, scale, 20)
+    with pytest.raises(ValueError, match="gemm_int16"):
+        kernels.gemm_int16(torch.randn(2, 64), packed.float(), scale, 20)
+
+
+def test_auto_takes_int16_only_on_vnni_without_bf16_units(kernels):
+    vnni = kernels.vnni
+    assert wants_int16_prefill("auto", [], kernels) is vnni
+    assert not wants_int16_prefill("auto", ["avx512_bf16"], kernels)
+    assert not wants_int16_prefill("float32", [], kernels)
+    assert not wants_int16_prefill("bfloat16", [], kernels)
+    assert wants_int16_prefill("int16", ["avx512_bf16"], kernels) is vnni
+    assert not wants_int16_prefill("int16", [], None)
+    kernels.set_isa("avx2_fma")  # VPDPWSSD needs the AVX-512 code
+    try:
+        assert not kernels.vnni and not wants_int16_prefill("int16", [], kernels)
+    finally:
+        kernels.set_isa(ISAS[-1])
+
+
+def step_hidden(engine, rows: int, gate: bool) -> torch.Tensor:
+    """The native step's final hidden states for a chunk of ``rows`` prompt tokens in slot 0,
+    its products in int16 when ``gate``."""
+    runner = model_runner(engine)
+    assert runner.native_step is not None and runner.bf16_gate is not None
+    runner.bf16_gate.on = gate
+    tokens = [(i * 37) % 4000 + 50 for i in range(rows)]
+    return runner.native_step(tokens, list(range(rows)), [0] * rows).clone()
+
+
+def test_a_vnni_cpu_without_bf16_units_prefills_in_int16_by_default(
+    kernels, tiny_model_dir, monkeypatch, caplog
+):
+    if not kernels.vnni:
+        pytest.skip("this CPU has no AVX512_VNNI")
+    # The CPU as a Cascade Lake or Ice Lake Xeon shows itself: VNNI, no bf16 units.
+    identity = bf16_prefill.cpu_identity()
+    flags = " ".join(
+        f for f in identity.get("cpu_flags", "").split() if f not in bf16_prefill.BF16_UNITS
+    )
+    monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**identity, "cpu_flags": flags})
+    with caplog.at_level(logging.INFO):
+        engine = make_engine(tiny_model_dir, prefill_dtype="auto", decode_dtype="float32")
+    runner = model_runner(engine)
+    assert runner.prefill_bf16 and not runner.decode_bf16
+    assert "prefill products in int16 on avx512_vnni (native kernels, VPDPWSSD)" in caplog.text
+    layers = bf16_prefill.decoder_linears(runner.model)
+    assert layers and all(
+        layer.weight_int16 is not None and layer.weight_packed is None for layer in layers
+    )
+    # A 40-row prefill chunk: int16 products with the gate on, fp32 with it off (a prompt being
+    # scored); they differ by int16's rounding and no more.
+    int16 = step_hidden(engine, 40, True)
+    fp32 = step_hidden(engine, 40, False)
+    assert not torch.equal(int16, fp32)
+    torch.testing.assert_close(int16, fp32, rtol=0.02, atol=0.02)
+    # The same engine generates what the fp32 engine generates (greedy, a short prompt).
+    reference = make_engine(tiny_model_dir, prefill_dtype="float32", decode_dtype="float32")
+    from slotserve.engine.core.params import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = ["The quick brown fox jumps over the lazy dog. " * 6]
+    assert [r.token_ids for r in engine.generate(prompt, params)] == [
+        r.token_ids for r in reference.generate(prompt, params)
+    ]
+
+
+def test_int16_that_cannot_run_warns_once_and_prefills_in_fp32(kernels, tiny_model_dir, caplog):
+    kernels.set_isa("avx2_fma")  # below the AVX-512 code: no VPDPWSSD
+    try:
+        with caplog.at_level(logging.INFO):
+            engine = make_engine(tiny_model_dir, prefill_dtype="int16", decode_dtype="float32")
+    finally:
+        kernels.set_isa(ISAS[-1])
+    assert not model_runner(engine).prefill_bf16
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "prefill_dtype int16 needs the native kernels on a CPU with AVX512_VNNI" in warnings[0]
+
+
+def test_int16_on_quantized_layers_warns_and_keeps_their_precision(kernels, tiny_model_dir, caplog):
+    if not kernels.vnni:
+        pytest.skip("this CPU has no AVX512_VNNI")
+    with caplog.at_level(logging.WARNING):
+        engine = make_engine(
+            tiny_model_dir, quantization="int4", prefill_dtype="int16", decode_dtype="float32"
+        )
+    assert not model_runner(engine).prefill_bf16
+    assert "prefill_dtype int16 needs the decoder's linear layers on the native kernels" in (
+        caplog.text
+    )
