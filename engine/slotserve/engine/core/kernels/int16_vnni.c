@@ -34,6 +34,7 @@
 #define I16_TASK_BLOCKS 3
 #define I16_TILE_ROWS 8
 #define I16_ROW_SPAN 256
+#define I16_CHUNK_GROUPS 4 /* groups a tile takes in one call (256 columns) */
 
 /* Row `x` (k floats) as int16 in groups of I16_GROUP: q[j] = nearest(x[j] * inv) of its group,
  * scale[g] = max |x| / I16_ROW_MAX (inf or NaN with the row's: they reach the product). */
@@ -99,52 +100,67 @@ VNNI_TARGET static void i16_row_vnni(const float *x, int64_t k, int16_t *q, floa
     }
 }
 
-/* One group g of R rows of xq (int16, k columns; their group scales xs, `groups` a row) against
- * B blocks of packed int16 weights from `w` on: the group's exact int32 sums, scaled by the rows'
- * group scales and added into acc (fp32, row stride 16 * I16_TASK_BLOCKS). `next` (or NULL):
- * weights further on, prefetched into L2. */
+/* Groups [g0, g1) of R rows of xq (int16, k columns; their group scales xs, `groups` a row)
+ * against B blocks of packed int16 weights from `w` on: each group's exact int32 sums, scaled by
+ * the rows' group scales and added into acc (fp32, row stride 16 * I16_TASK_BLOCKS; the first
+ * group starts it). After the last group the sums times the channels' scales ws go to y (row
+ * stride n), the last block's masked by `last`: no pass of their own over the accumulators (one
+ * took 6% of a prefill). `next` (or NULL): weights further on, prefetched into L2. */
 VNNI_TARGET static inline __attribute__((always_inline)) void
-i16_tile(const int16_t *xq, const float *xs, int64_t k, int64_t groups, int64_t g, const int16_t *w,
-         float *acc, const int16_t *next, const int rows, const int blocks) {
+i16_tile(const int16_t *xq, const float *xs, int64_t k, int64_t groups, int64_t g0, int64_t g1,
+         const int16_t *w, float *acc, const float *ws, float *y, int64_t n, __mmask16 last,
+         const int16_t *next, const int rows, const int blocks) {
     const int64_t block_elems = 16 * k;
-    const int64_t p0 = g * (I16_GROUP / 2);
-    const int64_t p1 = p0 + I16_GROUP / 2 < k / 2 ? p0 + I16_GROUP / 2 : k / 2;
-    __m512i sum[I16_TILE_ROWS][I16_TASK_BLOCKS];
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < blocks; b++) sum[r][b] = _mm512_setzero_si512();
-    for (int64_t p = p0; p < p1; p++) {
-        __m512i wv[I16_TASK_BLOCKS];
-        for (int b = 0; b < blocks; b++) {
-            wv[b] = _mm512_loadu_si512(w + b * block_elems + 32 * p);
-            if (next != NULL)
-                _mm_prefetch((const char *)(next + b * block_elems + 32 * p), _MM_HINT_T1);
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t p0 = g * (I16_GROUP / 2);
+        const int64_t p1 = p0 + I16_GROUP / 2 < k / 2 ? p0 + I16_GROUP / 2 : k / 2;
+        __m512i sum[I16_TILE_ROWS][I16_TASK_BLOCKS];
+        for (int r = 0; r < rows; r++)
+            for (int b = 0; b < blocks; b++) sum[r][b] = _mm512_setzero_si512();
+        for (int64_t p = p0; p < p1; p++) {
+            __m512i wv[I16_TASK_BLOCKS];
+            for (int b = 0; b < blocks; b++) {
+                wv[b] = _mm512_loadu_si512(w + b * block_elems + 32 * p);
+                if (next != NULL)
+                    _mm_prefetch((const char *)(next + b * block_elems + 32 * p), _MM_HINT_T1);
+            }
+            for (int r = 0; r < rows; r++) {
+                int32_t pair;
+                memcpy(&pair, xq + r * k + 2 * p, sizeof pair);
+                const __m512i xv = _mm512_set1_epi32(pair);
+                for (int b = 0; b < blocks; b++) sum[r][b] = dpwssd(sum[r][b], xv, wv[b]);
+            }
         }
         for (int r = 0; r < rows; r++) {
-            int32_t pair;
-            memcpy(&pair, xq + r * k + 2 * p, sizeof pair);
-            const __m512i xv = _mm512_set1_epi32(pair);
-            for (int b = 0; b < blocks; b++) sum[r][b] = dpwssd(sum[r][b], xv, wv[b]);
-        }
-    }
-    for (int r = 0; r < rows; r++) {
-        const __m512 scale = _mm512_set1_ps(xs[r * groups + g]);
-        for (int b = 0; b < blocks; b++) {
-            float *at = acc + r * 16 * I16_TASK_BLOCKS + 16 * b;
-            _mm512_store_ps(
-                at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), scale, _mm512_load_ps(at)));
+            const __m512 scale = _mm512_set1_ps(xs[r * groups + g]);
+            for (int b = 0; b < blocks; b++) {
+                float *at = acc + r * 16 * I16_TASK_BLOCKS + 16 * b;
+                /* fma(sum, scale, 0) in the first group: the C version's first fmaf, zero signs
+                 * too */
+                const __m512 prior = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(at);
+                const __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), scale, prior);
+                if (g + 1 < groups) {
+                    _mm512_store_ps(at, total);
+                    continue;
+                }
+                const __mmask16 mask = b + 1 == blocks ? last : (__mmask16)0xFFFF;
+                const __m512 channel = _mm512_loadu_ps(ws + 16 * b);
+                _mm512_mask_storeu_ps(y + r * n + 16 * b, mask, _mm512_mul_ps(total, channel));
+            }
         }
     }
 }
 
 #define I16_TILE_CASE(R, B)                                                                        \
     case (R) * 4 + (B):                                                                            \
-        i16_tile(xq, xs, k, groups, g, w, acc, next, R, B);                                        \
+        i16_tile(xq, xs, k, groups, g0, g1, w, acc, ws, y, n, last, next, R, B);                   \
         break;
 #define I16_TILE_ROW(R) I16_TILE_CASE(R, 1) I16_TILE_CASE(R, 2) I16_TILE_CASE(R, 3)
 
 VNNI_TARGET static void i16_tile_any(const int16_t *xq, const float *xs, int64_t k, int64_t groups,
-                                     int64_t g, const int16_t *w, float *acc, const int16_t *next,
-                                     int rows, int blocks) {
+                                     int64_t g0, int64_t g1, const int16_t *w, float *acc,
+                                     const float *ws, float *y, int64_t n, __mmask16 last,
+                                     const int16_t *next, int rows, int blocks) {
     switch (rows * 4 + blocks) {
         I16_TILE_ROW(1)
         I16_TILE_ROW(2)
@@ -159,39 +175,29 @@ VNNI_TARGET static void i16_tile_any(const int16_t *xq, const float *xs, int64_t
     }
 }
 
-/* A task: rows [0, m) (m <= I16_ROW_SPAN) against `blocks` blocks from w on, into y (stride n),
- * or added to it when `add`. Group by group over every row, so a group's weights (6 KB for three
- * blocks) stay in L1 while the rows pass: tile by tile over the whole k, the weights came from
- * L2 at every tile, and the product ran at ~45% of VPDPWSSD's rate on one core. */
+/* A task: rows [0, m) (m <= I16_ROW_SPAN) against `blocks` blocks from w on, into y (stride n).
+ * The rows pass over I16_CHUNK_GROUPS groups at a time, whose weights (up to 24 KB for three
+ * blocks) stay in L1 meanwhile; a tile takes them all in one call, where one call a group cost
+ * ~20% of the tile's rate in calls and set-up. */
 VNNI_TARGET static void i16_task(const int16_t *xq, const float *xs, int64_t m, int64_t k,
                                  const int16_t *w, const float *ws, float *y, int64_t n,
-                                 __mmask16 last, const int16_t *next, int add, int blocks,
-                                 float *acc) {
+                                 __mmask16 last, const int16_t *next, int blocks, float *acc) {
     const int64_t groups = (k + I16_GROUP - 1) / I16_GROUP;
+    const int64_t chunks = (groups + I16_CHUNK_GROUPS - 1) / I16_CHUNK_GROUPS;
+    const int64_t per_chunk = (groups + chunks - 1) / chunks; /* 9 groups: 3 of 3, not 4, 4, 1 */
     const int64_t stride = 16 * I16_TASK_BLOCKS;
-    for (int64_t j = 0; j < m * stride; j += 16) _mm512_store_ps(acc + j, _mm512_setzero_ps());
-    for (int64_t g = 0; g < groups; g++)
+    for (int64_t g0 = 0; g0 < groups; g0 += per_chunk) {
+        const int64_t g1 = g0 + per_chunk < groups ? g0 + per_chunk : groups;
         for (int64_t i = 0; i < m; i += I16_TILE_ROWS) {
             const int rows = (int)(m - i < I16_TILE_ROWS ? m - i : I16_TILE_ROWS);
-            i16_tile_any(xq + i * k, xs + i * groups, k, groups, g, w, acc + i * stride,
-                         i == 0 ? next : NULL, rows, blocks);
+            i16_tile_any(xq + i * k, xs + i * groups, k, groups, g0, g1, w, acc + i * stride, ws,
+                         y + i * n, n, last, i == 0 ? next : NULL, rows, blocks);
         }
-    for (int64_t i = 0; i < m; i++)
-        for (int b = 0; b < blocks; b++) {
-            const __mmask16 mask = b + 1 == blocks ? last : (__mmask16)0xFFFF;
-            const __m512 total = _mm512_load_ps(acc + i * stride + 16 * b);
-            const __m512 channel = _mm512_loadu_ps(ws + 16 * b);
-            float *out = y + i * n + 16 * b;
-            const __m512 result =
-                add ? _mm512_fmadd_ps(total, channel, _mm512_maskz_loadu_ps(mask, out))
-                    : _mm512_mul_ps(total, channel);
-            _mm512_mask_storeu_ps(out, mask, result);
-        }
+    }
 }
 
 static int i16_rows_vnni(const int16_t *xq, const float *xs, int64_t m, int64_t k, const int16_t *w,
-                         const float *ws, int64_t n, float *y, int add, int threads,
-                         struct scratch *s) {
+                         const float *ws, int64_t n, float *y, int threads, struct scratch *s) {
     const int64_t groups = (k + I16_GROUP - 1) / I16_GROUP;
     const int64_t blocks = (n + 15) / 16;
     const int64_t tasks = (blocks + I16_TASK_BLOCKS - 1) / I16_TASK_BLOCKS;
@@ -223,8 +229,7 @@ static int i16_rows_vnni(const int16_t *xq, const float *xs, int64_t m, int64_t 
                                           ? w + (t + ahead) * I16_TASK_BLOCKS * block_elems
                                           : NULL;
                 i16_task(xq + span * k, xs + span * groups, rows, k, w + first * block_elems,
-                         ws + 16 * first, y + span * n + 16 * first, n, last, next, add, count,
-                         acc);
+                         ws + 16 * first, y + span * n + 16 * first, n, last, next, count, acc);
             }
         }
     }
@@ -248,9 +253,8 @@ static void i16_row_vnni(const float *x, int64_t k, int16_t *q, float *scale) {
     i16_row_c(x, k, q, scale);
 }
 static int i16_rows_vnni(const int16_t *xq, const float *xs, int64_t m, int64_t k, const int16_t *w,
-                         const float *ws, int64_t n, float *y, int add, int threads,
-                         struct scratch *s) {
-    (void)xq, (void)xs, (void)m, (void)k, (void)w, (void)ws, (void)n, (void)y, (void)add;
+                         const float *ws, int64_t n, float *y, int threads, struct scratch *s) {
+    (void)xq, (void)xs, (void)m, (void)k, (void)w, (void)ws, (void)n, (void)y;
     (void)threads, (void)s;
     return -1; /* never taken: vnni_runs() is 0 */
 }
@@ -260,7 +264,7 @@ int slotserve_kernel_vnni(void) { return vnni_runs(); }
 
 /* The reference: the SIMD version's integers and fp32 operations, one output at a time. */
 static void i16_rows_c(const int16_t *xq, const float *xs, int64_t m, int64_t k, const int16_t *w,
-                       const float *ws, int64_t n, float *y, int add, int threads) {
+                       const float *ws, int64_t n, float *y, int threads) {
     const int64_t groups = (k + I16_GROUP - 1) / I16_GROUP;
 #pragma omp parallel for num_threads(threads) collapse(2)
     for (int64_t i = 0; i < m; i++)
@@ -274,11 +278,11 @@ static void i16_rows_c(const int16_t *xq, const float *xs, int64_t m, int64_t k,
                     sum += (int32_t)xq[i * k + j] * block[(j / 2) * 32 + (c % 16) * 2 + j % 2];
                 acc = fmaf((float)sum, xs[i * groups + g], acc);
             }
-            y[i * n + c] = add ? fmaf(acc, ws[c], y[i * n + c]) : acc * ws[c];
+            y[i * n + c] = acc * ws[c];
         }
 }
 
-int gemm_int16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y, int add,
+int gemm_int16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
                int threads, struct scratch *s) {
     if (w.kind != I16 || k % 2 != 0) return -1;
     if (m == 0 || n == 0) return 0;
@@ -298,10 +302,10 @@ int gemm_int16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n
                 i16_row_c(x + i * k, k, xq + i * k, xs + i * groups);
         }
         if (vnni)
-            status = i16_rows_vnni(xq, xs, m, k, (const int16_t *)w.data, w.scale, n, y, add,
-                                   threads, s);
+            status =
+                i16_rows_vnni(xq, xs, m, k, (const int16_t *)w.data, w.scale, n, y, threads, s);
         else
-            i16_rows_c(xq, xs, m, k, (const int16_t *)w.data, w.scale, n, y, add, threads);
+            i16_rows_c(xq, xs, m, k, (const int16_t *)w.data, w.scale, n, y, threads);
         status = vnni ? status : 0;
     }
     free(owned[0]), free(owned[1]);
@@ -312,5 +316,5 @@ int gemm_int16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n
 int slotserve_gemm_int16(const float *x, int64_t m, int64_t k, const int16_t *w, const float *scale,
                          int64_t n, float *y, int threads, struct scratch *s) {
     const struct weights weights = {I16, w, scale, NULL};
-    return gemm_int16(x, m, k, weights, n, y, 0, threads, s);
+    return gemm_int16(x, m, k, weights, n, y, threads, s);
 }

@@ -470,7 +470,7 @@ static int gemm_bf16(const float *x, int64_t m, int64_t k, struct weights w, int
 int slotserve_gemm_weights(const float *x, int64_t m, int64_t k, struct weights w, int64_t n,
                            float *y, int threads, struct scratch *s) {
     if (w.kind == BF16) return gemm_bf16(x, m, k, w, n, y, threads, s);
-    if (w.kind == I16) return gemm_int16(x, m, k, w, n, y, 0, threads, s);
+    if (w.kind == I16) return gemm_int16(x, m, k, w, n, y, threads, s);
     return gemm_panels(x, m, k, w, n, y, threads, s);
 }
 
