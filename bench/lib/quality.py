@@ -162,18 +162,17 @@ def load_engine(
     quantization: Literal["none", "int8", "int4"] = "none",
 ) -> tuple[Any, float]:
     """A slotserve engine on ``source`` whose prefill and decode products run in ``dtype``
-    (bfloat16 or float32; int16: prefill only, decode in float32), scoring prompts in that
-    dtype too (the engine scores them in fp32), ``step`` tokens a step, its KV cache in
-    ``kv_cache_dtype``; returns it and the load seconds; ``quantization`` int8/int4 quantizes
-    its layers (bf16 products then widen the weights as they multiply)."""
+    (bfloat16, int16 or float32), scoring prompts in that dtype too (the engine scores them in
+    fp32), ``step`` tokens a step, its KV cache in ``kv_cache_dtype``; returns it and the load
+    seconds; ``quantization`` int8/int4 quantizes its layers (bf16 products then widen the
+    weights as they multiply)."""
     from slotserve.engine.core.engine import LLMEngine
     from slotserve.engine.core.model.runner import ModelRunner
     from slotserve.engine.settings import EngineSettings
 
     start = time.perf_counter()
     settings = EngineSettings(
-        model=source, prefill_dtype=dtype,
-        decode_dtype="float32" if dtype == "int16" else dtype, max_batch_size=1,
+        model=source, prefill_dtype=dtype, decode_dtype=dtype, max_batch_size=1,
         max_batched_tokens=step, max_model_len=window + 16, enable_prefix_caching=False,
         kv_cache_dtype=kv_cache_dtype, quantization=quantization,
     )  # fmt: skip

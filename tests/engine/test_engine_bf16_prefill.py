@@ -210,7 +210,7 @@ def test_auto_takes_bf16_where_it_can_run_and_fp32_silently_elsewhere(
     engine = make_engine(tiny_model_dir, prefill_dtype="auto", linear_backend="native")
     assert model_runner(engine).prefill_bf16
     monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**identity, "cpu_flags": "avx2 fma"})
-    # An AVX2 CPU: no bf16 units, and no AVX512_VNNI for int16 products (int16_prefill.py).
+    # An AVX2 CPU: no bf16 units, and no AVX512_VNNI for int16 products (int16_products.py).
     kernels = load_kernels(CommonSettings().home)
     kernels.set_isa("avx2_fma")
     try:

@@ -1,8 +1,8 @@
-"""int16 prefill products on AVX512_VNNI (issue 24, item 2, for CPUs with VNNI but no bf16
-units): packed int16 weights and rows scaled to int16 per 64 columns, exact int32 sums per
-group, multiplied by VPDPWSSD (``kernels/int16_vnni.c``) where the kernels run AVX-512 on a CPU
-with VNNI; the plain C version computes the same integers and fp32 operations, so the two agree
-to the bit on every shape."""
+"""int16 products on AVX512_VNNI (issue 24, item 2, for CPUs with VNNI but no bf16 units):
+prefill and decode steps multiply packed int16 weights by rows scaled to int16 per 64 columns,
+exact int32 sums per group, with VPDPWSSD (``kernels/int16_vnni.c``) where the kernels run
+AVX-512 on a CPU with VNNI; the plain C version computes the same integers and fp32 operations,
+so the two agree to the bit on every shape."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from slotserve.engine.core.kernels import ISAS, NativeKernels, load_kernels, pack_int16
 from slotserve.engine.core.model import bf16_prefill
-from slotserve.engine.core.model.int16_prefill import wants_int16_prefill
+from slotserve.engine.core.model.int16_products import wants_int16
 from slotserve.settings import CommonSettings
 from tests.engine.engine_core_support import make_engine, model_runner
 
@@ -106,26 +106,28 @@ def test_bad_weights_and_shapes_are_refused(kernels):
 
 def test_auto_takes_int16_only_on_vnni_without_bf16_units(kernels):
     vnni = kernels.vnni
-    assert wants_int16_prefill("auto", [], kernels) is vnni
-    assert not wants_int16_prefill("auto", ["avx512_bf16"], kernels)
-    assert not wants_int16_prefill("float32", [], kernels)
-    assert not wants_int16_prefill("bfloat16", [], kernels)
-    assert wants_int16_prefill("int16", ["avx512_bf16"], kernels) is vnni
-    assert not wants_int16_prefill("int16", [], None)
+    assert wants_int16("auto", [], kernels) is vnni
+    assert not wants_int16("auto", ["avx512_bf16"], kernels)
+    assert not wants_int16("float32", [], kernels)
+    assert not wants_int16("bfloat16", [], kernels)
+    assert wants_int16("int16", ["avx512_bf16"], kernels) is vnni
+    assert not wants_int16("int16", [], None)
     kernels.set_isa("avx2_fma")  # VPDPWSSD needs the AVX-512 code
     try:
-        assert not kernels.vnni and not wants_int16_prefill("int16", [], kernels)
+        assert not kernels.vnni and not wants_int16("int16", [], kernels)
     finally:
         kernels.set_isa(ISAS[-1])
 
 
-def step_hidden(engine, rows: int, gate: bool) -> torch.Tensor:
-    """The native step's final hidden states for a chunk of ``rows`` prompt tokens in slot 0,
-    its products in int16 when ``gate``."""
+def step_hidden(engine, rows: int, gate: bool, *, decode: bool = False) -> torch.Tensor:
+    """The native step's final hidden states for a chunk of ``rows`` prompt tokens in slot 0
+    (``decode``: one token in each of ``rows`` slots), its products in int16 when ``gate``."""
     runner = model_runner(engine)
     assert runner.native_step is not None and runner.bf16_gate is not None
     runner.bf16_gate.on = gate
     tokens = [(i * 37) % 4000 + 50 for i in range(rows)]
+    if decode:
+        return runner.native_step(tokens, [0] * rows, list(range(rows))).clone()
     return runner.native_step(tokens, list(range(rows)), [0] * rows).clone()
 
 
@@ -141,20 +143,23 @@ def test_a_vnni_cpu_without_bf16_units_prefills_in_int16_by_default(
     )
     monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**identity, "cpu_flags": flags})
     with caplog.at_level(logging.INFO):
-        engine = make_engine(tiny_model_dir, prefill_dtype="auto", decode_dtype="float32")
+        engine = make_engine(
+            tiny_model_dir, prefill_dtype="auto", decode_dtype="auto", max_batch_size=8
+        )
     runner = model_runner(engine)
-    assert runner.prefill_bf16 and not runner.decode_bf16
-    assert "prefill products in int16 on avx512_vnni (native kernels, VPDPWSSD)" in caplog.text
+    assert runner.prefill_bf16 and runner.decode_bf16
+    assert "prefill and decode products in int16 on avx512_vnni (native kernels" in caplog.text
     layers = bf16_prefill.decoder_linears(runner.model)
     assert layers and all(
         layer.weight_int16 is not None and layer.weight_packed is None for layer in layers
     )
-    # A 40-row prefill chunk: int16 products with the gate on, fp32 with it off (a prompt being
-    # scored); they differ by int16's rounding and no more.
-    int16 = step_hidden(engine, 40, True)
-    fp32 = step_hidden(engine, 40, False)
-    assert not torch.equal(int16, fp32)
-    torch.testing.assert_close(int16, fp32, rtol=0.02, atol=0.02)
+    # A 40-row prefill chunk and an 8-row decode step: int16 products with the gate on, fp32
+    # with it off (a prompt being scored); they differ by int16's rounding and no more.
+    for rows, decode in ((40, False), (8, True)):
+        int16 = step_hidden(engine, rows, True, decode=decode)
+        fp32 = step_hidden(engine, rows, False, decode=decode)
+        assert not torch.equal(int16, fp32)
+        torch.testing.assert_close(int16, fp32, rtol=0.02, atol=0.02)
     # The same engine generates what the fp32 engine generates (greedy, a short prompt).
     reference = make_engine(tiny_model_dir, prefill_dtype="float32", decode_dtype="float32")
     from slotserve.engine.core.params import SamplingParams
@@ -177,6 +182,18 @@ def test_int16_that_cannot_run_warns_once_and_prefills_in_fp32(kernels, tiny_mod
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "prefill_dtype int16 needs the native kernels on a CPU with AVX512_VNNI" in warnings[0]
+
+
+def test_int16_asked_for_one_side_turns_bf16_off_on_the_other(kernels, tiny_model_dir, caplog):
+    if not kernels.vnni:
+        pytest.skip("this CPU has no AVX512_VNNI")
+    with caplog.at_level(logging.INFO):
+        engine = make_engine(tiny_model_dir, prefill_dtype="float32", decode_dtype="int16")
+    runner = model_runner(engine)
+    assert runner.decode_bf16 and not runner.prefill_bf16
+    layers = bf16_prefill.decoder_linears(runner.model)
+    assert all(layer.weight_int16 is not None and layer.weight_packed is None for layer in layers)
+    assert "decode products in int16 on avx512_vnni" in caplog.text
 
 
 def test_int16_on_quantized_layers_warns_and_keeps_their_precision(kernels, tiny_model_dir, caplog):

@@ -30,7 +30,7 @@ LinearBackend = Literal["auto", "onednn", "aten", "native"]
 DecodeStep = Literal["auto", "classic", "static", "compiled"]
 OverlapSteps = Literal["auto", "on", "off"]
 PrefillDType = Literal["auto", "float32", "bfloat16", "int16"]
-DecodeDType = Literal["auto", "float32", "bfloat16"]
+DecodeDType = PrefillDType
 KVCacheDType = Literal["auto", "float32", "float16"]
 
 
@@ -81,18 +81,22 @@ class EngineSettings(BaseSettings):
         "activations rounded to bf16, fp32 accumulation; refused with a warning where the CPU "
         "would emulate it), or int16 "
         "(int16 weight copies and activations multiplied by VPDPWSSD, exact integer sums per "
-        "64 columns, fp32 accumulation; refused with a warning without AVX512_VNNI or where "
-        "the layers are not native fp32). Requests scoring "
+        "64 columns, fp32 accumulation, engine/core/model/int16_products.py; refused with a "
+        "warning without AVX512_VNNI or where the layers are not native fp32). Requests scoring "
         "their prompt (prompt logprobs) stay float32; decode_dtype sets the decode products.",
     )
     decode_dtype: DecodeDType = Field(
         "auto",
         description="CPU decode products (rows the native kernels take: decode rows, small "
         "chunks) and the output projection: auto (bfloat16 where the native kernels run "
-        "AVX512_BF16, else float32), float32, or bfloat16 (bf16 weight copies multiplied by "
+        "AVX512_BF16; int16 on CPUs with AVX512_VNNI and no bf16 units; else float32), float32, "
+        "bfloat16 (bf16 weight copies multiplied by "
         "VDPBF16PS, or int8/int4 weights widened to bf16 in steps of 12 rows or more; rows "
         "rounded to bf16, fp32 accumulation; refused with a warning where the CPU lacks "
-        "AVX512_BF16). Requests scoring their prompt (prompt logprobs) stay float32.",
+        "AVX512_BF16), or int16 (the decoder's products as prefill_dtype int16's, the output "
+        "projection in fp32; refused with a warning without AVX512_VNNI). int16 on one side "
+        "turns bf16 off on the other (one set of narrow weights). Requests scoring their prompt "
+        "(prompt logprobs) stay float32.",
     )
     kv_cache_dtype: KVCacheDType = Field(
         "auto",

@@ -238,6 +238,7 @@ class NativeDecodeStep:
         self.wide_products = 0  # bf16 products run through the callback (tests, benchmarks)
         self.bf16_products = False  # use_bf16_products' switch (benchmarks turn it off)
         self.quantized_bf16 = False  # use_quantized_bf16's switch
+        self.int16 = False  # use_packed_int16's: the gated layers are int16, attention stays fp32
         # Steps with prefill chunks run here too (False: through transformers, as before).
         self.prefill = True
         # The cache rows the C code writes: [slots, kv_heads, max_len, head_dim] per layer.
@@ -297,6 +298,7 @@ class NativeDecodeStep:
                 layers[index].minimum[slot] = None
         self._layers_gated = layers
         self._gate = gate
+        self.int16 = True
         return True
 
     def use_quantized_bf16(self, gate: Bf16Gate) -> bool:
@@ -377,7 +379,8 @@ class NativeDecodeStep:
             self.struct.wide_rows = self.onednn_rows if on and self.bf16_products else NEVER
             packed = on and self._layers_gated is not None
             self.struct.layers = self._layers_gated if packed else self._layers
-            self.struct.bf16_attention = int(on)  # the C code runs it where the CPU can
+            # The C code runs bf16 attention where the CPU can, beside bf16 products only.
+            self.struct.bf16_attention = int(on and not self.int16)
             self.struct.bf16_quantized = int(on and self.quantized_bf16)
         ids = torch.tensor(token_ids)
         positions_t = torch.tensor(positions)

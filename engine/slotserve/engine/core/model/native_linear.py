@@ -109,7 +109,7 @@ class NativeLinear(nn.Module):
         # kernels (kernels.pack_bf16; bf16_prefill.py, bf16_decode.py).
         self.weight_bf16: torch.Tensor | None = None
         self.weight_packed: torch.Tensor | None = None
-        # An int16 copy and its channel scales (kernels.pack_int16; int16_prefill.py), used
+        # An int16 copy and its channel scales (kernels.pack_int16; int16_products.py), used
         # while the gate is on where the kernels run VPDPWSSD.
         self.weight_int16: torch.Tensor | None = None
         self.scale_int16: torch.Tensor | None = None

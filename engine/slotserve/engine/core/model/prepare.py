@@ -27,7 +27,7 @@ from slotserve.engine.core.model.bf16_prefill import (
     wants_bf16_prefill,
 )
 from slotserve.engine.core.model.calibration import CalibrationCache, CalibrationRecord
-from slotserve.engine.core.model.int16_prefill import install_int16_prefill, wants_int16_prefill
+from slotserve.engine.core.model.int16_products import install_int16, wants_int16
 from slotserve.engine.core.model.linear_setup import set_up_linears
 from slotserve.engine.core.model.native_decode import NativeDecodeStep, native_step, step_eligible
 from slotserve.engine.settings import DecodeDType, DecodeStep, LinearBackend, PrefillDType
@@ -114,15 +114,21 @@ def prepare_model(
             )
         kernels, native_decode, linear_backend = None, False, "aten"
     # The CPU's bf16 units, read once: they decide whether prefill multiplies in bf16.
-    units = bf16_units() if prefill_dtype != "float32" else []
-    # int16 prefill (AVX512_VNNI without bf16 units, or asked for) on fp32 weights only.
-    int16 = prefill_dtype == "int16" or (
-        quantization == "none" and wants_int16_prefill(prefill_dtype, units, kernels)
+    cpu_units = bf16_units()
+    units = cpu_units if prefill_dtype != "float32" else []
+    # int16 products (AVX512_VNNI without bf16 units, or asked for) on fp32 weights only.
+    fp32_weights = quantization == "none"
+    int16_prefill = prefill_dtype == "int16" or (
+        fp32_weights and wants_int16(prefill_dtype, units, kernels)
     )
-    decode_bf16 = wants_bf16_decode(decode_dtype, quantization, kernels)
-    if int16 and decode_bf16:
-        # One gate turns a step's narrow products on: a step cannot hold both copies apart.
-        logger.info("decode products in float32: prefill_dtype int16 takes the layers' gate")
+    int16_decode = decode_dtype == "int16" or (
+        fp32_weights and wants_int16(decode_dtype, cpu_units, kernels)
+    )
+    int16 = int16_prefill or int16_decode
+    decode_bf16 = decode_dtype != "int16" and wants_bf16_decode(decode_dtype, quantization, kernels)
+    if int16 and (decode_bf16 or (not int16_prefill and units)):
+        # One gate turns a step's narrow products on: the layers cannot hold both kinds apart.
+        logger.info("bf16 products off: int16 (asked for) takes the layers' gate")
         decode_bf16 = False
     eligible = step_eligible(model)
     native_step = native_decode and kernels is not None and eligible
@@ -137,18 +143,30 @@ def prepare_model(
         native_for_prefill=native_decode
         and eligible
         and (int16 or wants_bf16_prefill(prefill_dtype, quantization, units)),
-        decode_bf16=decode_bf16,
+        # int16 decode products beat aten's fp32 ones structurally, as bf16's do.
+        decode_bf16=decode_bf16 or (int16_decode and wants_int16("int16", [], kernels)),
     )
-    prefill_gate = (
-        install_int16_prefill(model, prefill_dtype, units, kernels)
-        if int16
-        else install_bf16_prefill(model, prefill_dtype, units, kernels, native_step=native_step)
-    )
-    decode_gate = (
-        install_bf16_decode(model, layers.logits, prefill_gate, native_step=native_step)
-        if decode_bf16
-        else None
-    )
+    if int16:
+        asked = [
+            f"{side}_dtype"
+            for side, dtype in (("prefill", prefill_dtype), ("decode", decode_dtype))
+            if dtype == "int16"
+        ]
+        steps = " and ".join(
+            side for side, on in (("prefill", int16_prefill), ("decode", int16_decode)) if on
+        )
+        gate = install_int16(model, kernels, asked=asked, steps=steps)
+        prefill_gate = gate if int16_prefill else None
+        decode_gate = gate if int16_decode else None
+    else:
+        prefill_gate = install_bf16_prefill(
+            model, prefill_dtype, units, kernels, native_step=native_step
+        )
+        decode_gate = (
+            install_bf16_decode(model, layers.logits, prefill_gate, native_step=native_step)
+            if decode_bf16
+            else None
+        )
     return PreparedModel(
         model=model,
         logits=layers.logits,
