@@ -92,11 +92,14 @@ SERVERS = {
         flags=("--dtype", "float32"),
         env=(("VLLM_CPU_OMP_THREADS_BIND", all_cores()),),
     ),
-    # Its defaults prefill in bf16 where the CPU has bf16 units (--prefill-dtype auto); fp32
-    # is the exact engine, the default before.
+    # Its defaults multiply in bf16 where the CPU has bf16 units, in int16 where it has
+    # AVX512_VNNI and none (--prefill-dtype / --decode-dtype auto); fp32 is the exact engine,
+    # the default before.
     "slotserve": ServerSpec("slotserve defaults", "slotserve"),
     "slotserve-fp32": ServerSpec(
-        "slotserve fp32 prefill", "slotserve", flags=("--prefill-dtype", "float32")
+        "slotserve fp32 products",
+        "slotserve",
+        flags=("--prefill-dtype", "float32", "--decode-dtype", "float32"),
     ),
     "slotserve-int4": ServerSpec("slotserve int4", "slotserve", flags=("--quantization", "int4")),
     # The KV cache as it was before fp16 became the default where the native kernels run.
