@@ -19,6 +19,8 @@ from slotserve.engine.core.sequence import Sequence
 from slotserve.engine.settings import EngineSettings
 
 if TYPE_CHECKING:
+    import torch
+
     from slotserve.engine.core.model.runner import ModelRunner
     from slotserve.engine.core.model.static_decoder import StaticDecoder
     from slotserve.engine.core.protocols import Tokenizer
@@ -207,3 +209,16 @@ def runner_on(model, *, num_slots: int, max_model_len: int, native_kernels: bool
     kernels = load_kernels(CommonSettings().home) if native_kernels else None
     prepared = prepare_model(model, kernels, max_rows=num_slots, **options)
     return ModelRunner(prepared, num_slots=num_slots, max_model_len=max_model_len)
+
+
+def step_hidden(engine: LLMEngine, rows: int, gate: bool, *, decode: bool = False) -> torch.Tensor:
+    """The native step's final hidden states for a chunk of ``rows`` prompt tokens in slot 0
+    (``decode``: one token in each of ``rows`` slots), its narrow products (bf16 or int16) on
+    when ``gate``."""
+    runner = model_runner(engine)
+    assert runner.native_step is not None and runner.bf16_gate is not None
+    runner.bf16_gate.on = gate
+    tokens = [(i * 37) % 4000 + 50 for i in range(rows)]
+    if decode:
+        return runner.native_step(tokens, [0] * rows, list(range(rows))).clone()
+    return runner.native_step(tokens, list(range(rows)), [0] * rows).clone()

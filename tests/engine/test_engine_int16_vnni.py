@@ -16,7 +16,7 @@ from slotserve.engine.core.kernels import ISAS, NativeKernels, load_kernels, pac
 from slotserve.engine.core.model import bf16_prefill
 from slotserve.engine.core.model.int16_products import wants_int16
 from slotserve.settings import CommonSettings
-from tests.engine.engine_core_support import make_engine, model_runner
+from tests.engine.engine_core_support import make_engine, model_runner, step_hidden
 
 
 @pytest.fixture(scope="module")
@@ -119,18 +119,6 @@ def test_auto_takes_int16_only_on_vnni_without_bf16_units(kernels):
         kernels.set_isa(ISAS[-1])
 
 
-def step_hidden(engine, rows: int, gate: bool, *, decode: bool = False) -> torch.Tensor:
-    """The native step's final hidden states for a chunk of ``rows`` prompt tokens in slot 0
-    (``decode``: one token in each of ``rows`` slots), its products in int16 when ``gate``."""
-    runner = model_runner(engine)
-    assert runner.native_step is not None and runner.bf16_gate is not None
-    runner.bf16_gate.on = gate
-    tokens = [(i * 37) % 4000 + 50 for i in range(rows)]
-    if decode:
-        return runner.native_step(tokens, [0] * rows, list(range(rows))).clone()
-    return runner.native_step(tokens, list(range(rows)), [0] * rows).clone()
-
-
 def test_a_vnni_cpu_without_bf16_units_prefills_in_int16_by_default(
     kernels, tiny_model_dir, monkeypatch, caplog
 ):
@@ -153,6 +141,9 @@ def test_a_vnni_cpu_without_bf16_units_prefills_in_int16_by_default(
     assert layers and all(
         layer.weight_int16 is not None and layer.weight_packed is None for layer in layers
     )
+    # /load's calibrations name the route too.
+    (record,) = [c for c in runner.calibrations if c.name == "native_kernels"]
+    assert record.figures == {"avx512_vnni": 1.0}
     # A 40-row prefill chunk and an 8-row decode step: int16 products with the gate on, fp32
     # with it off (a prompt being scored); they differ by int16's rounding and no more.
     for rows, decode in ((40, False), (8, True)):

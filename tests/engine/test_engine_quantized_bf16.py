@@ -18,7 +18,7 @@ from slotserve.engine.core.kernels import ISAS, NativeKernels, load_kernels, pac
 from slotserve.engine.core.model import bf16_prefill
 from slotserve.models.tiny import TOKENIZER_FILES
 from slotserve.settings import CommonSettings
-from tests.engine.engine_core_support import make_engine, model_runner
+from tests.engine.engine_core_support import make_engine, model_runner, step_hidden
 
 
 @pytest.fixture(scope="module")
@@ -100,18 +100,6 @@ def dequantized_copy(kernels: NativeKernels, model_dir: Path, dest: Path, fmt: s
         if (model_dir / name).is_file():
             (dest / name).write_bytes((model_dir / name).read_bytes())
     return dest
-
-
-def step_hidden(engine, rows: int, gate: bool, *, decode: bool = False) -> torch.Tensor:
-    """The native step's final hidden states for a chunk of ``rows`` prompt tokens in slot 0
-    (``decode``: one token in each of ``rows`` slots), its products in bf16 when ``gate``."""
-    runner = model_runner(engine)
-    assert runner.native_step is not None and runner.bf16_gate is not None
-    runner.bf16_gate.on = gate
-    tokens = [(i * 37) % 4000 + 50 for i in range(rows)]
-    if decode:
-        return runner.native_step(tokens, [0] * rows, list(range(rows))).clone()
-    return runner.native_step(tokens, list(range(rows)), [0] * rows).clone()
 
 
 def test_int4_steps_equal_the_bf16_steps_on_the_dequantized_weights(

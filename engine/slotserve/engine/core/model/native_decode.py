@@ -267,10 +267,8 @@ class NativeDecodeStep:
         too, those below its wide rows). False if a layer has no packed weights."""
         if any(linear.weight_packed is None for linear in self._linears):
             return False
-        layers = (StepLayer * len(self._layers))()
-        for index, entry in enumerate(self._layers):
-            # A copy: the norms, caches and biases are fp32's.
-            ctypes.memmove(ctypes.byref(layers[index]), ctypes.byref(entry), ctypes.sizeof(entry))
+        layers = self._layers_copy()
+        for index in range(len(self._layers)):
             for slot in range(PRODUCTS):
                 weight = self._linears[index * PRODUCTS + slot].weight_packed
                 assert weight is not None
@@ -286,9 +284,8 @@ class NativeDecodeStep:
         ``gate`` is on: every product of the step. False if a layer has no int16 weights."""
         if any(linear.weight_int16 is None for linear in self._linears):
             return False
-        layers = (StepLayer * len(self._layers))()
-        for index, entry in enumerate(self._layers):
-            ctypes.memmove(ctypes.byref(layers[index]), ctypes.byref(entry), ctypes.sizeof(entry))
+        layers = self._layers_copy()
+        for index in range(len(self._layers)):
             for slot in range(PRODUCTS):
                 linear = self._linears[index * PRODUCTS + slot]
                 assert linear.weight_int16 is not None and linear.scale_int16 is not None
@@ -300,6 +297,14 @@ class NativeDecodeStep:
         self._gate = gate
         self.int16 = True
         return True
+
+    def _layers_copy(self) -> Any:
+        """A copy of the layers (the norms, caches and biases stay fp32's), for a gated route
+        to point at other weights."""
+        layers = (StepLayer * len(self._layers))()
+        for index, entry in enumerate(self._layers):
+            ctypes.memmove(ctypes.byref(layers[index]), ctypes.byref(entry), ctypes.sizeof(entry))
+        return layers
 
     def use_quantized_bf16(self, gate: Bf16Gate) -> bool:
         """Multiply int8/int4 weights with their rows in bf16 while ``gate`` is on (prefill
