@@ -104,6 +104,18 @@ def test_bad_weights_and_shapes_are_refused(kernels):
         kernels.gemm_int16(torch.randn(2, 64), packed.float(), scale, 20)
 
 
+@pytest.mark.parametrize("m", [1, 32, 300])
+def test_int16_products_allocate_nothing_once_the_workspace_has_grown(kernels, isa, m):
+    packed, scale = pack_int16(torch.randn(96, 576))
+    x = torch.randn(m, 576)
+    first = kernels.gemm_int16(x, packed, scale, 96)
+    before = kernels.fallback_allocations()
+    for _ in range(5):
+        again = kernels.gemm_int16(x, packed, scale, 96)
+    assert kernels.fallback_allocations() == before
+    assert torch.equal(again, first)
+
+
 def test_auto_takes_int16_only_on_vnni_without_bf16_units(kernels):
     vnni = kernels.vnni
     assert wants_int16("auto", [], kernels) is vnni
