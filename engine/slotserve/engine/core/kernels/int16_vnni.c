@@ -91,9 +91,10 @@ VNNI_TARGET static void i16_row_vnni(const float *x, int64_t k, int16_t *q, floa
         for (int i = 0; i < 4; i++) {
             __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v[i], by),
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            r = _mm512_min_ps(_mm512_max_ps(r, _mm512_sub_ps(_mm512_setzero_ps(), bound)), bound);
-            /* NaN lanes (a NaN row, whose scale is NaN too) become 0 as in the C version. */
+            /* NaN lanes (a group with a NaN or inf, whose scale is NaN or inf too) become 0 as in
+             * the C version, before the clamp (VMAXPS would turn them into the bound). */
             r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, r, _CMP_ORD_Q), r);
+            r = _mm512_min_ps(_mm512_max_ps(r, _mm512_sub_ps(_mm512_setzero_ps(), bound)), bound);
             _mm256_storeu_si256((__m256i *)(q + j0 + 16 * i),
                                 _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(r)));
         }
