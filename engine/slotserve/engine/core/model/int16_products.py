@@ -24,6 +24,7 @@ for on one side turns bf16 off on the other (only an explicit setting can ask fo
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from slotserve.engine.core.kernels import NativeKernels, pack_int16
@@ -42,15 +43,43 @@ def wants_int16(dtype: str, units: list[str], kernels: NativeKernels | None) -> 
     return dtype == "int16" or (dtype == "auto" and not units)
 
 
-def install_int16(
-    model: Any, kernels: NativeKernels | None, *, asked: list[str], steps: str
-) -> Bf16Gate | None:
+@dataclass(frozen=True)
+class Int16Plan:
+    """Which steps multiply in int16 (:func:`plan_int16`), and the settings that named it."""
+
+    prefill: bool
+    decode: bool
+    asked: tuple[str, ...]
+
+    def __bool__(self) -> bool:
+        return self.prefill or self.decode
+
+
+def plan_int16(
+    prefill_dtype: str,
+    decode_dtype: str,
+    quantization: str,
+    units: list[str],
+    kernels: NativeKernels | None,
+) -> Int16Plan:
+    """Each side that asked for int16, or whose ``auto`` takes it (:func:`wants_int16`, fp32
+    weights only; ``units``: the CPU's bf16 units). An explicit int16 is planned even where it
+    cannot run: :func:`install_int16` then warns and installs nothing."""
+    sides = (("prefill", prefill_dtype), ("decode", decode_dtype))
+    taken = [
+        dtype == "int16" or (quantization == "none" and wants_int16(dtype, units, kernels))
+        for _, dtype in sides
+    ]
+    asked = tuple(f"{side}_dtype" for side, dtype in sides if dtype == "int16")
+    return Int16Plan(prefill=taken[0], decode=taken[1], asked=asked)
+
+
+def install_int16(model: Any, kernels: NativeKernels | None, plan: Int16Plan) -> Bf16Gate | None:
     """Give the decoder's fp32 native layers their packed int16 weights, sharing a new gate
-    (returned), where the kernels run VPDPWSSD; else None. ``asked``: the settings that named
-    int16 themselves (only they warn when it cannot run); ``steps``: which steps use it, for
-    the log."""
+    (returned), where the kernels run VPDPWSSD; else None. Only the settings that named int16
+    (``plan.asked``) warn when it cannot run."""
     if kernels is None or not kernels.vnni:
-        for setting in asked:
+        for setting in plan.asked:
             logger.warning(
                 "%s int16 needs the native kernels on a CPU with AVX512_VNNI (this CPU's "
                 "kernels: %s): those products run in float32",
@@ -60,7 +89,7 @@ def install_int16(
         return None
     layers = [layer for layer in decoder_linears(model) if layer.weight_fp32 is not None]
     if not layers:
-        for setting in asked:
+        for setting in plan.asked:
             logger.warning(
                 "%s int16 needs the decoder's linear layers on the native kernels (fp32 "
                 "weights; linear_backend auto or native, no quantization): those products run "
@@ -75,10 +104,11 @@ def install_int16(
         layer.weight_int16, layer.scale_int16 = pack_int16(layer.weight_fp32)
         nbytes += layer.weight_int16.numel() * 2
         layer.bf16_gate = gate
+    steps = [side for side, on in (("prefill", plan.prefill), ("decode", plan.decode)) if on]
     logger.info(
         "%s products in int16 on avx512_vnni (native kernels, VPDPWSSD): %d decoder layers, "
         "%.0f MB of int16 weights",
-        steps,
+        " and ".join(steps),
         len(layers),
         nbytes / 1e6,
     )

@@ -27,7 +27,7 @@ from slotserve.engine.core.model.bf16_prefill import (
     wants_bf16_prefill,
 )
 from slotserve.engine.core.model.calibration import CalibrationCache, CalibrationRecord
-from slotserve.engine.core.model.int16_products import install_int16, wants_int16
+from slotserve.engine.core.model.int16_products import install_int16, plan_int16, wants_int16
 from slotserve.engine.core.model.linear_setup import set_up_linears
 from slotserve.engine.core.model.native_decode import NativeDecodeStep, native_step, step_eligible
 from slotserve.engine.settings import DecodeDType, DecodeStep, LinearBackend, PrefillDType
@@ -117,16 +117,9 @@ def prepare_model(
     cpu_units = bf16_units()
     units = cpu_units if prefill_dtype != "float32" else []
     # int16 products (AVX512_VNNI without bf16 units, or asked for) on fp32 weights only.
-    fp32_weights = quantization == "none"
-    int16_prefill = prefill_dtype == "int16" or (
-        fp32_weights and wants_int16(prefill_dtype, units, kernels)
-    )
-    int16_decode = decode_dtype == "int16" or (
-        fp32_weights and wants_int16(decode_dtype, cpu_units, kernels)
-    )
-    int16 = int16_prefill or int16_decode
+    int16 = plan_int16(prefill_dtype, decode_dtype, quantization, cpu_units, kernels)
     decode_bf16 = decode_dtype != "int16" and wants_bf16_decode(decode_dtype, quantization, kernels)
-    if int16 and (decode_bf16 or (not int16_prefill and units)):
+    if int16 and (decode_bf16 or (not int16.prefill and units)):
         # One gate turns a step's narrow products on: the layers cannot hold both kinds apart.
         logger.info("bf16 products off: int16 (asked for) takes the layers' gate")
         decode_bf16 = False
@@ -142,22 +135,14 @@ def prepare_model(
         native_step=native_step,
         native_for_prefill=native_decode
         and eligible
-        and (int16 or wants_bf16_prefill(prefill_dtype, quantization, units)),
+        and (bool(int16) or wants_bf16_prefill(prefill_dtype, quantization, units)),
         # int16 decode products beat aten's fp32 ones structurally, as bf16's do.
-        decode_bf16=decode_bf16 or (int16_decode and wants_int16("int16", [], kernels)),
+        decode_bf16=decode_bf16 or (int16.decode and wants_int16("int16", [], kernels)),
     )
     if int16:
-        asked = [
-            f"{side}_dtype"
-            for side, dtype in (("prefill", prefill_dtype), ("decode", decode_dtype))
-            if dtype == "int16"
-        ]
-        steps = " and ".join(
-            side for side, on in (("prefill", int16_prefill), ("decode", int16_decode)) if on
-        )
-        gate = install_int16(model, kernels, asked=asked, steps=steps)
-        prefill_gate = gate if int16_prefill else None
-        decode_gate = gate if int16_decode else None
+        gate = install_int16(model, kernels, int16)
+        prefill_gate = gate if int16.prefill else None
+        decode_gate = gate if int16.decode else None
     else:
         prefill_gate = install_bf16_prefill(
             model, prefill_dtype, units, kernels, native_step=native_step
