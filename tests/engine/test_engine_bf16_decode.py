@@ -213,8 +213,8 @@ def test_auto_takes_bf16_only_where_the_kernels_run_it(tiny_model_dir, kernels, 
         kernels.set_isa("avx512")  # the widest below AVX512_BF16 this CPU has
         with caplog.at_level(logging.INFO, logger=bf16_decode.__name__):
             engine = make_engine(tiny_model_dir, decode_dtype="auto")
-        # No bf16 copies (auto may take int16 there, on a CPU with AVX512_VNNI and no bf16
-        # units: int16_products.py).
+        # No bf16 copies (auto may take int16 there, on a CPU without bf16 units:
+        # int16_products.py).
         assert all(layer.weight_packed is None for layer in bf16_layers(engine))
         warned = [r for r in caplog.records if r.name == bf16_decode.__name__ and r.levelno >= 30]
         assert not warned  # auto is silent

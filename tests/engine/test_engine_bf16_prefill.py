@@ -210,7 +210,8 @@ def test_auto_takes_bf16_where_it_can_run_and_fp32_silently_elsewhere(
     engine = make_engine(tiny_model_dir, prefill_dtype="auto", linear_backend="native")
     assert model_runner(engine).prefill_bf16
     monkeypatch.setattr(bf16_prefill, "cpu_identity", lambda: {**identity, "cpu_flags": "avx2 fma"})
-    # An AVX2 CPU: no bf16 units, and no AVX512_VNNI for int16 products (int16_products.py).
+    # An AVX2 CPU: no bf16 units. fp32 weights take int16 products there (int16_products.py:
+    # the narrow gate on, int16 copies, no bf16 ones); quantized weights stay as they are.
     kernels = load_kernels(CommonSettings().home)
     kernels.set_isa("avx2_fma")
     try:
@@ -219,7 +220,9 @@ def test_auto_takes_bf16_where_it_can_run_and_fp32_silently_elsewhere(
             quantized = make_engine(tiny_model_dir, prefill_dtype="auto", quantization="int8")
     finally:
         kernels.set_isa(ISAS[-1])
-    assert not model_runner(engine).prefill_bf16 and not model_runner(quantized).prefill_bf16
+    assert model_runner(engine).prefill_bf16 and not model_runner(quantized).prefill_bf16
+    layers = decoder_layers(engine)
+    assert all(layer.weight_int16 is not None and layer.weight_bf16 is None for layer in layers)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # auto never warns
     assert "prefill products in float32: no bf16 units" in caplog.text
 

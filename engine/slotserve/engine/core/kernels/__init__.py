@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 # The C code's instruction-set levels (ISA_C, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 in
 # kernels.h), by name.
 ISAS = ("plain_c", "avx2_fma", "avx512", "avx512_bf16")
+# What int16 products run, by slotserve_kernel_int16()'s number.
+INT16_PRODUCTS = ("plain_c", "avx2", "avx512_vnni")
 # KV cache layers the attention kernels read in place: fp32, or fp16 widened as read (kv_half.c).
 CACHE_DTYPES = (torch.float32, torch.float16)
 
@@ -136,10 +138,11 @@ class NativeKernels:
         return bool(self._lib.slotserve_kernel_amx())
 
     @property
-    def vnni(self) -> bool:
-        """Whether int16 products (:meth:`gemm_int16`) run on AVX512_VNNI's VPDPWSSD: the CPU
-        has it and ``avx512`` or wider is in use (else plain C, to the bit the same results)."""
-        return bool(self._lib.slotserve_kernel_vnni())
+    def int16_products(self) -> str:
+        """What int16 products (:meth:`gemm_int16`) run: ``avx512_vnni`` (VPDPWSSD: the CPU has
+        AVX512_VNNI and ``avx512`` or wider is in use), ``avx2`` (VPMADDWD) or ``plain_c``; all
+        three give the same results to the bit."""
+        return INT16_PRODUCTS[self._lib.slotserve_kernel_int16()]
 
     def set_amx(self, enabled: bool) -> bool:
         """Turn the AMX tiles on (where they can run) or off (tests, benchmarks); returns
@@ -193,7 +196,7 @@ class NativeKernels:
     ) -> torch.Tensor:
         """``x @ W.T`` for the ``n`` channels of ``packed`` and ``scale`` (:func:`pack_int16`'s
         layout): x's rows scaled to int16 per group of 64 columns, exact int32 sums per group,
-        then fp32 (``kernels/int16_vnni.c``)."""
+        then fp32 (``kernels/int16.c``; :attr:`int16_products` says which code runs)."""
         m, k, out = self._begin(x, n)
         blocks = -(-n // 16)
         if (
@@ -566,7 +569,7 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return w.view(blocks, 16, k // 2, 2).transpose(1, 2).contiguous()
 
 
-# The packed int16 weights' bound (int16_vnni.c): 64 products of it and the rows' 4095 fit int32.
+# The packed int16 weights' bound (int16.c): 64 products of it and the rows' 4095 fit int32.
 INT16_WEIGHT_MAX = 8191
 
 
@@ -622,7 +625,7 @@ def load_kernels(home: Path) -> NativeKernels:
         {
             "avx512_bf16": "AVX512_BF16 bf16 products, AVX-512 fp32 panels, AVX2/FMA elsewhere",
             "avx512": "AVX-512 fp32 panels, AVX2/FMA elsewhere"
-            + (", AVX512_VNNI int16 products" if kernels.vnni else ""),
+            + (", AVX512_VNNI int16 products" if kernels.int16_products == "avx512_vnni" else ""),
             "avx2_fma": "AVX2/FMA",
             "plain_c": "plain C (no AVX2/FMA on this CPU)",
         }[kernels.isa]

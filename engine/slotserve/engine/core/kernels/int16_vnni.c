@@ -1,62 +1,21 @@
 /* Products on int16 weights with AVX512_VNNI's int16 dot products (VPDPWSSD), for CPUs that
  * have VNNI but no bf16 units (Intel Cascade Lake and Ice Lake, or a newer Xeon whose hypervisor
- * hides AVX512_BF16 and AMX).
+ * hides AVX512_BF16 and AMX). The numbers and the layout: int16.c.
  *
  * Why: there a prefill chunk's fp32 products run at the FMA units' rate, 16 multiply-adds an
  * instruction, and bf16 would be emulated. One VPDPWSSD does 32 (pairs of int16 products, exact,
  * added into 16 int32 lanes) at the same rate as an FMA (2 a cycle, measured on a 2-core Xeon of
  * family 6 model 207: 5.3 G instructions a second each).
  *
- * Numbers: each weight channel is scaled to integers within +-8191 (kernels.pack_int16: its
- * largest magnitude on the bound, one fp32 scale a channel), each row of x to integers within
- * +-I16_ROW_MAX in groups of I16_GROUP columns (one scale a group: a group's outliers do not
- * coarsen the rest of the row). A group's sum of 64 products is at most 64 * 4095 * 8191 <
- * 2^31, so its int32 sum is exact; it is then scaled into an fp32 accumulator by one FMA, and
- * the channel's scale multiplies the result. Teacher-forced on SmolLM2's shipped text (bench/
- * quant_quality.py --engine int16, fp16 KV cache) the engine agrees with fp32 on 99.87% of greedy
- * tokens, perplexity +0.00%.
- *
- * Layout (kernels.h, "packed int16"): packed bf16's, int16 values: channels in blocks of 16,
- * each block holding for every column pair the 16 channels' two weights side by side (one
- * 64-byte line, what one VPDPWSSD takes against a row's pair broadcast to every lane), the scales
- * [blocks * 16] (zeros past n). Work: a task is I16_TASK_BLOCKS blocks of channels; rows go
- * I16_ROW_SPAN at a time, and the task walks them group by group, in tiles of I16_TILE_ROWS rows
- * whose 24 int32 sums stay in registers for the group, so the group's weights (6 KB) stay in L1
- * while every row passes; the fp32 accumulators of the span live in a per-thread buffer. The plain
- * C version computes the same integers and the same fp32 operations in the same order: its
- * results are the SIMD version's, bit for bit (the tests' reference). */
+ * Work: a task is I16_TASK_BLOCKS blocks of channels; rows go I16_ROW_SPAN at a time, and the
+ * task walks them group by group, in tiles of I16_TILE_ROWS rows whose 24 int32 sums stay in
+ * registers for the group, so the group's weights (6 KB) stay in L1 while every row passes; the
+ * fp32 accumulators of the span live in a per-thread buffer. */
 #include <stdint.h>
 
-#include "gemm.h"
+#include "int16.h"
 
-#define I16_GROUP 64
-#define I16_ROW_MAX 4095.0f
-#define I16_TASK_BLOCKS 3
 #define I16_TILE_ROWS 8
-#define I16_ROW_SPAN 256
-#define I16_CHUNK_GROUPS 4 /* groups a tile takes in one call (256 columns) */
-
-/* Row `x` (k floats) as int16 in groups of I16_GROUP: q[j] = nearest(x[j] * inv) of its group,
- * scale[g] = max |x| / I16_ROW_MAX (inf or NaN with the row's: they reach the product). */
-static void i16_row_c(const float *x, int64_t k, int16_t *q, float *scale) {
-    for (int64_t g = 0, j0 = 0; j0 < k; g++, j0 += I16_GROUP) {
-        const int64_t j1 = j0 + I16_GROUP < k ? j0 + I16_GROUP : k;
-        float top = 0.0f;
-        int nan = 0;
-        for (int64_t j = j0; j < j1; j++) {
-            top = fmaxf(top, fabsf(x[j]));
-            nan |= isnan(x[j]);
-        }
-        if (nan) top = NAN;
-        const float inv = top > 0.0f && top <= FLT_MAX ? I16_ROW_MAX / top : 0.0f;
-        scale[g] = top / I16_ROW_MAX;
-        for (int64_t j = j0; j < j1; j++) {
-            float v = nearbyintf(x[j] * inv);
-            v = v > I16_ROW_MAX ? I16_ROW_MAX : (v < -I16_ROW_MAX ? -I16_ROW_MAX : v);
-            q[j] = (int16_t)(v == v ? v : 0.0f);
-        }
-    }
-}
 
 #if defined(__x86_64__)
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
@@ -69,7 +28,7 @@ VNNI_TARGET static inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
     return acc;
 }
 
-VNNI_TARGET static void i16_row_vnni(const float *x, int64_t k, int16_t *q, float *scale) {
+VNNI_TARGET void i16_row_vnni(const float *x, int64_t k, int16_t *q, float *scale) {
     const __m512 bound = _mm512_set1_ps(I16_ROW_MAX);
     for (int64_t g = 0, j0 = 0; j0 < k; g++, j0 += I16_GROUP) {
         const int64_t j1 = j0 + I16_GROUP < k ? j0 + I16_GROUP : k;
@@ -197,8 +156,8 @@ VNNI_TARGET static void i16_task(const int16_t *xq, const float *xs, int64_t m, 
     }
 }
 
-static int i16_rows_vnni(const int16_t *xq, const float *xs, int64_t m, int64_t k, const int16_t *w,
-                         const float *ws, int64_t n, float *y, int threads, struct scratch *s) {
+int i16_rows_vnni(const int16_t *xq, const float *xs, int64_t m, int64_t k, const int16_t *w,
+                  const float *ws, int64_t n, float *y, int threads, struct scratch *s) {
     const int64_t groups = (k + I16_GROUP - 1) / I16_GROUP;
     const int64_t blocks = (n + 15) / 16;
     const int64_t tasks = (blocks + I16_TASK_BLOCKS - 1) / I16_TASK_BLOCKS;
@@ -239,83 +198,23 @@ static int i16_rows_vnni(const int16_t *xq, const float *xs, int64_t m, int64_t 
     return 0;
 }
 
-/* AVX512_VNNI and the ISA in use at AVX-512 or wider (tests lower it to run the C version). */
-static int vnni_runs(void) {
+int i16_vnni_cpu(void) {
     static int cpu = -1;
     if (cpu < 0) {
         __builtin_cpu_init();
         cpu = __builtin_cpu_supports("avx512vnni") != 0;
     }
-    return cpu && slotserve_kernel_isa() >= ISA_AVX512;
+    return cpu;
 }
 #else
-static int vnni_runs(void) { return 0; }
-static void i16_row_vnni(const float *x, int64_t k, int16_t *q, float *scale) {
+int i16_vnni_cpu(void) { return 0; }
+void i16_row_vnni(const float *x, int64_t k, int16_t *q, float *scale) {
     i16_row_c(x, k, q, scale);
 }
-static int i16_rows_vnni(const int16_t *xq, const float *xs, int64_t m, int64_t k, const int16_t *w,
-                         const float *ws, int64_t n, float *y, int threads, struct scratch *s) {
+int i16_rows_vnni(const int16_t *xq, const float *xs, int64_t m, int64_t k, const int16_t *w,
+                  const float *ws, int64_t n, float *y, int threads, struct scratch *s) {
     (void)xq, (void)xs, (void)m, (void)k, (void)w, (void)ws, (void)n, (void)y;
     (void)threads, (void)s;
-    return -1; /* never taken: vnni_runs() is 0 */
+    return -1; /* never taken: i16_vnni_cpu() is 0 */
 }
 #endif
-
-int slotserve_kernel_vnni(void) { return vnni_runs(); }
-
-/* The reference: the SIMD version's integers and fp32 operations, one output at a time. */
-static void i16_rows_c(const int16_t *xq, const float *xs, int64_t m, int64_t k, const int16_t *w,
-                       const float *ws, int64_t n, float *y, int threads) {
-    const int64_t groups = (k + I16_GROUP - 1) / I16_GROUP;
-#pragma omp parallel for num_threads(threads) collapse(2)
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t c = 0; c < n; c++) {
-            const int16_t *block = w + (c / 16) * 16 * k;
-            float acc = 0.0f;
-            for (int64_t g = 0; g < groups; g++) {
-                const int64_t j1 = (g + 1) * I16_GROUP < k ? (g + 1) * I16_GROUP : k;
-                int32_t sum = 0;
-                for (int64_t j = g * I16_GROUP; j < j1; j++)
-                    sum += (int32_t)xq[i * k + j] * block[(j / 2) * 32 + (c % 16) * 2 + j % 2];
-                acc = fmaf((float)sum, xs[i * groups + g], acc);
-            }
-            y[i * n + c] = acc * ws[c];
-        }
-}
-
-int gemm_int16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
-               int threads, struct scratch *s) {
-    if (w.kind != I16 || k % 2 != 0) return -1;
-    if (m == 0 || n == 0) return 0;
-    const int64_t groups = (k + I16_GROUP - 1) / I16_GROUP;
-    const size_t mark = scratch_mark(s);
-    void *owned[2] = {NULL};
-    int16_t *xq = scratch_take(s, sizeof(int16_t) * (size_t)(m * k), &owned[0]);
-    float *xs = scratch_take(s, sizeof(float) * (size_t)(m * groups), &owned[1]);
-    int status = -1;
-    if (xq != NULL && xs != NULL) {
-        const int vnni = vnni_runs();
-#pragma omp parallel for num_threads(threads) if (m >= 64)
-        for (int64_t i = 0; i < m; i++) {
-            if (vnni)
-                i16_row_vnni(x + i * k, k, xq + i * k, xs + i * groups);
-            else
-                i16_row_c(x + i * k, k, xq + i * k, xs + i * groups);
-        }
-        if (vnni)
-            status =
-                i16_rows_vnni(xq, xs, m, k, (const int16_t *)w.data, w.scale, n, y, threads, s);
-        else
-            i16_rows_c(xq, xs, m, k, (const int16_t *)w.data, w.scale, n, y, threads);
-        status = vnni ? status : 0;
-    }
-    free(owned[0]), free(owned[1]);
-    scratch_release(s, mark);
-    return status;
-}
-
-int slotserve_gemm_int16(const float *x, int64_t m, int64_t k, const int16_t *w, const float *scale,
-                         int64_t n, float *y, int threads, struct scratch *s) {
-    const struct weights weights = {I16, w, scale, NULL};
-    return gemm_int16(x, m, k, weights, n, y, threads, s);
-}

@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 /* Raised whenever a prototype below changes: a library of another ABI is never loaded. */
-#define SLOTSERVE_KERNEL_ABI 17
+#define SLOTSERVE_KERNEL_ABI 18
 /* Quantized weights per scale (and minimum) along K, both quantized formats. */
 #define SLOTSERVE_KERNEL_GROUP 32
 
@@ -60,9 +60,10 @@ int slotserve_kernel_set_isa(int level);
  * returns what runs. */
 int slotserve_kernel_amx(void);
 int slotserve_kernel_set_amx(int enabled);
-/* int16_vnni.c: whether int16 products run VPDPWSSD (the CPU has AVX512_VNNI and the ISA in use
- * is ISA_AVX512 or wider); else they run the plain C version, to the bit the same results. */
-int slotserve_kernel_vnni(void);
+/* int16.c: what int16 products run: 2 VPDPWSSD (the CPU has AVX512_VNNI and the ISA in use is
+ * ISA_AVX512 or wider), 1 VPMADDWD (ISA_AVX2 in use), 0 the plain C version; all three give the
+ * same results to the bit. */
+int slotserve_kernel_int16(void);
 /* llama_step.c: whether the native step fuses its layers (the norms writing the products' bf16
  * rows, one MLP call, o and down added into the residual stream) where its products are bf16;
  * on by default, turned off by tests to compare with the products one by one. Returns it. */
@@ -105,7 +106,7 @@ int slotserve_gemm_quantized_bf16(int kind, const float *x, int64_t m, int64_t k
 /* Packed int16 weights (k even): packed bf16's layout holding integers within +-8191, each
  * channel's scale in scale[ceil(N/16) * 16] (zeros past N): weight = integer * scale. The rows of
  * x are scaled to integers within +-4095 per group of 64 columns, each group's int32 sums exact,
- * then scaled and summed in fp32 (int16_vnni.c: VPDPWSSD where slotserve_kernel_vnni()). Returns
+ * then scaled and summed in fp32 (int16.c; slotserve_kernel_int16() says which code runs). Returns
  * 0, or -1 when a buffer could not be allocated or k is odd. */
 int slotserve_gemm_int16(const float *x, int64_t m, int64_t k, const int16_t *w, const float *scale,
                          int64_t n, float *y, int threads, struct scratch *s);

@@ -14,6 +14,8 @@
 #include "bf16_avx512.c"
 #include "quantized_bf16.c"
 #include "int16_vnni.c"
+#include "int16_avx2.c"
+#include "int16.c"
 #include "attention_block.c"
 #include "attention_bf16.c"
 #include "attention_amx.c"

@@ -64,6 +64,8 @@ SOURCES = (
     HERE / "bf16_avx512.c",
     HERE / "quantized_bf16.c",
     HERE / "int16_vnni.c",
+    HERE / "int16_avx2.c",
+    HERE / "int16.c",
     HERE / "attention_block.c",
     HERE / "attention_bf16.c",
     HERE / "attention_amx.c",
@@ -75,7 +77,7 @@ SOURCES = (
 # What the compiler is given: every source above, included into one translation unit.
 UNIT = HERE / "library.c"
 HEADER = HERE / "kernels.h"
-HEADERS = (HEADER, HERE / "qgemm.h", HERE / "gemm.h")
+HEADERS = (HEADER, HERE / "qgemm.h", HERE / "gemm.h", HERE / "int16.h")
 # No -march: the library runs on any CPU of its machine type; wider instructions live in
 # functions of their own (target attributes), chosen at run time from cpuid.
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-std=gnu11")

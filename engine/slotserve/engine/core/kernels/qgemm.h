@@ -139,7 +139,7 @@ void bf16_task_rows(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *w,
  * plain C reference); k % 32 == 0. Returns 0, or -1 (a buffer, or weights not quantized). */
 int gemm_quantized_bf16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
                         int threads, struct scratch *s);
-/* int16_vnni.c: y = x . W^T on packed int16 weights (kind I16,
+/* int16.c: y = x . W^T on packed int16 weights (kind I16,
  * scale: the channels' scales), k even. Returns 0, or -1 (a buffer, or weights not I16). */
 int gemm_int16(const float *x, int64_t m, int64_t k, struct weights w, int64_t n, float *y,
                int threads, struct scratch *s);

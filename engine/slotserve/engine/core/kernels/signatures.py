@@ -22,7 +22,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "slotserve_kernel_set_isa": (INT, [INT]),
     "slotserve_kernel_amx": (INT, []),
     "slotserve_kernel_set_amx": (INT, [INT]),
-    "slotserve_kernel_vnni": (INT, []),
+    "slotserve_kernel_int16": (INT, []),
     "slotserve_kernel_set_fused_layers": (INT, [INT]),
     "slotserve_kernel_fused_layers_run": (ctypes.c_uint64, []),
     "slotserve_kernel_fallback_allocations": (ctypes.c_uint64, []),

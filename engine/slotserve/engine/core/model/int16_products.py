@@ -1,17 +1,21 @@
 """Products in int16 (``--prefill-dtype int16``, ``--decode-dtype int16``; what ``auto``
-chooses for both on CPUs with AVX512_VNNI but no bf16 units: Intel Cascade Lake and Ice Lake,
-or a newer Xeon whose hypervisor hides AVX512_BF16 and AMX): the decoder's fp32 native layers
-keep an int16 copy of their weights (:func:`~slotserve.engine.core.kernels.pack_int16`:
-integers within +-8191 and one scale a channel), and a step whose products run narrow (a
-prefill step, a decode step) multiplies on it with VPDPWSSD (``kernels/int16_vnni.c``): the
-rows scaled to int16 per 64 columns, each group's int32 sums exact, accumulated in fp32.
+chooses for both on CPUs without bf16 units whose kernels run SIMD int16 products: AVX512_VNNI
+(Intel Cascade Lake and Ice Lake, or a newer Xeon whose hypervisor hides AVX512_BF16 and AMX)
+or AVX2 (AMD Zen 2 and 3, older Intel): the decoder's fp32 native layers keep an int16 copy of
+their weights (:func:`~slotserve.engine.core.kernels.pack_int16`: integers within +-8191 and one
+scale a channel), and a step whose products run narrow (a prefill step, a decode step)
+multiplies on it (``kernels/int16.c``) with VPDPWSSD or VPMADDWD: the rows scaled to int16 per
+64 columns, each group's int32 sums exact, accumulated in fp32. Both give the plain C version's
+results to the bit.
 
 Why: there a prefill chunk's fp32 products run at the FMA units' rate and bf16 would be
-emulated, while one VPDPWSSD does twice an FMA's multiply-adds at the same rate; decode steps
-stream half the bytes. Measured on a 2-core Xeon of family 6 model 207 (AVX512_VNNI, no
-AVX512_BF16 or AMX exposed): SmolLM2's gate/up shape at 1,024 rows 222-300 GFLOPS against the
-fp32 panels' 152-200; a decode step's 120 products (weights from memory) 13.3 / 16.6 / 27.0 ms
-at 1 / 8 / 32 rows against 19.6 / 24.3 / 46.3.
+emulated, while one VPDPWSSD does twice an FMA's multiply-adds at the same rate (a VPMADDWD and
+its VPADDD 1.2-1.45x an FMA's on a Zen 3); decode steps stream half the bytes. Measured on a
+2-core Xeon of family 6 model 207 (AVX512_VNNI, no AVX512_BF16 or AMX exposed): SmolLM2's
+gate/up shape at 1,024 rows 222-300 GFLOPS against the fp32 panels' 152-200; a decode step's 120
+products (weights from memory) 13.3 / 16.6 / 27.0 ms at 1 / 8 / 32 rows against 19.6 / 24.3 /
+46.3. On a 2-core Zen 3 (AVX2 only), in one engine: decode steps 25.8 / 41.3 / 109.4 ms at
+1 / 8 / 32 sequences against fp32's 36.8 / 55.4 / 130.6, prefill 1.09x.
 
 What it costs: an int16 copy of the decoder's weights (half the fp32 bytes; the output
 projection stays fp32). Quality: teacher-forced on SmolLM2's shipped text
@@ -36,9 +40,9 @@ logger = logging.getLogger(__name__)
 
 def wants_int16(dtype: str, units: list[str], kernels: NativeKernels | None) -> bool:
     """Whether products set to ``dtype`` (a prefill_dtype or decode_dtype) should run in int16:
-    asked for, or ``auto`` on a CPU without bf16 ``units``, wherever the kernels run VPDPWSSD
-    (:attr:`NativeKernels.vnni`)."""
-    if kernels is None or not kernels.vnni:
+    asked for, or ``auto`` on a CPU without bf16 ``units``, wherever the kernels run SIMD int16
+    products (:attr:`NativeKernels.int16_products`: VPDPWSSD or VPMADDWD)."""
+    if kernels is None or kernels.int16_products == "plain_c":
         return False
     return dtype == "int16" or (dtype == "auto" and not units)
 
@@ -76,13 +80,13 @@ def plan_int16(
 
 def install_int16(model: Any, kernels: NativeKernels | None, plan: Int16Plan) -> Bf16Gate | None:
     """Give the decoder's fp32 native layers their packed int16 weights, sharing a new gate
-    (returned), where the kernels run VPDPWSSD; else None. Only the settings that named int16
-    (``plan.asked``) warn when it cannot run."""
-    if kernels is None or not kernels.vnni:
+    (returned), where the kernels run SIMD int16 products; else None. Only the settings that
+    named int16 (``plan.asked``) warn when it cannot run."""
+    if kernels is None or kernels.int16_products == "plain_c":
         for setting in plan.asked:
             logger.warning(
-                "%s int16 needs the native kernels on a CPU with AVX512_VNNI (this CPU's "
-                "kernels: %s): those products run in float32",
+                "%s int16 needs the native kernels on a CPU with AVX2 or AVX512_VNNI (this "
+                "CPU's kernels: %s): those products run in float32",
                 setting,
                 "none" if kernels is None else kernels.isa,
             )
@@ -105,10 +109,13 @@ def install_int16(model: Any, kernels: NativeKernels | None, plan: Int16Plan) ->
         nbytes += layer.weight_int16.numel() * 2
         layer.bf16_gate = gate
     steps = [side for side, on in (("prefill", plan.prefill), ("decode", plan.decode)) if on]
+    code = kernels.int16_products
     logger.info(
-        "%s products in int16 on avx512_vnni (native kernels, VPDPWSSD): %d decoder layers, "
+        "%s products in int16 on %s (native kernels, %s): %d decoder layers, "
         "%.0f MB of int16 weights",
         " and ".join(steps),
+        code,
+        "VPDPWSSD" if code == "avx512_vnni" else "VPMADDWD",
         len(layers),
         nbytes / 1e6,
     )

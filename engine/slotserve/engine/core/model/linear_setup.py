@@ -197,13 +197,14 @@ def _watch(
 def kernels_record(kernels: NativeKernels) -> CalibrationRecord:
     """What the native kernels cost at load (compiled, or loaded from the image or the cache)
     and which instruction set they run (``avx512_bf16``, ``avx512``, ``avx2_fma`` or
-    ``plain_c``; figure ``avx512_vnni`` 1 where their int16 products run VPDPWSSD)."""
+    ``plain_c``; figure ``int16_avx512_vnni`` or ``int16_avx2`` 1: what their int16 products
+    run, VPDPWSSD or VPMADDWD)."""
     return CalibrationRecord(
         "native_kernels",
         kernels.isa,
         "built" if kernels.build.compiled else "cached",
         kernels.build.seconds,
-        {"avx512_vnni": 1.0} if kernels.vnni else {},
+        {} if kernels.int16_products == "plain_c" else {f"int16_{kernels.int16_products}": 1.0},
     )
 
 

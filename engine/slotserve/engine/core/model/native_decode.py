@@ -280,7 +280,7 @@ class NativeDecodeStep:
         return True
 
     def use_packed_int16(self, gate: Bf16Gate) -> bool:
-        """Multiply on the layers' packed int16 weights (``kernels/int16_vnni.c``) while
+        """Multiply on the layers' packed int16 weights (``kernels/int16.c``) while
         ``gate`` is on: every product of the step. False if a layer has no int16 weights."""
         if any(linear.weight_int16 is None for linear in self._linears):
             return False

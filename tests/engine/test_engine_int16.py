@@ -1,8 +1,9 @@
-"""int16 products on AVX512_VNNI (issue 24, item 2, for CPUs with VNNI but no bf16 units):
-prefill and decode steps multiply packed int16 weights by rows scaled to int16 per 64 columns,
-exact int32 sums per group, with VPDPWSSD (``kernels/int16_vnni.c``) where the kernels run
-AVX-512 on a CPU with VNNI; the plain C version computes the same integers and fp32 operations,
-so the two agree to the bit on every shape."""
+"""int16 products (issue 24, item 2, for CPUs without bf16 units): prefill and decode steps
+multiply packed int16 weights by rows scaled to int16 per 64 columns, exact int32 sums per
+group, with VPDPWSSD (``kernels/int16_vnni.c``) where the kernels run AVX-512 on a CPU with VNNI,
+or VPMADDWD (``kernels/int16_avx2.c``) where they run AVX2; the plain C version (``int16.c``)
+computes the same integers and fp32 operations, so every version agrees with it to the bit on
+every shape."""
 
 from __future__ import annotations
 
@@ -24,12 +25,20 @@ def kernels() -> NativeKernels:
     return load_kernels(CommonSettings().home)
 
 
-@pytest.fixture(params=["plain_c", "vnni"])
+# Each version of the product this CPU runs: the ISA level that selects it, and its name.
+VERSIONS = {"plain_c": ("plain_c", "plain_c"), "avx2": ("avx2_fma", "avx2"),
+            "vnni": ("avx512", "avx512_vnni")}  # fmt: skip
+
+
+@pytest.fixture(params=list(VERSIONS))
 def isa(request, kernels: NativeKernels) -> Iterator[str]:
-    if request.param == "vnni" and not kernels.vnni:
-        pytest.skip("this CPU has no AVX512_VNNI")
-    kernels.set_isa("plain_c" if request.param == "plain_c" else ISAS[-1])
+    level, name = VERSIONS[request.param]
+    if level not in kernels.supported_isas:
+        pytest.skip(f"this CPU cannot run {level}")
+    kernels.set_isa(level)
     try:
+        if kernels.int16_products != name:
+            pytest.skip(f"this CPU's int16 products at {level} run {kernels.int16_products}")
         yield request.param
     finally:
         kernels.set_isa(ISAS[-1])
@@ -43,9 +52,13 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> float:
 
 
 # (rows, channels, k): one row and one group; a partial last group (98 = 64 + 34) and a channel
-# count that is no multiple of 16; k = 2; SmolLM2's down and q/k/v shapes; more rows than one
-# span of 256 (two spans, the second short).
-SHAPES = [(1, 16, 64), (3, 33, 98), (9, 100, 2), (17, 576, 1536), (130, 960, 576), (300, 48, 128)]
+# count that is no multiple of 16; k = 2; two rows (AVX2's decode tiles); six and eight rows
+# (AVX2's six-row tile, then two); SmolLM2's down and q/k/v shapes; more rows than one span of
+# 256 (two spans, the second short).
+SHAPES = [
+    (1, 16, 64), (3, 33, 98), (9, 100, 2), (2, 40, 130), (6, 24, 192), (8, 50, 320),
+    (17, 576, 1536), (130, 960, 576), (300, 48, 128),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -62,7 +75,7 @@ def test_the_product_is_within_the_int16_steps_and_both_versions_agree_to_the_bi
     reference = x.double() @ w.double().T
     assert got.shape == (m, n)
     assert (got.double() - reference).abs().max().item() <= bound(x, w)
-    if isa == "vnni":
+    if isa != "plain_c":
         # The plain C version: the same integers, the same fp32 operations in the same order.
         kernels.set_isa("plain_c")
         assert torch.equal(got, kernels.gemm_int16(x, packed, scale, n))
@@ -116,27 +129,28 @@ def test_int16_products_allocate_nothing_once_the_workspace_has_grown(kernels, i
     assert torch.equal(again, first)
 
 
-def test_auto_takes_int16_only_on_vnni_without_bf16_units(kernels):
-    vnni = kernels.vnni
-    assert wants_int16("auto", [], kernels) is vnni
+def test_auto_takes_int16_only_where_simd_int16_runs_without_bf16_units(kernels):
+    simd = kernels.int16_products != "plain_c"
+    assert wants_int16("auto", [], kernels) is simd
     assert not wants_int16("auto", ["avx512_bf16"], kernels)
     assert not wants_int16("float32", [], kernels)
     assert not wants_int16("bfloat16", [], kernels)
-    assert wants_int16("int16", ["avx512_bf16"], kernels) is vnni
+    assert wants_int16("int16", ["avx512_bf16"], kernels) is simd
     assert not wants_int16("int16", [], None)
-    kernels.set_isa("avx2_fma")  # VPDPWSSD needs the AVX-512 code
+    kernels.set_isa("plain_c")  # correct, and slower than fp32's panels: never chosen
     try:
-        assert not kernels.vnni and not wants_int16("int16", [], kernels)
+        assert kernels.int16_products == "plain_c" and not wants_int16("int16", [], kernels)
     finally:
         kernels.set_isa(ISAS[-1])
 
 
-def test_a_vnni_cpu_without_bf16_units_prefills_in_int16_by_default(
-    kernels, tiny_model_dir, monkeypatch, caplog
+def test_a_cpu_without_bf16_units_prefills_and_decodes_in_int16_by_default(
+    kernels, isa, tiny_model_dir, monkeypatch, caplog
 ):
-    if not kernels.vnni:
-        pytest.skip("this CPU has no AVX512_VNNI")
-    # The CPU as a Cascade Lake or Ice Lake Xeon shows itself: VNNI, no bf16 units.
+    if isa == "plain_c":
+        pytest.skip("int16 in plain C is never chosen")
+    code = VERSIONS[isa][1]
+    # The CPU as a Zen 3 EPYC (AVX2) or a Cascade Lake Xeon (VNNI) shows itself: no bf16 units.
     identity = bf16_prefill.cpu_identity()
     flags = " ".join(
         f for f in identity.get("cpu_flags", "").split() if f not in bf16_prefill.BF16_UNITS
@@ -148,14 +162,14 @@ def test_a_vnni_cpu_without_bf16_units_prefills_in_int16_by_default(
         )
     runner = model_runner(engine)
     assert runner.prefill_bf16 and runner.decode_bf16
-    assert "prefill and decode products in int16 on avx512_vnni (native kernels" in caplog.text
+    assert f"prefill and decode products in int16 on {code} (native kernels" in caplog.text
     layers = bf16_prefill.decoder_linears(runner.model)
     assert layers and all(
         layer.weight_int16 is not None and layer.weight_packed is None for layer in layers
     )
     # /load's calibrations name the route too.
     (record,) = [c for c in runner.calibrations if c.name == "native_kernels"]
-    assert record.figures == {"avx512_vnni": 1.0}
+    assert record.figures == {f"int16_{code}": 1.0}
     # A 40-row prefill chunk and an 8-row decode step: int16 products with the gate on, fp32
     # with it off (a prompt being scored); they differ by int16's rounding and no more.
     for rows, decode in ((40, False), (8, True)):
@@ -175,7 +189,7 @@ def test_a_vnni_cpu_without_bf16_units_prefills_in_int16_by_default(
 
 
 def test_int16_that_cannot_run_warns_once_and_prefills_in_fp32(kernels, tiny_model_dir, caplog):
-    kernels.set_isa("avx2_fma")  # below the AVX-512 code: no VPDPWSSD
+    kernels.set_isa("plain_c")  # as on a CPU without AVX2
     try:
         with caplog.at_level(logging.INFO):
             engine = make_engine(tiny_model_dir, prefill_dtype="int16", decode_dtype="float32")
@@ -184,24 +198,27 @@ def test_int16_that_cannot_run_warns_once_and_prefills_in_fp32(kernels, tiny_mod
     assert not model_runner(engine).prefill_bf16
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, warnings
-    assert "prefill_dtype int16 needs the native kernels on a CPU with AVX512_VNNI" in warnings[0]
+    assert (
+        "prefill_dtype int16 needs the native kernels on a CPU with AVX2 or AVX512_VNNI"
+        in (warnings[0])
+    )
 
 
 def test_int16_asked_for_one_side_turns_bf16_off_on_the_other(kernels, tiny_model_dir, caplog):
-    if not kernels.vnni:
-        pytest.skip("this CPU has no AVX512_VNNI")
+    if kernels.int16_products == "plain_c":
+        pytest.skip("this CPU has no AVX2")
     with caplog.at_level(logging.INFO):
         engine = make_engine(tiny_model_dir, prefill_dtype="float32", decode_dtype="int16")
     runner = model_runner(engine)
     assert runner.decode_bf16 and not runner.prefill_bf16
     layers = bf16_prefill.decoder_linears(runner.model)
     assert all(layer.weight_int16 is not None and layer.weight_packed is None for layer in layers)
-    assert "decode products in int16 on avx512_vnni" in caplog.text
+    assert f"decode products in int16 on {kernels.int16_products}" in caplog.text
 
 
 def test_int16_on_quantized_layers_warns_and_keeps_their_precision(kernels, tiny_model_dir, caplog):
-    if not kernels.vnni:
-        pytest.skip("this CPU has no AVX512_VNNI")
+    if kernels.int16_products == "plain_c":
+        pytest.skip("this CPU has no AVX2")
     with caplog.at_level(logging.WARNING):
         engine = make_engine(
             tiny_model_dir, quantization="int4", prefill_dtype="int16", decode_dtype="float32"
