@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -142,6 +144,22 @@ def test_auto_takes_int16_only_where_simd_int16_runs_without_bf16_units(kernels)
         assert kernels.int16_products == "plain_c" and not wants_int16("int16", [], kernels)
     finally:
         kernels.set_isa(ISAS[-1])
+
+
+@pytest.mark.parametrize(
+    ("isa", "products", "auto"),
+    [
+        ("avx2_fma", "avx2", True),  # a Zen 3 EPYC: VPMADDWD beside AVX2's fp32 panels
+        ("avx512", "avx512_vnni", True),  # a Cascade Lake Xeon
+        ("avx512", "avx2", False),  # a Skylake Xeon: AVX-512's fp32 panels outrun VPMADDWD
+        ("plain_c", "plain_c", False),
+    ],
+)
+def test_auto_takes_int16_where_it_outruns_the_fp32_panels(isa, products, auto):
+    # The decision reads these two properties only; a CPU of each kind is not at hand here.
+    shown = cast(NativeKernels, SimpleNamespace(isa=isa, int16_products=products))
+    assert wants_int16("auto", [], shown) is auto
+    assert wants_int16("int16", [], shown) is (products != "plain_c")
 
 
 def test_a_cpu_without_bf16_units_prefills_and_decodes_in_int16_by_default(

@@ -40,11 +40,16 @@ logger = logging.getLogger(__name__)
 
 def wants_int16(dtype: str, units: list[str], kernels: NativeKernels | None) -> bool:
     """Whether products set to ``dtype`` (a prefill_dtype or decode_dtype) should run in int16:
-    asked for, or ``auto`` on a CPU without bf16 ``units``, wherever the kernels run SIMD int16
-    products (:attr:`NativeKernels.int16_products`: VPDPWSSD or VPMADDWD)."""
+    asked for, wherever the kernels run SIMD int16 products (:attr:`NativeKernels.int16_products`:
+    VPDPWSSD or VPMADDWD); or ``auto`` on a CPU without bf16 ``units`` where they outrun the fp32
+    panels beside them: VPDPWSSD, or VPMADDWD where the panels are AVX2's too (an AVX-512 CPU
+    without VNNI multiplies fp32 16 lanes wide, faster than VPMADDWD's 8 int32 lanes)."""
     if kernels is None or kernels.int16_products == "plain_c":
         return False
-    return dtype == "int16" or (dtype == "auto" and not units)
+    if dtype == "int16":
+        return True
+    faster = kernels.int16_products == "avx512_vnni" or kernels.isa == "avx2_fma"
+    return dtype == "auto" and not units and faster
 
 
 @dataclass(frozen=True)
