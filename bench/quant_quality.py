@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=["float32", "bfloat16", "int16"],
         default=[],
         help="also score a slotserve engine with these product dtypes (prefill and decode; "
-        "int16 where the kernels run AVX512_VNNI), --step and --prefill-step tokens a step: the "
-        "engine's own kernels, bf16 and int16 ones included",
+        "int16 where the kernels run AVX2 or AVX512_VNNI), --step and --prefill-step tokens a "
+        "step: the engine's own kernels, bf16 and int16 ones included",
     )
     parser.add_argument(
         "--kv-cache-dtype",
