@@ -244,28 +244,21 @@ I16_AVX2 static void i16_tile_avx2_any(const int16_t *xq, const float *xs, int64
                                        float *acc, const float *ws, float *y, int64_t n,
                                        __m256i mask0, __m256i mask1, const int16_t *next,
                                        int rows) {
+#define I16_AVX2_CASE(R)                                                                           \
+    case R:                                                                                        \
+        i16_tile_avx2(xq, xs, k, groups, g0, g1, w, acc, ws, y, n, mask0, mask1, next, R);         \
+        break;
     switch (rows) {
-    case 1:
-        i16_tile_avx2(xq, xs, k, groups, g0, g1, w, acc, ws, y, n, mask0, mask1, next, 1);
-        break;
-    case 2:
-        i16_tile_avx2(xq, xs, k, groups, g0, g1, w, acc, ws, y, n, mask0, mask1, next, 2);
-        break;
-    case 3:
-        i16_tile_avx2(xq, xs, k, groups, g0, g1, w, acc, ws, y, n, mask0, mask1, next, 3);
-        break;
-    case 4:
-        i16_tile_avx2(xq, xs, k, groups, g0, g1, w, acc, ws, y, n, mask0, mask1, next, 4);
-        break;
-    case 5:
-        i16_tile_avx2(xq, xs, k, groups, g0, g1, w, acc, ws, y, n, mask0, mask1, next, 5);
-        break;
-    case 6:
-        i16_tile_avx2(xq, xs, k, groups, g0, g1, w, acc, ws, y, n, mask0, mask1, next, 6);
-        break;
+        I16_AVX2_CASE(1)
+        I16_AVX2_CASE(2)
+        I16_AVX2_CASE(3)
+        I16_AVX2_CASE(4)
+        I16_AVX2_CASE(5)
+        I16_AVX2_CASE(6)
     default:
         break;
     }
+#undef I16_AVX2_CASE
 }
 
 /* The lanes of a block's two halves that hold channels: all, or the first `tail` (1-15). */
