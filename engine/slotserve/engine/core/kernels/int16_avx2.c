@@ -145,6 +145,37 @@ i16_six_rows(const int16_t *x, int64_t stride_bytes, const int16_t *w, const int
     /* clang-format on */
 }
 
+/* Rows [0, rows) of xq (stride k) against one block's column pairs [p0, p1): each row's int32
+ * sums for the block's two halves into sum[r], zeroed first. `next` (or NULL): weights further
+ * on, prefetched into L2 a line a pair. */
+I16_AVX2 static inline __attribute__((always_inline)) void
+i16_sums_avx2(const int16_t *xq, int64_t k, const int16_t *w, const int16_t *next, int64_t p0,
+              int64_t p1, const int rows, __m256i sum[][2]) {
+    for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+    for (int64_t p = p0; p < p1; p++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 32 * p));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32 * p + 16));
+        if (next != NULL) _mm_prefetch((const char *)(next + 32 * p), _MM_HINT_T1);
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            memcpy(&pair, xq + r * k + 2 * p, sizeof pair);
+            const __m256i xv = _mm256_set1_epi32(pair);
+            sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(xv, w0));
+            sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(xv, w1));
+        }
+    }
+}
+
+/* Eight results: total times the channels' scales, stored where `mask` holds channels. */
+I16_AVX2 static inline void i16_out(float *y, __m256 total, const float *ws, __m256i mask) {
+    _mm256_maskstore_ps(y, mask, _mm256_mul_ps(total, _mm256_loadu_ps(ws)));
+}
+
+/* Where a block's stream prefetches: `ahead_bytes` (dispatch.c) further on. */
+static inline const int16_t *i16_ahead(const int16_t *block) {
+    return (const int16_t *)((const char *)block + ahead_bytes);
+}
+
 /* Groups [g0, g1) of `rows` rows (<= I16_AVX2_ROWS) against one block: six rows in
  * i16_six_rows, fewer here with intrinsics (their sums fit the registers). The fp32 sums go to acc
  * (rows 16 * I16_TASK_BLOCKS floats apart) until the last group, which writes y (stride n) times
@@ -162,27 +193,14 @@ i16_tile_avx2(const int16_t *xq, const float *xs, int64_t k, int64_t groups, int
                          acc);
             if (g + 1 < groups) continue;
             for (int r = 0; r < rows; r++)
-                for (int h = 0; h < 2; h++) {
-                    const __m256 total = _mm256_load_ps(acc + r * 16 * I16_TASK_BLOCKS + 8 * h);
-                    const __m256 out = _mm256_mul_ps(total, _mm256_loadu_ps(ws + 8 * h));
-                    _mm256_maskstore_ps(y + r * n + 8 * h, h ? mask1 : mask0, out);
-                }
+                for (int h = 0; h < 2; h++)
+                    i16_out(y + r * n + 8 * h,
+                            _mm256_load_ps(acc + r * 16 * I16_TASK_BLOCKS + 8 * h), ws + 8 * h,
+                            h ? mask1 : mask0);
             continue;
         }
         __m256i sum[I16_AVX2_ROWS][2];
-        for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-        for (int64_t p = p0; p < p1; p++) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 32 * p));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32 * p + 16));
-            if (next != NULL) _mm_prefetch((const char *)(next + 32 * p), _MM_HINT_T1);
-            for (int r = 0; r < rows; r++) {
-                int32_t pair;
-                memcpy(&pair, xq + r * k + 2 * p, sizeof pair);
-                const __m256i xv = _mm256_set1_epi32(pair);
-                sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(xv, w0));
-                sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(xv, w1));
-            }
-        }
+        i16_sums_avx2(xq, k, w, next, p0, p1, rows, sum);
         for (int r = 0; r < rows; r++) {
             const __m256 scale = _mm256_set1_ps(xs[r * groups + g]);
             for (int h = 0; h < 2; h++) {
@@ -193,8 +211,7 @@ i16_tile_avx2(const int16_t *xq, const float *xs, int64_t k, int64_t groups, int
                     _mm256_store_ps(at, total);
                     continue;
                 }
-                const __m256 out = _mm256_mul_ps(total, _mm256_loadu_ps(ws + 8 * h));
-                _mm256_maskstore_ps(y + r * n + 8 * h, h ? mask1 : mask0, out);
+                i16_out(y + r * n + 8 * h, total, ws + 8 * h, h ? mask1 : mask0);
             }
         }
     }
@@ -206,37 +223,23 @@ i16_tile_avx2(const int16_t *xq, const float *xs, int64_t k, int64_t groups, int
 I16_AVX2 static inline __attribute__((always_inline)) void
 i16_few_avx2(const int16_t *xq, const float *xs, int64_t k, int64_t groups, const int16_t *w,
              const float *ws, float *y, int64_t n, __m256i mask0, __m256i mask1,
-             const int64_t ahead, const int rows) {
+             const int16_t *next, const int rows) {
     __m256 total[I16_AVX2_FEW][2];
     for (int r = 0; r < rows; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const int64_t p0 = g * (I16_GROUP / 2);
         const int64_t p1 = p0 + I16_GROUP / 2 < k / 2 ? p0 + I16_GROUP / 2 : k / 2;
         __m256i sum[I16_AVX2_FEW][2];
-        for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-        for (int64_t p = p0; p < p1; p++) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 32 * p));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32 * p + 16));
-            _mm_prefetch((const char *)(w + 32 * p) + ahead, _MM_HINT_T1);
-            for (int r = 0; r < rows; r++) {
-                int32_t pair;
-                memcpy(&pair, xq + r * k + 2 * p, sizeof pair);
-                const __m256i xv = _mm256_set1_epi32(pair);
-                sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(xv, w0));
-                sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(xv, w1));
-            }
-        }
+        i16_sums_avx2(xq, k, w, next, p0, p1, rows, sum);
         for (int r = 0; r < rows; r++) {
             const __m256 scale = _mm256_set1_ps(xs[r * groups + g]);
             for (int h = 0; h < 2; h++)
                 total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), scale, total[r][h]);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        _mm256_maskstore_ps(y + r * n, mask0, _mm256_mul_ps(total[r][0], _mm256_loadu_ps(ws)));
-        _mm256_maskstore_ps(y + r * n + 8, mask1,
-                            _mm256_mul_ps(total[r][1], _mm256_loadu_ps(ws + 8)));
-    }
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2; h++)
+            i16_out(y + r * n + 8 * h, total[r][h], ws + 8 * h, h ? mask1 : mask0);
 }
 
 I16_AVX2 static void i16_tile_avx2_any(const int16_t *xq, const float *xs, int64_t k,
@@ -285,13 +288,13 @@ I16_AVX2 static void i16_task_avx2(const int16_t *xq, const float *xs, int64_t m
             const int16_t *block = w + b * block_elems;
             for (int64_t i = 0; i < m; i += I16_AVX2_FEW) {
                 /* The first pair of rows streams the block; the others find it in L1. */
-                const int64_t ahead = i == 0 ? ahead_bytes : 0;
+                const int16_t *next = i == 0 ? i16_ahead(block) : NULL;
                 if (m - i == 1)
                     i16_few_avx2(xq + i * k, xs + i * groups, k, groups, block, ws + 16 * b,
-                                 y + i * n + 16 * b, n, mask0, mask1, ahead, 1);
+                                 y + i * n + 16 * b, n, mask0, mask1, next, 1);
                 else
                     i16_few_avx2(xq + i * k, xs + i * groups, k, groups, block, ws + 16 * b,
-                                 y + i * n + 16 * b, n, mask0, mask1, ahead, 2);
+                                 y + i * n + 16 * b, n, mask0, mask1, next, 2);
             }
         }
         return;
@@ -306,8 +309,7 @@ I16_AVX2 static void i16_task_avx2(const int16_t *xq, const float *xs, int64_t m
             for (int b = 0; b < blocks; b++) {
                 i16_masks(b + 1 == blocks ? tail : 0, &mask0, &mask1);
                 const int16_t *block = w + b * block_elems;
-                const int16_t *next =
-                    i == 0 ? (const int16_t *)((const char *)block + ahead_bytes) : NULL;
+                const int16_t *next = i == 0 ? i16_ahead(block) : NULL;
                 i16_tile_avx2_any(xq + i * k, xs + i * groups, k, groups, g0, g1, block,
                                   acc + i * stride + 16 * b, ws + 16 * b, y + i * n + 16 * b, n,
                                   mask0, mask1, next, rows);
