@@ -8,8 +8,8 @@
 #define I16_GROUP 64        /* columns a row scale covers, and an exact int32 sum */
 #define I16_ROW_MAX 4095.0f /* rows' integers; weights' are within +-8191 */
 #define I16_TASK_BLOCKS 3   /* blocks of 16 channels a task takes */
-#define I16_ROW_SPAN 256    /* rows a task's pass takes (their fp32 accumulators) */
-#define I16_CHUNK_GROUPS 4  /* groups a tile takes in one call (256 columns) */
+#define I16_ROW_SPAN 256    /* rows a task's pass takes (AVX2: their fp32 accumulators) */
+#define I16_CHUNK_GROUPS 4  /* AVX2: groups a tile takes in one call (256 columns) */
 
 #pragma GCC visibility push(hidden)
 
