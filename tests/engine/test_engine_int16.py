@@ -188,6 +188,9 @@ def test_a_cpu_without_bf16_units_prefills_and_decodes_in_int16_by_default(
     # /load's calibrations name the route too.
     (record,) = [c for c in runner.calibrations if c.name == "native_kernels"]
     assert record.figures == {f"int16_{code}": 1.0}
+    # The native row count is the CPU-feature rule's, named for the int16 decode products.
+    (rows_record,) = [c for c in runner.calibrations if c.name == "native_rows"]
+    assert rows_record.source == "rule" and rows_record.figures == {"int16_decode": 1.0}
     # A 40-row prefill chunk and an 8-row decode step: int16 products with the gate on, fp32
     # with it off (a prompt being scored); they differ by int16's rounding and no more.
     for rows, decode in ((40, False), (8, True)):

@@ -45,6 +45,9 @@ from slotserve.engine.settings import LinearBackend
 
 logger = logging.getLogger(__name__)
 
+# The dtype of decode products on the native kernels, where narrower than fp32.
+NarrowDecode = Literal["bf16", "int16"]
+
 
 @dataclass
 class LinearLayers:
@@ -64,7 +67,7 @@ def set_up_linears(
     calibration: CalibrationCache | None,
     native_step: bool = False,
     native_for_prefill: bool = False,
-    decode_bf16: bool = False,
+    narrow_decode: NarrowDecode | None = None,
 ) -> LinearLayers:
     """Replace ``model``'s linear layers as decided here (in place); see the module doc.
     ``native_step``: decode steps will run as one native call where the layers are native, so
@@ -72,9 +75,9 @@ def set_up_linears(
     ``native_for_prefill``: the layers become native even where aten wins every decode size
     (native up to 0 rows: each product is aten's F.linear, as the stock layer's), so that the
     native step, with its bf16 prefill products, exists for prefill chunks.
-    ``decode_bf16``: decode products will run on the native bf16 kernels (bf16_decode.py),
-    which beat aten's fp32 products structurally: native up to the CPU-feature rule's row
-    count, nothing measured."""
+    ``narrow_decode``: ``"bf16"`` or ``"int16"`` where decode products will run on the native
+    kernels in that dtype (bf16_decode.py, int16_products.py), which beat aten's fp32 products
+    structurally: native up to the CPU-feature rule's row count, nothing measured."""
     if quantization == "int8" or quantization == "int4":
         if native is None:
             raise UnsupportedSettingError(
@@ -97,12 +100,11 @@ def set_up_linears(
     if native is not None and linear_backend in ("auto", "native"):
         if linear_backend == "native":
             native_rows = num_slots
-        elif decode_bf16:
+        elif narrow_decode is not None:
             rule = native_rows_rule(native, num_slots, native_step)
             native_rows = int(rule.choice)
-            calibrations.append(
-                CalibrationRecord("native_rows", rule.choice, "rule", 0.0, {"bf16_decode": 1.0})
-            )
+            figures = {f"{narrow_decode}_decode": 1.0}
+            calibrations.append(CalibrationRecord("native_rows", rule.choice, "rule", 0.0, figures))
         else:
             margin = NATIVE_STEP_MARGIN if native_step else NATIVE_MARGIN
             native_rows, rows_record, question = choose_native_rows(

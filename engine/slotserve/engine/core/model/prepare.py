@@ -28,7 +28,7 @@ from slotserve.engine.core.model.bf16_prefill import (
 )
 from slotserve.engine.core.model.calibration import CalibrationCache, CalibrationRecord
 from slotserve.engine.core.model.int16_products import install_int16, plan_int16, wants_int16
-from slotserve.engine.core.model.linear_setup import set_up_linears
+from slotserve.engine.core.model.linear_setup import NarrowDecode, set_up_linears
 from slotserve.engine.core.model.native_decode import NativeDecodeStep, native_step, step_eligible
 from slotserve.engine.settings import DecodeDType, DecodeStep, LinearBackend, PrefillDType
 
@@ -123,6 +123,13 @@ def prepare_model(
         # One gate turns a step's narrow products on: the layers cannot hold both kinds apart.
         logger.info("bf16 products off: int16 (asked for) takes the layers' gate")
         decode_bf16 = False
+    # The decode products' narrow dtype, if any: int16's beat aten's fp32 ones structurally,
+    # as bf16's do.
+    narrow_decode: NarrowDecode | None = None
+    if decode_bf16:
+        narrow_decode = "bf16"
+    elif int16.decode and wants_int16("int16", [], kernels):
+        narrow_decode = "int16"
     eligible = step_eligible(model)
     native_step = native_decode and kernels is not None and eligible
     layers = set_up_linears(
@@ -136,8 +143,7 @@ def prepare_model(
         native_for_prefill=native_decode
         and eligible
         and (bool(int16) or wants_bf16_prefill(prefill_dtype, quantization, units)),
-        # int16 decode products beat aten's fp32 ones structurally, as bf16's do.
-        decode_bf16=decode_bf16 or (int16.decode and wants_int16("int16", [], kernels)),
+        narrow_decode=narrow_decode,
     )
     if int16:
         gate = install_int16(model, kernels, int16)
