@@ -8,9 +8,12 @@ import time
 
 import pytest
 
+from slotserve.engine.core import async_engine
 from slotserve.engine.core.async_engine import AsyncEngine
+from slotserve.engine.core.engine import LLMEngine
 from slotserve.engine.core.errors import EngineNotRunningError, InvalidRequestError, QueueFullError
 from slotserve.engine.core.params import SamplingParams
+from slotserve.engine.settings import EngineSettings
 from tests.engine.engine_core_support import build_sharp_tiny_model, make_engine
 
 
@@ -123,3 +126,61 @@ async def test_event_loop_stays_responsive_while_generating(engine):
             lags.append(time.perf_counter() - start - 0.005)
     assert len(lags) > 10
     assert sorted(lags)[len(lags) // 2] < 0.05  # the loop thread never blocks the event loop
+
+
+def _recording_engine(model_dir) -> AsyncEngine:
+    settings = EngineSettings(
+        model=str(model_dir), max_model_len=512, num_threads=1, max_batch_size=8, max_waiting=8
+    )
+    return AsyncEngine(LLMEngine.load(settings, record_steps=True))
+
+
+async def test_a_burst_sent_to_an_idle_engine_is_prefilled_in_one_step(model_dir, monkeypatch):
+    # The hold's bound raised, so that a loaded machine's slow tokenizing cannot end it: the
+    # first step waits for every prompt of the burst still being tokenized.
+    monkeypatch.setattr(async_engine, "GATHER_SECONDS", 30.0)
+    engine = _recording_engine(model_dir)
+    await engine.start()
+    try:
+
+        async def send(i: int):
+            ids = await engine.prompts.encode(f"request {i}: " + "tell me more " * 10)
+            return engine.add_request(f"r{i}", ids, greedy(4))
+
+        streams = await asyncio.wait_for(asyncio.gather(*(send(i) for i in range(6))), 60)
+        await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+        first = engine.engine.step_records[0]
+        assert sorted(first.slots.values()) == [f"r{i}" for i in range(6)]
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_lone_request_and_a_running_batch_are_never_held(model_dir, monkeypatch):
+    monkeypatch.setattr(async_engine, "GATHER_SECONDS", 30.0)
+    engine = _recording_engine(model_dir)
+    await engine.start()
+    try:
+        # Nothing else is being tokenized: the first step starts at once.
+        start = time.monotonic()
+        await asyncio.wait_for(collect(engine.add_request("lone", "hello there", greedy(2))), 20)
+        assert time.monotonic() - start < 10
+        # A batch decoding while a prompt is being tokenized keeps stepping.
+        running = engine.add_request("running", "tell me a long story", greedy(300))
+        first = await asyncio.wait_for(running.__anext__(), 20)
+        assert not first.finished
+        steps_before = len(engine.engine.step_records)
+        # The tokenizer's worker busy for a while (as with a long prompt): the next prompt is in
+        # flight meanwhile.
+        engine.prompts._pool().submit(time.sleep, 2.0)
+        task = asyncio.ensure_future(engine.prompts.encode("a short prompt"))
+        while engine.prompts.in_flight == 0 and not task.done():
+            await asyncio.sleep(0.001)
+        stepped = False
+        while engine.prompts.in_flight and not stepped:
+            stepped = len(engine.engine.step_records) >= steps_before + 3
+            await asyncio.sleep(0.005)
+        assert stepped, "the running batch stood still while a prompt was being tokenized"
+        assert await asyncio.wait_for(task, 60)
+        engine.abort("running")
+    finally:
+        await engine.shutdown()

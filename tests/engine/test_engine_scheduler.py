@@ -313,3 +313,23 @@ def test_scheduler_imports_no_torch():
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_only_an_idle_step_with_room_to_spare_may_gather():
+    scheduler = make_scheduler(slots=4, budget=100)
+    assert not scheduler.may_gather()  # nothing waiting: nothing to hold
+    scheduler.add(make_seq("a", 4, prompt_len=40))
+    assert scheduler.may_gather()  # idle, 40 of 100 tokens and 1 of 4 slots taken
+    scheduler.add(make_seq("b", 4, prompt_len=60))
+    assert not scheduler.may_gather()  # the waiting prompts fill the step's budget
+    run_step(scheduler)
+    scheduler.add(make_seq("c", 4, prompt_len=8))
+    assert not scheduler.may_gather()  # a running batch is never held
+    full = make_scheduler(slots=2, budget=100)
+    for name in ("d", "e"):
+        full.add(make_seq(name, 4, prompt_len=8))
+    assert not full.may_gather()  # every slot would be taken
+    for policy in ("static", "dynamic"):
+        other = make_scheduler(policy, slots=4, budget=100)
+        other.add(make_seq("f", 4, prompt_len=8))
+        assert not other.may_gather()  # they gather by their own rules

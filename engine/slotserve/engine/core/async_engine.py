@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from slotserve.engine.core.engine import LLMEngine
@@ -38,6 +39,13 @@ ENGINE_FAILURE = SequenceError(
 
 # Longest the loop thread sleeps while idle before re-checking its stop flag.
 IDLE_WAIT_SECONDS = 0.5
+
+# Longest an idle engine holds its first step for prompts still being tokenized, so that a burst
+# sent together is prefilled together. Without it, 8 ~170-token prompts sent at once to an idle
+# engine (a 2-core Zen 5) went 2 in a first step and 6 in a second: the 6 waited for the first
+# step and their first tokens came ~0.1 s later than one step of all of them gives (TTFT p50
+# 0.43-0.50 s). A lone prompt never waits (nothing else is in flight), nor does a running batch.
+GATHER_SECONDS = 0.02
 
 
 class RequestStream:
@@ -79,11 +87,14 @@ class AsyncEngine:
         self.max_model_len: int = engine.max_model_len
         self.num_slots: int = engine.kv_cache.num_slots
         self.limits = engine.limits
-        # Prompts are tokenized in a process of their own (see tokenize.py).
-        self.prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len)
         # Commands for the loop thread: a validated sequence to add, or a request id to abort.
         self._inbox: queue.SimpleQueue[Sequence | str] = queue.SimpleQueue()
         self._wake = threading.Event()
+        # Prompts are tokenized in a process of their own (see tokenize.py); each one done wakes
+        # a loop that gathers a burst.
+        self.prompts = PromptTokenizer(
+            engine.tokenizer, engine.max_model_len, on_settled=self._wake.set
+        )
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
@@ -189,6 +200,7 @@ class AsyncEngine:
                 self._stats = engine.stats()
                 self._wake.wait(min(delay, IDLE_WAIT_SECONDS))
                 continue
+            self._gather()
             try:
                 outputs = engine.step()
             except Exception as error:
@@ -197,6 +209,18 @@ class AsyncEngine:
             self._stats = engine.stats()
             if outputs:
                 self._deliver(outputs)
+
+    def _gather(self) -> None:
+        """Hold an idle engine's first step, up to GATHER_SECONDS, while prompts are still being
+        tokenized and the step has room for them (:meth:`LLMEngine.may_gather`)."""
+        deadline = time.monotonic() + GATHER_SECONDS
+        while self.prompts.in_flight and self.engine.may_gather() and not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.wait(left)
+            self._wake.clear()
+            self._drain_inbox()
 
     def _drain_inbox(self) -> None:
         while True:

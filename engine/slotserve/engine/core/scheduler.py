@@ -163,6 +163,19 @@ class Scheduler:
             return 0.0
         return max(0.0, self._gather_deadline() - now)
 
+    def may_gather(self) -> bool:
+        """Whether the next step starts an idle engine with room to spare: continuous
+        batching, nothing running, and the waiting prompts short of the step's token budget and
+        of the slots. Then a prompt still being tokenized is worth a short wait
+        (:class:`~slotserve.engine.core.async_engine.AsyncEngine`'s gather)."""
+        if self.config.policy != "continuous" or self.running or self._pending_aborts:
+            return False
+        tokens = sum(seq.num_tokens for seq in self.waiting)
+        return (
+            0 < len(self.waiting) < self.config.max_batch_size
+            and tokens < self.config.max_batched_tokens
+        )
+
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self, now: float) -> StepPlan:

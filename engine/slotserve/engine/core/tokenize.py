@@ -90,11 +90,20 @@ def longest_token_chars(tokenizer: Tokenizer) -> int:
 class PromptTokenizer:
     """Encodes prompts and renders chat templates in a worker process; see the module docstring."""
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        on_settled: Callable[[], None] | None = None,
+    ) -> None:
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_model_len * longest_token_chars(tokenizer)
         self._tokenizer_state = pickle.dumps(tokenizer)  # what each worker process starts from
         self._executor: ProcessPoolExecutor | None = None
+        # Prompts being tokenized now (read by the engine's loop thread), and what to call
+        # each time one is done, whatever its outcome.
+        self.in_flight = 0
+        self._on_settled = on_settled
 
     async def start(self) -> None:
         """Start the worker now rather than at the first prompt, and wait (bounded) until it
@@ -168,6 +177,7 @@ class PromptTokenizer:
         # A caller that goes away (client disconnect) leaves a running encode to finish: it is
         # bounded by max_prompt_chars, and the result is dropped.
         executor = self._pool()
+        self.in_flight += 1
         try:
             return await asyncio.wait_for(
                 asyncio.get_running_loop().run_in_executor(executor, fn, *args),
@@ -181,6 +191,10 @@ class PromptTokenizer:
             if self._executor is executor:
                 self._executor = None  # the next prompt starts a new worker
             raise TokenizerUnavailableError("the tokenizer process died; retry") from error
+        finally:
+            self.in_flight -= 1
+            if self._on_settled is not None:
+                self._on_settled()
 
 
 def _check_num_chars(
