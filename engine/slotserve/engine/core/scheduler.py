@@ -170,11 +170,9 @@ class Scheduler:
         (:class:`~slotserve.engine.core.async_engine.AsyncEngine`'s gather)."""
         if self.config.policy != "continuous" or self.running or self._pending_aborts:
             return False
-        tokens = sum(seq.num_tokens for seq in self.waiting)
-        return (
-            0 < len(self.waiting) < self.config.max_batch_size
-            and tokens < self.config.max_batched_tokens
-        )
+        if not 0 < len(self.waiting) < self.config.max_batch_size:
+            return False
+        return sum(seq.num_tokens for seq in self.waiting) < self.config.max_batched_tokens
 
     # -- one step ---------------------------------------------------------------------------
 
