@@ -184,3 +184,22 @@ async def test_a_lone_request_and_a_running_batch_are_never_held(model_dir, monk
         engine.abort("running")
     finally:
         await engine.shutdown()
+
+
+async def test_only_prompts_on_their_way_to_the_engine_are_in_flight(model_dir):
+    # /tokenize's prompts (for_engine=False) never make an idle engine wait.
+    engine = _recording_engine(model_dir)
+    await engine.start()
+    try:
+        engine.prompts._pool().submit(time.sleep, 1.0)  # the worker busy: both calls queue
+        counted = asyncio.ensure_future(engine.prompts.encode("for the engine"))
+        not_counted = asyncio.ensure_future(
+            engine.prompts.encode("for /tokenize", for_engine=False)
+        )
+        await asyncio.sleep(0.2)
+        assert not counted.done() and not not_counted.done()
+        assert engine.prompts.in_flight == 1
+        assert await asyncio.wait_for(counted, 30) and await asyncio.wait_for(not_counted, 30)
+        assert engine.prompts.in_flight == 0
+    finally:
+        await engine.shutdown()

@@ -133,12 +133,18 @@ class PromptTokenizer:
         _check_num_tokens(num_tokens, self.max_model_len, param)
 
     async def encode(
-        self, text: str, *, param: str = "prompt", add_special_tokens: bool = True
+        self,
+        text: str,
+        *,
+        param: str = "prompt",
+        add_special_tokens: bool = True,
+        for_engine: bool = True,
     ) -> list[int]:
         """A completion prompt's ids, with the tokenizer's special tokens (BOS and the like)
-        unless ``add_special_tokens`` is False."""
+        unless ``add_special_tokens`` is False. ``for_engine``: the ids go on to the engine
+        (counted in :attr:`in_flight` meanwhile; ``/tokenize`` passes False)."""
         self.check_num_chars(len(text), param)
-        return await self._run(_encode, text, add_special_tokens, param)
+        return await self._run(_encode, text, add_special_tokens, param, counted=for_engine)
 
     async def encode_chat(
         self,
@@ -146,9 +152,10 @@ class PromptTokenizer:
         tools: list[dict[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
+        for_engine: bool = True,
     ) -> list[int]:
         """The ids of a conversation (and its tools) rendered by the model's chat template,
-        ready to answer."""
+        ready to answer (``for_engine``: as :meth:`encode`'s)."""
         if len(messages) > self.max_model_len:
             raise PromptTooLongError(
                 f"the conversation has {len(messages)} messages; no more than "
@@ -158,7 +165,12 @@ class PromptTokenizer:
         # The template adds to the messages' text, never takes from it: a cheap first bound.
         self.check_num_chars(sum(len(m.get("content") or "") for m in messages), "messages")
         return await self._run(
-            _encode_chat, messages, self.max_prompt_chars, tools, add_generation_prompt
+            _encode_chat,
+            messages,
+            self.max_prompt_chars,
+            tools,
+            add_generation_prompt,
+            counted=for_engine,
         )
 
     def _pool(self) -> ProcessPoolExecutor:
@@ -173,11 +185,12 @@ class PromptTokenizer:
             )
         return self._executor
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(self, fn: Callable[..., T], *args: Any, counted: bool = True) -> T:
         # A caller that goes away (client disconnect) leaves a running encode to finish: it is
         # bounded by max_prompt_chars, and the result is dropped.
         executor = self._pool()
-        self.in_flight += 1
+        counted_in = 1 if counted else 0
+        self.in_flight += counted_in
         try:
             return await asyncio.wait_for(
                 asyncio.get_running_loop().run_in_executor(executor, fn, *args),
@@ -192,8 +205,8 @@ class PromptTokenizer:
                 self._executor = None  # the next prompt starts a new worker
             raise TokenizerUnavailableError("the tokenizer process died; retry") from error
         finally:
-            self.in_flight -= 1
-            if self._on_settled is not None:
+            self.in_flight -= counted_in
+            if counted and self._on_settled is not None:
                 self._on_settled()
 
 

@@ -80,13 +80,19 @@ async def tokenize(request: web.Request) -> web.Response:
     try:
         if body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            tokens = await engine.prompts.encode(body.prompt, add_special_tokens=add_special)
+            # Not on their way to the engine: an idle engine does not wait for them.
+            tokens = await engine.prompts.encode(
+                body.prompt, add_special_tokens=add_special, for_engine=False
+            )
         else:
             assert body.messages is not None
             messages = [message.template_message() for message in body.messages]
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
             tokens = await engine.prompts.encode_chat(
-                messages, tools, add_generation_prompt=body.add_generation_prompt
+                messages,
+                tools,
+                add_generation_prompt=body.add_generation_prompt,
+                for_engine=False,
             )
     except InvalidRequestError as error:
         raise _invalid(error, state) from error
