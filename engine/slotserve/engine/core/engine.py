@@ -189,8 +189,8 @@ class LLMEngine:
         return self._in_flight or self.scheduler.has_unfinished()
 
     def may_gather(self) -> bool:
-        """See :meth:`Scheduler.may_gather`."""
-        return self.scheduler.may_gather()
+        """See :meth:`Scheduler.may_gather`; never while an overlapped step is in flight."""
+        return not self._in_flight and self.scheduler.may_gather()
 
     def next_step_delay(self) -> float:
         return 0.0 if self._in_flight else self.scheduler.next_step_delay(self.clock())

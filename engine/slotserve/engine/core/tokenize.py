@@ -189,8 +189,7 @@ class PromptTokenizer:
         # A caller that goes away (client disconnect) leaves a running encode to finish: it is
         # bounded by max_prompt_chars, and the result is dropped.
         executor = self._pool()
-        counted_in = 1 if counted else 0
-        self.in_flight += counted_in
+        self.in_flight += counted
         try:
             return await asyncio.wait_for(
                 asyncio.get_running_loop().run_in_executor(executor, fn, *args),
@@ -205,7 +204,7 @@ class PromptTokenizer:
                 self._executor = None  # the next prompt starts a new worker
             raise TokenizerUnavailableError("the tokenizer process died; retry") from error
         finally:
-            self.in_flight -= counted_in
+            self.in_flight -= counted
             if counted and self._on_settled is not None:
                 self._on_settled()
 
