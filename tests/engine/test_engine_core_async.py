@@ -128,16 +128,6 @@ async def test_event_loop_stays_responsive_while_generating(engine):
     assert sorted(lags)[len(lags) // 2] < 0.05  # the loop thread never blocks the event loop
 
 
-def _tokenize_flood(engine: AsyncEngine, prompts: int = 40) -> asyncio.Future:
-    """The tokenizer's worker kept busy with real work, as a client flooding /tokenize with
-    prompts at the characters bound does (each is tokenized, then refused as too long): what is
-    sent after them waits in flight meanwhile."""
-    chars = engine.prompts.max_prompt_chars
-    text = " ".join(f"w{i}" for i in range(chars))[:chars]
-    encodes = [engine.prompts.encode(text, for_engine=False) for _ in range(prompts)]
-    return asyncio.gather(*encodes, return_exceptions=True)
-
-
 def _recording_engine(model_dir) -> AsyncEngine:
     settings = EngineSettings(
         model=str(model_dir), max_model_len=512, num_threads=1, max_batch_size=8, max_waiting=8
@@ -179,7 +169,9 @@ async def test_a_lone_request_and_a_running_batch_are_never_held(model_dir, monk
         first = await asyncio.wait_for(running.__anext__(), 20)
         assert not first.finished
         steps_before = len(engine.engine.step_records)
-        flood = _tokenize_flood(engine)
+        # The tokenizer's worker busy for a while (as with a long prompt): the next prompt is in
+        # flight meanwhile.
+        engine.prompts._pool().submit(time.sleep, 2.0)
         task = asyncio.ensure_future(engine.prompts.encode("a short prompt"))
         while engine.prompts.in_flight == 0 and not task.done():
             await asyncio.sleep(0.001)
@@ -189,7 +181,6 @@ async def test_a_lone_request_and_a_running_batch_are_never_held(model_dir, monk
             await asyncio.sleep(0.005)
         assert stepped, "the running batch stood still while a prompt was being tokenized"
         assert await asyncio.wait_for(task, 60)
-        await asyncio.wait_for(flood, 60)
         engine.abort("running")
     finally:
         await engine.shutdown()
@@ -200,13 +191,15 @@ async def test_only_prompts_on_their_way_to_the_engine_are_in_flight(model_dir):
     engine = _recording_engine(model_dir)
     await engine.start()
     try:
-        flood = _tokenize_flood(engine)  # 40 prompts for /tokenize, queued in the worker
+        engine.prompts._pool().submit(time.sleep, 1.0)  # the worker busy: both calls queue
         counted = asyncio.ensure_future(engine.prompts.encode("for the engine"))
-        await asyncio.sleep(0.05)
-        assert not counted.done()
-        assert engine.prompts.in_flight == 1  # the flood's prompts are not counted
-        assert await asyncio.wait_for(counted, 60)
-        await asyncio.wait_for(flood, 60)
+        not_counted = asyncio.ensure_future(
+            engine.prompts.encode("for /tokenize", for_engine=False)
+        )
+        await asyncio.sleep(0.2)
+        assert not counted.done() and not not_counted.done()
+        assert engine.prompts.in_flight == 1
+        assert await asyncio.wait_for(counted, 30) and await asyncio.wait_for(not_counted, 30)
         assert engine.prompts.in_flight == 0
     finally:
         await engine.shutdown()
